@@ -1,0 +1,93 @@
+"""Plugin for timm's VisionTransformer family: vit_*, deit_*, register tokens, SigLIP-in-timm.
+
+The whole forward is captured per (batch, image size): patch embedding, position embedding
+(interpolated for models built with ``dynamic_img_size=True``), blocks, norm, pooling and head.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from layergraph import Adapter, AdapterMismatch, CapturePlan, WholeForward, hookimpl
+from layergraph.keys import CallInputs
+
+
+class ImageTokens(NamedTuple):
+    """The sequence of a ViT key: tokens per image, and the image size that gives them."""
+
+    tokens: int
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens ({self.height}x{self.width})"
+
+
+class TimmVisionTransformerAdapter(Adapter):
+    """Graphs the whole forward of a ``timm.models.vision_transformer.VisionTransformer``."""
+
+    name = "timm"
+
+    def recognizes(self, model: nn.Module) -> bool:
+        if "timm" not in sys.modules:
+            return False
+        from timm.models.vision_transformer import VisionTransformer
+
+        return isinstance(model, VisionTransformer)
+
+    def plan(self, model: nn.Module) -> CapturePlan:
+        try:
+            from timm.models.vision_transformer import VisionTransformer
+        except ImportError as error:
+            raise ImportError(
+                "the timm adapter needs timm: pip install 'layergraph[timm]'"
+            ) from error
+        if not isinstance(model, VisionTransformer):
+            raise AdapterMismatch(
+                f"the timm adapter serves timm VisionTransformer models (vit_*, deit_*, ...); "
+                f"got {type(model).__module__}.{type(model).__name__}"
+            )
+        return _TimmViTPlan(model)
+
+
+class _TimmViTPlan(WholeForward):
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        _, height, width = call.tensors[0].shape[1:]
+        grid_h, grid_w = self.owner.patch_embed.dynamic_feat_size((height, width))
+        return ImageTokens(grid_h * grid_w + self.owner.num_prefix_tokens, height, width)
+
+    def check_inputs(self, call: CallInputs) -> None:
+        if len(call.tensors) != 1:
+            raise ValueError(f"expected one image tensor, got {len(call.tensors)} tensors")
+        images = call.tensors[0]
+        if images.dim() != 4:
+            raise ValueError(
+                f"expected images of shape [batch, channels, height, width], got "
+                f"{tuple(images.shape)}"
+            )
+        patch_embed = self.owner.patch_embed
+        channels = patch_embed.proj.in_channels
+        _, got_channels, height, width = images.shape
+        if got_channels != channels:
+            raise ValueError(f"expected {channels} channels, got {got_channels}")
+        fixed = patch_embed.img_size
+        if fixed is not None and not self.owner.dynamic_img_size and (height, width) != fixed:
+            raise ValueError(
+                f"image size {height}x{width} differs from the model's {fixed[0]}x{fixed[1]}; "
+                f"build the model with dynamic_img_size=True to take other sizes"
+            )
+        patch_h, patch_w = patch_embed.patch_size
+        if not patch_embed.dynamic_img_pad and (height % patch_h or width % patch_w):
+            raise ValueError(
+                f"image size {height}x{width} is not a multiple of the patch size "
+                f"{patch_h}x{patch_w}"
+            )
+
+
+@hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(TimmVisionTransformerAdapter)

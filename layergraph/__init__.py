@@ -1,0 +1,37 @@
+"""layergraph: capture a vision encoder's layer stack into CUDA graphs and replay them.
+
+graphed = layergraph.wrap(model, adapter="timm")
+out = graphed(pixel_values)  # same outputs as model(pixel_values), replayed from a graph
+"""
+
+from .adapter import Adapter, AdapterMismatch, CapturePlan, WholeForward
+from .hookspecs import hookimpl
+from .keys import ShapeKey
+from .module import GraphedModule, unwrap, wrap
+from .plugins import AdapterInfo, UnknownAdapterError, list_adapters
+from .runner import DEFAULT_BATCH_SIZES, RunnerOptions
+from .sequential import SequentialAdapter
+from .stats import GraphStats
+from .validation import GraphMismatchError
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "Adapter",
+    "AdapterInfo",
+    "AdapterMismatch",
+    "CapturePlan",
+    "GraphMismatchError",
+    "GraphStats",
+    "GraphedModule",
+    "RunnerOptions",
+    "SequentialAdapter",
+    "ShapeKey",
+    "UnknownAdapterError",
+    "WholeForward",
+    "hookimpl",
+    "list_adapters",
+    "unwrap",
+    "wrap",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,114 @@
+"""Adapters and capture plans: the model knowledge the runner asks for.
+
+An :class:`Adapter` is registered under a name and turns a model into a :class:`CapturePlan`.
+A plan describes one region of that model: the computation graphs replace, the module whose
+parameters and mode decide whether a graph may serve, what fixes a graph besides the batch
+size, which inputs the model cannot take, and how calls reach the region. The runner knows
+only plans, never models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, ClassVar
+
+from torch import nn
+
+from .keys import CallInputs
+
+__all__ = ["Adapter", "AdapterMismatch", "CapturePlan", "WholeForward"]
+
+
+class AdapterMismatch(TypeError):
+    """An adapter was given a model it does not serve."""
+
+
+class CapturePlan:
+    """One region of one model that CUDA graphs replace.
+
+    Subclasses set :attr:`owner` and implement :meth:`region`; the other methods have defaults
+    that suit a region whose inputs are plain batched tensors. A plan does not capture, pad or
+    keep statistics: the runner does, through the plan's answers.
+    """
+
+    owner: nn.Module
+    """The module whose parameters, ``training`` flag, device and dtype the runner checks."""
+
+    serves_forward: ClassVar[bool] = False
+    """True when the region *is* the wrapped model's forward: the wrapper then calls the runner
+    directly. False when the region sits inside the model: the wrapper calls the model, and
+    :meth:`attach` has routed the region's calls to the runner."""
+
+    batch_independent: ClassVar[bool] = True
+    """Whether each row of the batch is computed independently of the others, so that a batch
+    may be padded with zero rows or split into chunks. False: only exact batch sizes replay."""
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        """Compute the region eagerly. This is what is captured, and what eager calls run."""
+        raise NotImplementedError
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        """What fixes the graph besides the batch size; shown in keys and statistics.
+
+        The default is the per-sample shape and dtype of every tensor argument.
+        """
+        specs = call.sample_specs
+        return specs[0] if len(specs) == 1 else specs
+
+    def check_inputs(self, call: CallInputs) -> None:
+        """Raise ``ValueError`` naming the problem if the model cannot take these inputs.
+
+        Called before anything is captured, so a bad input leaves nothing behind.
+        """
+
+    def attach(self, serve: Callable[..., Any]) -> None:
+        """Route the region's calls inside the model to ``serve``; a no-op for whole forwards."""
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`, leaving the model as it was before."""
+
+    @contextlib.contextmanager
+    def forward_scope(self) -> Iterator[None]:
+        """Context the wrapper enters around each forward call; routing may depend on it."""
+        yield
+
+
+class WholeForward(CapturePlan):
+    """The model's whole forward is the region: patch embedding, layers, norm and head.
+
+    Suits models whose forward is static for a given input shape (no data-dependent control
+    flow, no host synchronisation), such as timm's ViTs or an ``nn.Sequential``.
+    """
+
+    serves_forward = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.owner = model
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        return self.owner(*args, **kwargs)
+
+
+class Adapter:
+    """Model knowledge for one family of models, registered under :attr:`name`.
+
+    Subclass it and implement :meth:`plan`; register the class (or an instance) through the
+    ``register_adapters`` hook, or pass an instance straight to :func:`layergraph.wrap`.
+    Keyword options given to ``wrap`` that the runner does not take go to the adapter's
+    constructor.
+    """
+
+    name: ClassVar[str] = ""
+    """The name users pass as ``wrap(model, adapter=name)``."""
+
+    def recognizes(self, model: nn.Module) -> bool:
+        """Whether this adapter serves ``model``. Must not import frameworks the user did not."""
+        return False
+
+    def plan(self, model: nn.Module) -> CapturePlan:
+        """The region of ``model`` to capture; raise :class:`AdapterMismatch` for other models."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} adapter {self.name!r}>"

@@ -1,0 +1,105 @@
+"""The ``layergraph`` command: ``layergraph adapters`` and ``layergraph demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_DTYPES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="layergraph", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("adapters", help="list the adapters and any plugin that failed to load")
+    demo = commands.add_parser("demo", help="graph a timm ViT with random weights and time it")
+    demo.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
+    demo.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="comma-separated batch sizes to check and time (default: 1,3,8,32 on a GPU, 1,3 "
+        "on the CPU; 3 is padded to the captured 4)",
+    )
+    demo.add_argument("--dtype", default="float16", choices=sorted(_DTYPES))
+    demo.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
+    demo.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    try:
+        from rich.console import Console
+    except ImportError:
+        print("the layergraph command needs rich: pip install 'layergraph[cli]'", file=sys.stderr)
+        return 2
+    console = Console()
+    if args.command == "adapters":
+        return _adapters(console)
+    return _demo(console, args)
+
+
+def _adapters(console: object) -> int:
+    from rich.table import Table
+
+    from .plugins import list_adapters
+
+    table = Table("adapter", "distribution", "version", "status")
+    for info in list_adapters():
+        status = "[green]ok[/]" if info.ok else f"[red]{info.error}[/]"
+        table.add_row(info.name, info.distribution, info.version, status)
+    console.print(table)
+    return 0
+
+
+def _demo(console: object, args: argparse.Namespace) -> int:
+    import torch
+    from rich.table import Table
+
+    from .demo import run_demo
+
+    cuda = torch.cuda.is_available()
+    if args.batch_sizes:
+        sizes = [int(part) for part in args.batch_sizes.split(",")]
+    else:
+        sizes = [1, 3, 8, 32] if cuda else [1, 3]
+    iters = args.iters or (200 if cuda else 5)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    results = run_demo(args.model, sizes, dtype, iters, console)
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    table = Table(
+        "batch",
+        "graph vs eager (rel. error)",
+        "eager ms",
+        "layergraph ms",
+        "speedup",
+        "hand-written graph ms",
+        title=f"{args.model} on {device}, median of {iters} calls",
+    )
+    for result in results:
+        table.add_row(
+            str(result.batch),
+            f"{result.relative_error:.2e}",
+            f"{result.eager_ms:.3f}",
+            f"{result.graphed_ms:.3f}",
+            f"{result.speedup:.2f}x",
+            "-" if result.plain_graph_ms is None else f"{result.plain_graph_ms:.3f}",
+        )
+    console.print(table)
+    if args.json:
+        record = {
+            "model": args.model,
+            "device": device,
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "iters": iters,
+            "results": [result.as_dict() for result in results],
+        }
+        with open(args.json, "w") as handle:
+            json.dump(record, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The demo: a timm ViT with random weights, graphed, checked against eager, and timed.
+
+Nothing is downloaded: the model is built from timm's config for its name. Without a GPU the
+demo says so, runs the eager path through the wrapper, and shows why the calls ran eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .module import wrap
+from .reference import plain_graph
+from .runner import DEFAULT_BATCH_SIZES
+from .timing import median_ms
+from .validation import DEFAULT_TOLERANCE, relative_error
+
+__all__ = ["DemoResult", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """One batch size's check and timings (milliseconds, medians)."""
+
+    batch: int
+    relative_error: float
+    eager_ms: float
+    graphed_ms: float
+    plain_graph_ms: float | None
+
+    @property
+    def speedup(self) -> float:
+        """Eager latency over graphed latency."""
+        return self.eager_ms / self.graphed_ms
+
+    @property
+    def versus_plain_graph(self) -> float | None:
+        """layergraph latency over the hand-written graph's (1.0: as fast)."""
+        return None if self.plain_graph_ms is None else self.graphed_ms / self.plain_graph_ms
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            **asdict(self),
+            "speedup": self.speedup,
+            "versus_plain_graph": self.versus_plain_graph,
+        }
+
+
+def run_demo(
+    model_name: str,
+    batch_sizes: Sequence[int],
+    dtype: torch.dtype,
+    iters: int,
+    console: object,
+) -> list[DemoResult]:
+    """Build, wrap, capture, check and time ``model_name``; print progress on ``console``."""
+    import timm
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        console.print(
+            "[yellow]No CUDA GPU here: CUDA graphs need one. The wrapper runs the eager path on "
+            "the CPU, so both columns time the same computation.[/]"
+        )
+        dtype = torch.float32
+    console.print(f"building {model_name} from its config (random weights, no download)")
+    model = timm.create_model(model_name, pretrained=False).to(device, dtype).eval()
+    config = model.pretrained_cfg
+    image_shape = tuple(config.get("input_size", (3, 224, 224)))
+    graphed = wrap(model, adapter="timm", batch_sizes=DEFAULT_BATCH_SIZES)
+
+    def images(batch: int) -> torch.Tensor:
+        return torch.randn((batch, *image_shape), device=device, dtype=dtype)
+
+    results = []
+    with torch.inference_mode():
+        if cuda:
+            keys = graphed.capture(images(1), progress=False)
+            stats = graphed.stats
+            console.print(
+                f"captured {len(keys)} graphs in {stats.capture_seconds:.2f} s, "
+                f"pool {stats.pool_bytes / 2**20:.0f} MiB"
+            )
+        tolerance = DEFAULT_TOLERANCE[dtype]
+        for batch in batch_sizes:
+            x = images(batch)
+            error = relative_error(graphed(x), model(x))
+            if not error <= tolerance:
+                raise RuntimeError(
+                    f"batch {batch}: graph differs from eager (relative error {error:.3g} > "
+                    f"{tolerance:.3g})"
+                )
+            eager = median_ms(lambda x=x: model(x), device=device, iters=iters)
+            fast = median_ms(lambda x=x: graphed(x), device=device, iters=iters)
+            plain = None
+            if cuda:
+                by_hand = plain_graph(model, x)
+                plain = median_ms(lambda x=x, run=by_hand: run(x), device=device, iters=iters)
+                del by_hand
+            results.append(DemoResult(batch, error, eager, fast, plain))
+    console.print(str(graphed.stats))
+    return results

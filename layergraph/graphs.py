@@ -1,0 +1,85 @@
+"""The seam between the runner and CUDA: capture, replay and pool accounting.
+
+The runner decides *what* to capture and *when*; a graph backend does the CUDA calls. Keeping
+the CUDA calls behind this small protocol lets the runner's logic (keys, padding, statistics,
+eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["CudaGraphs", "GraphBackend"]
+
+
+class GraphBackend(Protocol):
+    """What the runner needs from a graph implementation."""
+
+    device_type: str
+    """The device type whose tensors this backend captures (``"cuda"``)."""
+
+    def unavailable_reason(self) -> str | None:
+        """Why no graph can be captured in this process, or ``None`` if graphs work."""
+
+    def is_capturing(self) -> bool:
+        """Whether the current stream is already being captured (by someone else's graph)."""
+
+    def new_pool(self) -> Any:
+        """A fresh memory pool that all graphs of one wrapped model share."""
+
+    def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        """Run ``fn`` eagerly ``warmup_runs`` times, then capture it; return (graph, output)."""
+
+    def replay(self, graph: Any) -> None:
+        """Launch ``graph`` on the caller's current stream."""
+
+    def pool_bytes(self, pool: Any) -> int:
+        """Bytes the device allocator has reserved for ``pool``."""
+
+
+class CudaGraphs:
+    """Graph backend on ``torch.cuda.CUDAGraph``.
+
+    Warm-up runs on a side stream (so lazy initialisation inside the model, such as cuBLAS
+    workspaces, happens outside the capture), capture runs on PyTorch's default capture stream
+    with the shared pool, and replay is launched on whichever stream is current for the caller.
+    """
+
+    device_type = "cuda"
+
+    def unavailable_reason(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        return None
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup_runs):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn()
+        return graph, output
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def pool_bytes(self, pool: Any) -> int:
+        pool_id = tuple(pool)
+        return sum(
+            segment["total_size"]
+            for segment in torch.cuda.memory_snapshot()
+            if tuple(segment.get("segment_pool_id", ())) == pool_id
+        )

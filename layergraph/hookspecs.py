@@ -1,0 +1,42 @@
+"""The hooks a layergraph plugin may implement.
+
+A plugin is a module or object exposed through the entry-point group ``layergraph``::
+
+    [project.entry-points.layergraph]
+    mymodels = "mymodels_layergraph"
+
+whose functions are marked with :data:`hookimpl`. Hooks are called with keyword arguments
+only, so an implementation may accept a subset of a hook's parameters, in any order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .adapter import Adapter
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec", "register_adapters"]
+
+PROJECT_NAME = "layergraph"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_adapters(register: Callable[[type[Adapter] | Callable[..., Adapter]], Any]) -> None:
+    """Register this plugin's adapters.
+
+    Call ``register(factory)`` once per adapter, where ``factory`` is an
+    :class:`~layergraph.Adapter` subclass (or any callable returning an adapter) with a class
+    attribute ``name``. ``wrap(model, adapter=name, **options)`` calls ``factory(**options)``
+    with the options the runner does not take.
+
+    Called once for every plugin, each on its own, the first time adapters are looked up; the
+    return value is ignored. If it raises, that plugin's adapters are marked broken with the
+    error and the other plugins' adapters stay available.
+    """

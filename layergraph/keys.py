@@ -1,0 +1,171 @@
+"""Shape keys, call signatures and batch buckets: which graph serves a call.
+
+A graph replays one fixed computation on buffers of one fixed shape. This module turns a call's
+arguments into the parts that decide which graph may serve it, and chooses the captured batch
+size a smaller batch is padded up to. It holds no tensors beyond the call it inspects and knows
+nothing of CUDA, so all of it runs and is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["BatchBuckets", "CallInputs", "ShapeKey", "UnsupportedCall"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeKey:
+    """The key of one graph: the batch size it was captured for and the sequence it holds.
+
+    ``sequence`` is whatever the adapter says fixes the graph besides the batch size: a token
+    count, an image size, a tuple of per-sample shapes. Two calls with equal keys (and equal
+    argument signatures) replay the same graph.
+    """
+
+    batch: int
+    sequence: Hashable
+
+    def __str__(self) -> str:
+        return f"(batch={self.batch}, sequence={self.sequence})"
+
+
+class UnsupportedCall(Exception):
+    """A call whose arguments a graph cannot take; the message is the reason it runs eagerly."""
+
+
+_TENSOR = object()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Everything about a batched tensor argument that a graph fixes, except the batch size."""
+
+    sample_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __repr__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.sample_shape)}"
+
+
+class CallInputs:
+    """A call's arguments, split into batched tensors and the fixed rest.
+
+    Tensors may appear as top-level positional or keyword arguments; each is batched along its
+    first dimension, and all must agree on the batch size. Every other argument must be
+    hashable: it becomes part of the signature, so a call with another value gets another
+    graph. Tensors nested inside lists or dicts are not supported (the call runs eagerly).
+    """
+
+    __slots__ = ("_kwarg_names", "_template", "batch", "signature", "tensors")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._kwarg_names = tuple(kwargs)
+        values = (*args, *kwargs.values())
+        tensors: list[torch.Tensor] = []
+        template: list[Any] = []
+        parts: list[Any] = []
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                if value.dim() == 0:
+                    raise UnsupportedCall("a tensor argument has no batch dimension")
+                tensors.append(value)
+                template.append(_TENSOR)
+                parts.append(TensorSpec(tuple(value.shape[1:]), value.dtype))
+            else:
+                if isinstance(value, (list, tuple, dict)) and _holds_tensor(value):
+                    raise UnsupportedCall("tensors nested inside a list, tuple or dict")
+                try:
+                    hash(value)
+                except TypeError:
+                    raise UnsupportedCall(
+                        f"argument of type {type(value).__name__} is not hashable"
+                    ) from None
+                template.append(value)
+                parts.append(value)
+        if not tensors:
+            raise UnsupportedCall("the call has no tensor argument")
+        batch = tensors[0].shape[0]
+        if any(t.shape[0] != batch for t in tensors):
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise UnsupportedCall(f"tensor arguments disagree on the batch size: {shapes}")
+        self.batch: int = batch
+        self.tensors: tuple[torch.Tensor, ...] = tuple(tensors)
+        self._template = template
+        self.signature: Hashable = (len(args), self._kwarg_names, tuple(parts))
+
+    @property
+    def sample_specs(self) -> tuple[TensorSpec, ...]:
+        """The per-sample shape and dtype of each batched tensor, in argument order."""
+        return tuple(p for p in self.signature[2] if isinstance(p, TensorSpec))
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's ``(args, kwargs)`` with its tensors replaced by ``tensors``, in order."""
+        replacements = iter(tensors)
+        values = [next(replacements) if v is _TENSOR else v for v in self._template]
+        n_args = len(values) - len(self._kwarg_names)
+        return tuple(values[:n_args]), dict(zip(self._kwarg_names, values[n_args:]))
+
+    def sliced(self, start: int, stop: int) -> CallInputs:
+        """The same call on rows ``start:stop`` of every batched tensor."""
+        args, kwargs = self.rebuild([t[start:stop] for t in self.tensors])
+        return CallInputs(args, kwargs)
+
+
+def _holds_tensor(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value
+    return any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and _holds_tensor(v))
+        for v in items
+    )
+
+
+class BatchBuckets:
+    """The batch sizes graphs are captured for, and the one a batch is padded up to.
+
+    With sizes given, a batch of ``b`` rows is served by the graph of the smallest size
+    ``>= b``; a batch larger than every size is split into chunks of the largest. With
+    ``sizes=None`` every batch size is its own bucket (exact shapes, no padding).
+    """
+
+    def __init__(self, sizes: Iterable[int] | None) -> None:
+        if sizes is None:
+            self.sizes: tuple[int, ...] | None = None
+            return
+        sizes = tuple(sizes)
+        bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+        if bad or not sizes:
+            raise ValueError(
+                f"batch_sizes must be positive integers, got {list(sizes)!r}"
+                if bad
+                else "batch_sizes must not be empty; pass None to capture exact batch sizes"
+            )
+        self.sizes = tuple(sorted(set(sizes)))
+
+    @property
+    def exact(self) -> bool:
+        """Whether every batch size gets a graph of its own."""
+        return self.sizes is None
+
+    @property
+    def largest(self) -> int | None:
+        """The largest bucket, or ``None`` in exact mode."""
+        return None if self.sizes is None else self.sizes[-1]
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The batch size whose graph serves ``batch`` rows, or ``None`` if it must be split."""
+        if batch < 1:
+            raise ValueError(f"batch size must be at least 1, got {batch}")
+        if self.sizes is None:
+            return batch
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def chunks(self, batch: int) -> list[tuple[int, int]]:
+        """Row ranges ``(start, stop)`` that split ``batch`` into pieces of the largest bucket."""
+        step = self.largest or batch
+        return [(start, min(start + step, batch)) for start in range(0, batch, step)]

@@ -1,0 +1,163 @@
+"""``wrap`` and the module it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from .adapter import Adapter, CapturePlan
+from .graphs import CudaGraphs, GraphBackend
+from .keys import ShapeKey
+from .plugins import get_registry
+from .runner import DEFAULT_BATCH_SIZES, GraphRunner, RunnerOptions
+from .stats import GraphStats
+
+__all__ = ["GraphedModule", "unwrap", "wrap"]
+
+
+def wrap(
+    model: nn.Module,
+    adapter: str | Adapter,
+    *,
+    batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
+    lazy: bool = True,
+    max_graphs: int = 32,
+    static_output: bool = False,
+    validate: bool = False,
+    tolerance: float | None = None,
+    warmup_runs: int = 2,
+    backend: GraphBackend | None = None,
+    **adapter_options: Any,
+) -> GraphedModule:
+    """Wrap ``model`` so that its calls replay CUDA graphs, one per shape key.
+
+    ``adapter`` is the name of a registered adapter (see :func:`layergraph.list_adapters`) or
+    an :class:`~layergraph.Adapter` instance. Keyword options not listed here go to the named
+    adapter's constructor (for example ``stack="encoder.layers"`` for ``"sequential"``). The
+    runner options are described in :class:`~layergraph.runner.RunnerOptions`; ``backend``
+    replaces the CUDA graph backend (tests use :class:`layergraph.testing.SimulatedGraphs`).
+
+    The model itself is not copied. A region inside it may be routed to the graphs while
+    wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
+    """
+    if isinstance(model, GraphedModule):
+        raise TypeError("this model is already wrapped; unwrap() it first")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap() needs an nn.Module, got {type(model).__name__}")
+    if isinstance(adapter, str):
+        adapter_object = get_registry().create(adapter, adapter_options)
+    elif isinstance(adapter, Adapter):
+        if adapter_options:
+            raise TypeError(
+                f"unknown option(s) {', '.join(map(repr, adapter_options))}: options for an "
+                f"adapter object go to its constructor"
+            )
+        adapter_object = adapter
+    else:
+        raise TypeError(
+            f"adapter must be a registered adapter's name or an Adapter instance, "
+            f"got {type(adapter).__name__}"
+        )
+    options = RunnerOptions(
+        batch_sizes=batch_sizes,
+        lazy=lazy,
+        max_graphs=max_graphs,
+        static_output=static_output,
+        validate=validate,
+        tolerance=tolerance,
+        warmup_runs=warmup_runs,
+    )
+    plan = adapter_object.plan(model)
+    runner = GraphRunner(plan, options, backend if backend is not None else CudaGraphs())
+    return GraphedModule(model, adapter_object, plan, runner)
+
+
+def unwrap(graphed: GraphedModule) -> nn.Module:
+    """Release ``graphed``'s graphs and return the original model, as it was before wrapping."""
+    return graphed.unwrap()
+
+
+class GraphedModule(nn.Module):
+    """A model whose forward replays CUDA graphs where it can and runs eagerly where it cannot.
+
+    Calls take the model's arguments and return what the model returns. Attributes the wrapper
+    does not define (``num_classes``, other methods) are looked up on the model; only
+    ``forward`` goes through the graphs. The model is a submodule named ``module``, so
+    ``state_dict`` keys gain a ``module.`` prefix; save ``graphed.module`` to avoid it.
+    """
+
+    def __init__(
+        self, model: nn.Module, adapter: Adapter, plan: CapturePlan, runner: GraphRunner
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.adapter = adapter
+        self._plan = plan
+        self._runner = runner
+        plan.attach(runner)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._plan.forward_scope():
+            if self._plan.serves_forward:
+                return self._runner(*args, **kwargs)
+            return self.module(*args, **kwargs)
+
+    def capture(
+        self,
+        *args: Any,
+        batch_sizes: Sequence[int] | None = None,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> list[ShapeKey]:
+        """Capture graphs now for an example call, one per batch size, largest first.
+
+        ``batch_sizes`` defaults to the wrapper's ``batch_sizes``. The example's rows are
+        repeated to fill each size; its other dimensions fix the sequence. Shows a progress bar
+        when rich is installed and ``progress`` is true. Returns the keys captured.
+        """
+        if self._plan.serves_forward:
+            return self._runner.capture(*args, batch_sizes=batch_sizes, progress=progress, **kwargs)
+        keys: list[ShapeKey] = []
+
+        def capture_then_serve(*region_args: Any, **region_kwargs: Any) -> Any:
+            keys.extend(
+                self._runner.capture(
+                    *region_args, batch_sizes=batch_sizes, progress=progress, **region_kwargs
+                )
+            )
+            return self._runner(*region_args, **region_kwargs)
+
+        self._plan.attach(capture_then_serve)
+        try:
+            self.forward(*args, **kwargs)
+        finally:
+            self._plan.attach(self._runner)
+        return keys
+
+    @property
+    def stats(self) -> GraphStats:
+        """Graphs, captures, replays, padded and eager calls (with reasons), pool bytes."""
+        return self._runner.stats()
+
+    @property
+    def keys(self) -> list[ShapeKey]:
+        """The shape keys of the graphs held now."""
+        return self._runner.keys
+
+    def release(self) -> None:
+        """Drop every graph and the shared pool; later calls capture again."""
+        self._runner.release()
+
+    def unwrap(self) -> nn.Module:
+        """Release the graphs, undo any routing inside the model, and return the model."""
+        self._runner.release()
+        self._plan.detach()
+        return self.module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)

@@ -1,0 +1,333 @@
+"""The graph runner: one CUDA graph per shape key, a shared pool, padding and eager fallback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .adapter import CapturePlan
+from .graphs import GraphBackend
+from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
+from .progress import track
+from .stats import GraphStats
+from .validation import GraphMismatchError, compare_outputs
+
+__all__ = ["DEFAULT_BATCH_SIZES", "GraphEntry", "GraphRunner", "RunnerOptions"]
+
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a runner captures and serves graphs; the keyword options of :func:`layergraph.wrap`.
+
+    - ``batch_sizes``: the captured batch sizes a smaller batch is padded up to; a batch larger
+      than all of them is split into chunks of the largest. ``None``: one graph per exact batch
+      size, no padding, no splitting.
+    - ``lazy``: capture a key the first time a call needs it. Off: only keys captured through
+      :meth:`GraphRunner.capture` replay; other calls run eagerly.
+    - ``max_graphs``: no more graphs than this; later new keys run eagerly.
+    - ``static_output``: return the graph's own output buffers (no copy). They are overwritten
+      by the next replay of the same key; by default each call returns fresh tensors.
+    - ``validate``: compare the first replay of each key with eager on the same input and raise
+      :class:`~layergraph.validation.GraphMismatchError` beyond ``tolerance`` (relative error;
+      ``None`` takes the per-dtype default).
+    - ``warmup_runs``: eager runs on a side stream before each capture.
+    """
+
+    batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES
+    lazy: bool = True
+    max_graphs: int = 32
+    static_output: bool = False
+    validate: bool = False
+    tolerance: float | None = None
+    warmup_runs: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_graphs < 1:
+            raise ValueError(f"max_graphs must be at least 1, got {self.max_graphs}")
+        if self.warmup_runs < 1:
+            raise ValueError(f"warmup_runs must be at least 1, got {self.warmup_runs}")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphEntry:
+    """One captured graph and the buffers whose addresses it baked in."""
+
+    key: ShapeKey
+    graph: Any
+    static_inputs: tuple[torch.Tensor, ...]
+    output_leaves: tuple[Any, ...]
+    output_spec: pytree.TreeSpec
+    batched_outputs: tuple[bool, ...] = field(repr=False)
+
+
+class GraphRunner:
+    """Serves calls of one capture plan from CUDA graphs, one per shape key.
+
+    Workflow of a call: the arguments are split into batched tensors and the rest
+    (:class:`~layergraph.keys.CallInputs`); anything a graph cannot serve (no CUDA, training
+    mode, gradients, another device or dtype, unsupported arguments) runs the plan's region
+    eagerly and is counted with its reason. Otherwise the batch is mapped to its bucket, the
+    key's graph is found or captured, the inputs are copied into the graph's static buffers
+    (padding rows zeroed), the graph is replayed on the caller's stream, and the padding rows
+    are sliced off the outputs, which are cloned unless ``static_output`` is set.
+
+    All graphs share one memory pool. The runner does not know the model: the plan supplies the
+    region and its checks. It does not track changes to the model's parameters after capture.
+    """
+
+    def __init__(self, plan: CapturePlan, options: RunnerOptions, backend: GraphBackend) -> None:
+        self.plan = plan
+        self.options = options
+        self.backend = backend
+        self.buckets = BatchBuckets(options.batch_sizes)
+        self._entries: dict[tuple[int, Any], GraphEntry] = {}
+        self._validated: set[tuple[int, Any]] = set()
+        self._stats = GraphStats()
+        self._pool: Any = None
+        self._lock = threading.RLock()
+        self._unavailable = backend.unavailable_reason()
+        self._parameters = tuple(plan.owner.parameters())
+        self._reference = self._parameters[0] if self._parameters else None
+
+    # ---- calls -------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            call = CallInputs(args, kwargs)
+        except UnsupportedCall as unsupported:
+            return self._run_eagerly(str(unsupported), args, kwargs)
+        reason = self._eager_reason(call)
+        if reason is not None:
+            return self._run_eagerly(reason, args, kwargs)
+        with self._lock:
+            return self._serve(call, args, kwargs)
+
+    def _serve(self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bucket = self.buckets.bucket_for(call.batch)
+        if bucket != call.batch and not self.plan.batch_independent:
+            reason = f"batch {call.batch} needs padding or splitting, which this model forbids"
+            return self._run_eagerly(reason, args, kwargs)
+        if bucket is None:
+            return self._serve_split(call)
+        entry, reason = self._entry_for(bucket, call)
+        if entry is None:
+            return self._run_eagerly(reason, args, kwargs)
+        return self._replay(entry, call)
+
+    def _serve_split(self, call: CallInputs) -> Any:
+        self._stats.split_calls += 1
+        parts = []
+        for start, stop in self.buckets.chunks(call.batch):
+            chunk = call.sliced(start, stop)
+            parts.append(self._serve(chunk, *chunk.rebuild(chunk.tensors)))
+        return _concatenate(parts)
+
+    def _run_eagerly(self, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._stats.eager_calls[reason] += 1
+        return self.plan.region(*args, **kwargs)
+
+    def _eager_reason(self, call: CallInputs) -> str | None:
+        """Why this call cannot be served by a graph, or ``None`` if it can."""
+        if self._unavailable is not None:
+            return self._unavailable
+        if self.plan.owner.training:
+            return "model is in training mode"
+        reference = self._reference
+        device = reference.device if reference is not None else call.tensors[0].device
+        if device.type != self.backend.device_type:
+            return f"model is on {device}; graphs need a {self.backend.device_type} device"
+        for tensor in call.tensors:
+            if tensor.device != device:
+                return f"input on {tensor.device}, model on {device}"
+            if (
+                reference is not None
+                and tensor.is_floating_point()
+                and reference.is_floating_point()
+                and tensor.dtype != reference.dtype
+            ):
+                return f"input dtype {tensor.dtype} differs from model dtype {reference.dtype}"
+        if torch.is_grad_enabled() and (
+            any(t.requires_grad for t in call.tensors)
+            or any(p.requires_grad for p in self._parameters)
+        ):
+            return "gradients are enabled (call under torch.inference_mode() or torch.no_grad())"
+        if torch.is_autocast_enabled(self.backend.device_type):
+            return "autocast is enabled"
+        if self.backend.is_capturing():
+            return "an enclosing graph capture is running"
+        return None
+
+    # ---- capture and replay -----------------------------------------------------------------
+
+    def _entry_for(self, bucket: int, call: CallInputs) -> tuple[GraphEntry | None, str]:
+        lookup = (bucket, call.signature)
+        entry = self._entries.get(lookup)
+        if entry is not None:
+            return entry, ""
+        self.plan.check_inputs(call)
+        key = ShapeKey(bucket, self.plan.sequence_of(call))
+        if not self.options.lazy:
+            return None, f"no graph captured for {key} and lazy capture is off"
+        if len(self._entries) >= self.options.max_graphs:
+            return None, f"graph limit reached (max_graphs={self.options.max_graphs})"
+        return self._capture(key, lookup, call), ""
+
+    def _capture(self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs) -> GraphEntry:
+        if self._pool is None:
+            self._pool = self.backend.new_pool()
+        with torch.inference_mode(False):
+            static = tuple(
+                torch.zeros((key.batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                for t in call.tensors
+            )
+        _load(static, call.tensors)
+        args, kwargs = call.rebuild(static)
+        started = time.perf_counter()
+        graph, output = self.backend.capture(
+            lambda: self.plan.region(*args, **kwargs), self._pool, self.options.warmup_runs
+        )
+        leaves, spec = pytree.tree_flatten(output)
+        entry = GraphEntry(
+            key=key,
+            graph=graph,
+            static_inputs=static,
+            output_leaves=tuple(leaves),
+            output_spec=spec,
+            batched_outputs=tuple(
+                isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == key.batch
+                for leaf in leaves
+            ),
+        )
+        self._entries[lookup] = entry
+        self._stats.captures += 1
+        self._stats.capture_seconds += time.perf_counter() - started
+        return entry
+
+    def _replay(self, entry: GraphEntry, call: CallInputs) -> Any:
+        _load(entry.static_inputs, call.tensors)
+        self.backend.replay(entry.graph)
+        self._stats.replays += 1
+        rows = call.batch
+        leaves: Iterable[Any] = entry.output_leaves
+        if rows < entry.key.batch:
+            self._stats.padded_calls += 1
+            leaves = [
+                leaf[:rows] if batched else leaf
+                for leaf, batched in zip(leaves, entry.batched_outputs)
+            ]
+        if not self.options.static_output:
+            leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        output = pytree.tree_unflatten(list(leaves), entry.output_spec)
+        if self.options.validate:
+            self._validate_once(entry, call, output)
+        return output
+
+    def _validate_once(self, entry: GraphEntry, call: CallInputs, output: Any) -> None:
+        lookup = (entry.key.batch, call.signature)
+        if lookup in self._validated:
+            return
+        args, kwargs = call.rebuild(call.tensors)
+        expected = self.plan.region(*args, **kwargs)
+        try:
+            compare_outputs(
+                output,
+                expected,
+                tolerance=self.options.tolerance,
+                context=f"graph for key {entry.key} (batch {call.batch})",
+            )
+        except GraphMismatchError:
+            del self._entries[lookup]
+            raise
+        self._validated.add(lookup)
+
+    # ---- ahead-of-time capture, statistics, release -------------------------------------------
+
+    def capture(
+        self,
+        *args: Any,
+        batch_sizes: Sequence[int] | None = None,
+        progress: bool = True,
+        **kwargs: Any,
+    ) -> list[ShapeKey]:
+        """Capture graphs now for the example call's sequence, largest batch first.
+
+        Every size in ``batch_sizes`` (default: the runner's buckets, or the example's batch in
+        exact mode) is captured from the example's rows, repeated as needed. Capturing the
+        largest first lets the smaller graphs reuse its pool memory. Returns the keys captured.
+        """
+        call = CallInputs(args, kwargs)
+        reason = self._eager_reason(call)
+        if reason is not None:
+            raise RuntimeError(f"cannot capture graphs: {reason}")
+        self.plan.check_inputs(call)
+        sizes = batch_sizes if batch_sizes is not None else self.buckets.sizes or (call.batch,)
+        sizes = sorted(BatchBuckets(sizes).sizes or (), reverse=True)
+        keys = []
+        with self._lock:
+            for size in track(sizes, "capturing graphs", enabled=progress):
+                rows = torch.arange(size, device=call.tensors[0].device) % call.batch
+                example = CallInputs(*call.rebuild([t[rows] for t in call.tensors]))
+                lookup = (size, example.signature)
+                if lookup not in self._entries:
+                    if len(self._entries) >= self.options.max_graphs:
+                        raise RuntimeError(
+                            f"cannot capture batch {size}: graph limit reached "
+                            f"(max_graphs={self.options.max_graphs})"
+                        )
+                    key = ShapeKey(size, self.plan.sequence_of(example))
+                    self._capture(key, lookup, example)
+                keys.append(self._entries[lookup].key)
+        return keys
+
+    @property
+    def keys(self) -> list[ShapeKey]:
+        """The keys of the graphs held now."""
+        return [entry.key for entry in self._entries.values()]
+
+    def stats(self) -> GraphStats:
+        """A snapshot of the statistics, with the pool's current size read from the allocator."""
+        with self._lock:
+            pool_bytes = self.backend.pool_bytes(self._pool) if self._pool is not None else 0
+            return replace(
+                self._stats,
+                graphs=len(self._entries),
+                eager_calls=self._stats.eager_calls.copy(),
+                pool_bytes=pool_bytes,
+            )
+
+    def release(self) -> None:
+        """Drop every graph and the pool; the next call captures afresh."""
+        with self._lock:
+            self._entries.clear()
+            self._validated.clear()
+            self._pool = None
+
+
+def _load(static: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    """Copy a call's tensors into a graph's static inputs and zero the padding rows."""
+    for buffer, tensor in zip(static, tensors):
+        rows = tensor.shape[0]
+        buffer[:rows].copy_(tensor)
+        if rows < buffer.shape[0]:
+            buffer[rows:].zero_()
+
+
+def _concatenate(parts: Sequence[Any]) -> Any:
+    """Join the outputs of consecutive batch chunks along the batch dimension."""
+    flat = [pytree.tree_flatten(part) for part in parts]
+    spec = flat[0][1]
+    joined = [
+        torch.cat(column)
+        if isinstance(column[0], torch.Tensor) and column[0].dim() > 0
+        else column[0]
+        for column in zip(*(leaves for leaves, _ in flat))
+    ]
+    return pytree.tree_unflatten(joined, spec)

@@ -1,0 +1,43 @@
+"""Latency of a callable: medians of many timed calls, with CUDA events on a GPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["median_ms"]
+
+
+def median_ms(
+    fn: Callable[[], Any], *, device: torch.device, warmup: int = 10, iters: int = 100
+) -> float:
+    """Median milliseconds of ``iters`` calls of ``fn`` after ``warmup`` untimed calls.
+
+    On a CUDA device each call is bracketed by its own pair of CUDA events on the current
+    stream, so the time is what the GPU spent from the call's first launch to its last kernel;
+    elsewhere it is wall-clock time.
+    """
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        pairs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)
+        ]
+        for start, end in pairs:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in pairs)
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)

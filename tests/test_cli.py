@@ -1,0 +1,51 @@
+"""The ``layergraph`` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+
+
+def test_adapters_lists_first_party_adapters() -> None:
+    result = run_cli("adapters")
+    assert result.returncode == 0, result.stderr
+    for expected in ("sequential", "timm", "layergraph", "ok"):
+        assert expected in result.stdout
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the no-GPU path of the demo"
+)
+def test_demo_without_gpu_says_so_and_runs_eagerly(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    result = run_cli(
+        "demo",
+        "--model",
+        "vit_tiny_patch16_224",
+        "--batch-sizes",
+        "1,2",
+        "--iters",
+        "1",
+        "--json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "No CUDA GPU here" in result.stdout
+    assert "eager x" in result.stdout and "CUDA is not available" in result.stdout
+    record = json.loads(out.read_text())
+    assert [row["batch"] for row in record["results"]] == [1, 2]
+    assert all(row["relative_error"] == 0.0 for row in record["results"])

@@ -1,0 +1,141 @@
+"""Real CUDA graphs: graph equals eager, shared pool memory, stable buffers, streams.
+
+Marked ``cuda`` and skipped without a GPU. Tolerance: the graph replays the kernels eager
+launches, so at a captured batch size outputs agree to the last bit in practice; a padded batch
+gives the matrix products more rows and may pick other kernels, so we accept the relative error
+of :data:`layergraph.validation.DEFAULT_TOLERANCE` (5e-3 in fp16, 2e-2 in bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.validation import DEFAULT_TOLERANCE, relative_error
+
+timm = pytest.importorskip("timm")
+
+pytestmark = pytest.mark.cuda
+
+POOL_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, pretrained=False).cuda().to(dtype).eval()
+
+
+def images(batch: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(batch, 3, 224, 224, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_base_patch16_224"])
+def test_graph_equals_eager(name: str, dtype: torch.dtype) -> None:
+    model = build(name, dtype)
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[1, 4, 8])
+    with torch.inference_mode():
+        for batch in (1, 3, 8):
+            for _ in range(2):
+                x = images(batch, dtype)
+                error = relative_error(graphed(x), model(x))
+                assert error <= DEFAULT_TOLERANCE[dtype], (batch, error)
+    stats = graphed.stats
+    assert stats.graphs == 3 and stats.replays == 6 and stats.padded_calls == 2
+    assert stats.eager_total == 0
+
+
+def test_validate_accepts_a_correct_graph() -> None:
+    model = build("vit_tiny_patch16_224", torch.float16)
+    graphed = layergraph.wrap(model, adapter="timm", validate=True)
+    with torch.inference_mode():
+        graphed(images(3, torch.float16))
+    assert graphed.stats.replays == 1
+
+
+def pool_bytes(model: torch.nn.Module, sizes: tuple[int, ...]) -> int:
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=sizes)
+    with torch.inference_mode():
+        graphed.capture(images(1, torch.float16), progress=False)
+    size = graphed.stats.pool_bytes
+    graphed.release()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return size
+
+
+def test_shared_pool_costs_about_the_largest_graph_alone() -> None:
+    model = build("vit_base_patch16_224", torch.float16)
+    largest_alone = pool_bytes(model, (max(POOL_SIZES),))
+    all_sizes = pool_bytes(model, POOL_SIZES)
+    assert largest_alone > 0
+    assert all_sizes <= 1.2 * largest_alone, (all_sizes, largest_alone)
+
+
+def test_replay_after_the_callers_input_was_freed_and_reused() -> None:
+    model = build("vit_tiny_patch16_224", torch.float16)
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[4])
+    with torch.inference_mode():
+        first = images(4, torch.float16)
+        graphed(first)
+        del first
+        junk = torch.full((4, 3, 224, 224), 1e4, device="cuda", dtype=torch.float16)
+        x = images(4, torch.float16)
+        out = graphed(x)
+        assert relative_error(out, model(x)) <= DEFAULT_TOLERANCE[torch.float16]
+        del junk
+
+
+def test_static_buffers_keep_their_addresses_across_replays() -> None:
+    model = build("vit_tiny_patch16_224", torch.float16)
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[2], static_output=True)
+    with torch.inference_mode():
+        a = graphed(images(2, torch.float16))
+        address = a.data_ptr()
+        (entry,) = graphed._runner._entries.values()
+        input_address = entry.static_inputs[0].data_ptr()
+        for _ in range(3):
+            x = images(2, torch.float16)
+            out = graphed(x)
+            assert out.data_ptr() == address
+            assert entry.static_inputs[0].data_ptr() == input_address
+            assert relative_error(out, model(x)) <= DEFAULT_TOLERANCE[torch.float16]
+
+
+def test_call_on_another_stream_replays_on_that_stream() -> None:
+    model = build("vit_tiny_patch16_224", torch.float16)
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[2])
+    side = torch.cuda.Stream()
+    with torch.inference_mode():
+        graphed(images(2, torch.float16))
+        x = images(2, torch.float16)
+        expected = model(x)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = graphed(x)
+        torch.cuda.current_stream().wait_stream(side)
+        assert relative_error(out, expected) <= DEFAULT_TOLERANCE[torch.float16]
+
+
+def test_generic_adapter_graphs_a_module_list_on_gpu() -> None:
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(3)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Encoder().cuda().half().eval()
+    graphed = layergraph.wrap(model, adapter="sequential", stack="layers")
+    with torch.inference_mode():
+        for batch in (1, 3):
+            x = torch.randn(batch, 10, 64, device="cuda", dtype=torch.float16)
+            assert relative_error(graphed(x), model(x)) <= DEFAULT_TOLERANCE[torch.float16]
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0

@@ -1,0 +1,310 @@
+"""The runner's logic on the CPU, through the simulated graph backend.
+
+Tolerance: the simulated replay recomputes the same float32 function on a padded batch; rows
+of a linear stack are computed independently, so outputs agree to 1e-5 (absolute) at most.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+import layergraph
+from layergraph import GraphMismatchError
+from layergraph.testing import SimulatedGraphs
+
+ATOL = 1e-5
+
+
+def wrap_simulated(model: nn.Module, **options: Any) -> layergraph.GraphedModule:
+    return layergraph.wrap(
+        model, adapter=layergraph.SequentialAdapter(), backend=SimulatedGraphs(), **options
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4, 5, 8])
+def test_graph_output_equals_eager_on_fresh_inputs(mlp_stack: nn.Sequential, batch: int) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[1, 4, 8])
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(batch, 16)
+            torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
+
+
+def test_padding_uses_the_next_bucket_and_is_counted(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[2, 8])
+    with torch.no_grad():
+        out = graphed(torch.randn(5, 16))
+    assert out.shape == (5, 16)
+    assert [key.batch for key in graphed.keys] == [8]
+    stats = graphed.stats
+    assert (stats.captures, stats.replays, stats.padded_calls, stats.eager_total) == (1, 1, 1, 0)
+
+
+def test_padding_rows_are_zeroed_between_calls() -> None:
+    seen: list[torch.Tensor] = []
+
+    class Recorder(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.clone())
+            return x * 2
+
+    graphed = wrap_simulated(nn.Sequential(Recorder()).eval(), batch_sizes=[4])
+    with torch.no_grad():
+        graphed(torch.ones(4, 3))
+        graphed(torch.ones(2, 3))
+    assert torch.equal(seen[-1][2:], torch.zeros(2, 3))
+
+
+def test_batch_above_every_bucket_is_split_into_chunks(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[1, 4])
+    x = torch.randn(10, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
+    stats = graphed.stats
+    assert stats.split_calls == 1 and stats.replays == 3 and stats.padded_calls == 1
+    assert sorted(key.batch for key in graphed.keys) == [4]
+
+
+def test_exact_mode_captures_each_batch_and_respects_max_graphs(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=None, max_graphs=2)
+    with torch.no_grad():
+        for batch in (3, 5, 7, 3):
+            x = torch.randn(batch, 16)
+            torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
+    stats = graphed.stats
+    assert stats.graphs == 2 and stats.replays == 3
+    assert stats.eager_calls == {"graph limit reached (max_graphs=2)": 1}
+
+
+def test_lazy_off_runs_uncaptured_keys_eagerly(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[2, 4], lazy=False)
+    with torch.no_grad():
+        graphed(torch.randn(2, 16))
+        assert graphed.stats.graphs == 0
+        keys = graphed.capture(torch.randn(1, 16), progress=False)
+        graphed(torch.randn(3, 16))
+    assert [key.batch for key in keys] == [4, 2]
+    stats = graphed.stats
+    assert stats.replays == 1 and stats.eager_total == 1
+    (reason,) = stats.eager_calls
+    assert "lazy capture is off" in reason and "batch=2" in reason
+
+
+def test_new_sequence_gets_its_own_graph(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[4])
+    with torch.no_grad():
+        graphed(torch.randn(4, 16))
+        graphed(torch.randn(4, 7, 16))
+    assert graphed.stats.graphs == 2
+
+
+def test_default_output_is_fresh_and_static_output_is_overwritten(
+    mlp_stack: nn.Sequential,
+) -> None:
+    fresh = wrap_simulated(mlp_stack, batch_sizes=[2])
+    static = wrap_simulated(mlp_stack, batch_sizes=[2], static_output=True)
+    a, b = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        kept = fresh(a)
+        fresh(b)
+        torch.testing.assert_close(kept, mlp_stack(a), atol=ATOL, rtol=0)
+        held = static(a)
+        static(b)
+        torch.testing.assert_close(held, mlp_stack(b), atol=ATOL, rtol=0)
+
+
+class Pair(NamedTuple):
+    doubled: torch.Tensor
+    total: torch.Tensor
+
+
+class PairModel(nn.Module):
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> Pair:
+        return Pair(x * 2 * scale, x.sum(dim=-1))
+
+
+def test_output_type_is_kept_and_non_tensor_args_are_keyed() -> None:
+    model = PairModel().eval()
+    graphed = layergraph.wrap(
+        model, adapter=_WholeModel(), backend=SimulatedGraphs(), batch_sizes=[4]
+    )
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        out = graphed(x, scale=3.0)
+        other = graphed(x, scale=1.0)
+    assert isinstance(out, Pair) and out.doubled.shape == (3, 5) and out.total.shape == (3,)
+    torch.testing.assert_close(out.doubled, x * 6)
+    torch.testing.assert_close(other.doubled, x * 2)
+    assert graphed.stats.graphs == 2
+
+
+class _WholeModel(layergraph.Adapter):
+    name = "whole-model-test"
+
+    def plan(self, model: nn.Module) -> layergraph.CapturePlan:
+        return layergraph.WholeForward(model)
+
+
+def test_training_mode_runs_eagerly(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack)
+    graphed.train()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), mlp_stack(x), atol=0, rtol=0)
+    assert graphed.stats.eager_calls == {"model is in training mode": 1}
+    assert graphed.stats.graphs == 0
+
+
+@pytest.mark.parametrize(
+    ("x", "reason"),
+    [
+        (
+            torch.randn(2, 16).double(),
+            "input dtype torch.float64 differs from model dtype torch.float32",
+        ),
+        (torch.randn(2, 16).to("meta"), "input on meta, model on cpu"),
+    ],
+)
+def test_inputs_unlike_the_model_run_eagerly(
+    mlp_stack: nn.Sequential, x: torch.Tensor, reason: str
+) -> None:
+    """Eager PyTorch then raises its own error, as it would without the wrapper."""
+    graphed = wrap_simulated(mlp_stack)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        graphed(x)
+    assert graphed.stats.eager_calls == {reason: 1}
+    assert graphed.stats.graphs == 0
+
+
+def test_gradients_enabled_runs_eagerly_with_autograd(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack)
+    out = graphed(torch.randn(2, 16))
+    assert out.requires_grad
+    (reason,) = graphed.stats.eager_calls
+    assert reason.startswith("gradients are enabled")
+    mlp_stack.requires_grad_(False)
+    graphed(torch.randn(2, 16))
+    assert graphed.stats.replays == 1
+
+
+def test_no_cuda_runs_eagerly_with_the_reason(mlp_stack: nn.Sequential) -> None:
+    graphed = layergraph.wrap(mlp_stack, adapter="sequential")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), mlp_stack(x), atol=0, rtol=0)
+    if not torch.cuda.is_available():
+        assert graphed.stats.eager_calls == {"CUDA is not available": 1}
+    else:
+        assert graphed.stats.eager_calls == {"model is on cpu; graphs need a cuda device": 1}
+
+
+class CorruptingGraphs(SimulatedGraphs):
+    """Replays that add an error, as a graph reading a stale buffer would."""
+
+    def replay(self, graph: Any) -> None:
+        super().replay(graph)
+        graph.output.add_(1.0)
+
+
+def test_validate_raises_with_largest_difference_and_drops_the_graph(
+    mlp_stack: nn.Sequential,
+) -> None:
+    graphed = layergraph.wrap(
+        mlp_stack, adapter="sequential", backend=CorruptingGraphs(), validate=True
+    )
+    with torch.no_grad(), pytest.raises(GraphMismatchError, match=r"largest absolute difference 1"):
+        graphed(torch.randn(2, 16))
+    assert graphed.stats.graphs == 0
+
+
+def test_validate_passes_for_a_correct_graph(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, validate=True)
+    with torch.no_grad():
+        graphed(torch.randn(3, 16))
+        graphed(torch.randn(3, 16))
+    assert graphed.stats.replays == 2
+
+
+def test_capture_is_largest_first_and_reports_keys(mlp_stack: nn.Sequential) -> None:
+    backend = SimulatedGraphs()
+    graphed = layergraph.wrap(
+        mlp_stack, adapter="sequential", backend=backend, batch_sizes=[1, 2, 4, 8]
+    )
+    order: list[int] = []
+    original = backend.capture
+
+    def spy(fn: Any, pool: Any, warmup_runs: int) -> Any:
+        graph, output = original(fn, pool, warmup_runs)
+        order.append(output.shape[0])
+        return graph, output
+
+    backend.capture = spy  # type: ignore[method-assign]
+    with torch.no_grad():
+        keys = graphed.capture(torch.randn(3, 16), progress=False)
+    assert order == [8, 4, 2, 1] and [k.batch for k in keys] == [8, 4, 2, 1]
+    assert graphed.stats.pool_bytes == sum(b * 16 * 4 for b in (8, 4, 2, 1))
+
+
+def test_capture_refuses_when_a_graph_cannot_serve(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack.train())
+    with pytest.raises(RuntimeError, match="cannot capture graphs: model is in training mode"):
+        graphed.capture(torch.randn(1, 16))
+
+
+def test_a_failing_capture_leaves_nothing_behind() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 2:
+                raise ValueError("too many rows")
+            return x + 1
+
+    graphed = wrap_simulated(nn.Sequential(Fails()).eval(), batch_sizes=[2, 4])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="too many rows"):
+            graphed(torch.randn(3, 2))
+        assert graphed.stats.graphs == 0
+        torch.testing.assert_close(graphed(torch.randn(2, 2)).shape, torch.Size([2, 2]))
+    assert graphed.stats.graphs == 1
+
+
+def test_inference_mode_then_no_grad_share_graphs(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[4])
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        first = graphed(x)
+    with torch.no_grad():
+        second = graphed(x)
+    torch.testing.assert_close(first, second)
+    assert graphed.stats.graphs == 1 and graphed.stats.replays == 2
+
+
+def test_release_drops_graphs_and_unwrap_returns_the_model(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack)
+    with torch.no_grad():
+        graphed(torch.randn(2, 16))
+    graphed.release()
+    assert graphed.stats.graphs == 0
+    assert graphed.unwrap() is mlp_stack
+
+
+def test_attributes_fall_through_to_the_model(mlp_stack: nn.Sequential) -> None:
+    mlp_stack.label = "stack"  # type: ignore[attr-defined]
+    graphed = wrap_simulated(mlp_stack)
+    assert graphed.label == "stack"
+    with pytest.raises(AttributeError):
+        graphed.missing_attribute  # noqa: B018
+
+
+def test_wrap_rejects_bad_arguments(mlp_stack: nn.Sequential) -> None:
+    with pytest.raises(TypeError, match="already wrapped"):
+        layergraph.wrap(wrap_simulated(mlp_stack), adapter="sequential")
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        layergraph.wrap(lambda x: x, adapter="sequential")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="options for an adapter object"):
+        layergraph.wrap(mlp_stack, adapter=layergraph.SequentialAdapter(), stack="x")
+    with pytest.raises(ValueError, match="max_graphs"):
+        layergraph.wrap(mlp_stack, adapter="sequential", max_graphs=0)

@@ -1,0 +1,106 @@
+"""The timm adapter on the CPU: eager path, simulated graphs, keys and input checks.
+
+Models are built from timm's configs with random weights (no download), shrunk to two blocks
+so that the tests stay fast; the adapter's logic does not depend on depth. Tolerance: the
+simulated graph recomputes in float32 on a zero-padded batch; rows are independent, so outputs
+agree to 1e-4 relative (tested with ``torch.testing.assert_close``, rtol=1e-4, atol=1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+timm = pytest.importorskip("timm")
+
+import layergraph  # noqa: E402
+from layergraph.testing import SimulatedGraphs  # noqa: E402
+from layergraph_adapters.timm_vit import ImageTokens, TimmVisionTransformerAdapter  # noqa: E402
+
+SMALL = {"depth": 2, "embed_dim": 64, "num_heads": 2}
+
+VARIANTS = {
+    "class token": ("vit_tiny_patch16_224", {}),
+    "register tokens": ("vit_small_patch14_reg4_dinov2", {"img_size": 112}),
+    "siglip in timm (no class token, attention pool)": ("vit_base_patch16_siglip_224", {}),
+    "no class token, average pool": (
+        "vit_tiny_patch16_224",
+        {"class_token": False, "global_pool": "avg"},
+    ),
+    "deit distilled": ("deit_tiny_distilled_patch16_224", {}),
+}
+
+
+def build(name: str, **overrides: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, pretrained=False, **{**SMALL, **overrides}).eval()
+
+
+def images(model: torch.nn.Module, batch: int, size: tuple[int, int] | None = None) -> torch.Tensor:
+    height, width = size or model.patch_embed.img_size
+    return torch.randn(batch, 3, height, width)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_simulated_graph_equals_eager(variant: str) -> None:
+    name, overrides = VARIANTS[variant]
+    model = build(name, **overrides)
+    graphed = layergraph.wrap(model, adapter="timm", backend=SimulatedGraphs(), batch_sizes=[1, 4])
+    with torch.inference_mode():
+        for batch in (1, 3):
+            x = images(model, batch)
+            torch.testing.assert_close(graphed(x), model(x), rtol=1e-4, atol=1e-5)
+    stats = graphed.stats
+    assert (stats.replays, stats.padded_calls, stats.eager_total) == (2, 1, 0)
+
+
+def test_eager_path_without_cuda_equals_the_model() -> None:
+    model = build("vit_tiny_patch16_224")
+    graphed = layergraph.wrap(model, adapter="timm")
+    x = images(model, 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(graphed(x), model(x), rtol=0, atol=0)
+    assert graphed.stats.eager_total == 1 and graphed.stats.graphs == 0
+
+
+def test_key_sequence_is_tokens_and_image_size() -> None:
+    model = build("vit_tiny_patch16_224", dynamic_img_size=True)
+    graphed = layergraph.wrap(model, adapter="timm", backend=SimulatedGraphs(), batch_sizes=[2])
+    with torch.inference_mode():
+        for size in ((224, 224), (160, 96)):
+            x = images(model, 2, size)
+            torch.testing.assert_close(graphed(x), model(x), rtol=1e-4, atol=1e-5)
+    sequences = {key.sequence for key in graphed.keys}
+    assert sequences == {ImageTokens(197, 224, 224), ImageTokens(10 * 6 + 1, 160, 96)}
+    assert str(ImageTokens(197, 224, 224)) == "197 tokens (224x224)"
+
+
+@pytest.mark.parametrize(
+    ("shape", "overrides", "message"),
+    [
+        ((2, 1, 224, 224), {}, "expected 3 channels, got 1"),
+        ((2, 3, 160, 160), {}, "image size 160x160 differs from the model's 224x224"),
+        ((2, 3, 100, 96), {"dynamic_img_size": True}, "not a multiple of the patch size 16x16"),
+        ((2, 3, 224), {}, r"expected images of shape \[batch, channels, height, width\]"),
+    ],
+)
+def test_bad_images_are_refused_before_capture(
+    shape: tuple[int, ...], overrides: dict, message: str
+) -> None:
+    model = build("vit_tiny_patch16_224", **overrides)
+    backend = SimulatedGraphs()
+    graphed = layergraph.wrap(model, adapter="timm", backend=backend)
+    with torch.inference_mode(), pytest.raises(ValueError, match=message):
+        graphed(torch.randn(shape))
+    assert graphed.stats.graphs == 0 and backend.captures == 0
+
+
+def test_other_models_are_refused_by_name() -> None:
+    with pytest.raises(layergraph.AdapterMismatch, match=r"timm VisionTransformer.*got .*Linear"):
+        layergraph.wrap(torch.nn.Linear(2, 2), adapter="timm")
+
+
+def test_recognizes_only_vision_transformers() -> None:
+    adapter = TimmVisionTransformerAdapter()
+    assert adapter.recognizes(build("vit_tiny_patch16_224"))
+    assert not adapter.recognizes(torch.nn.Linear(2, 2))
