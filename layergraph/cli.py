@@ -66,7 +66,7 @@ def _demo(console: object, args: argparse.Namespace) -> int:
         sizes = [1, 3, 8, 32] if cuda else [1, 3]
     iters = args.iters or (200 if cuda else 5)
     dtype = getattr(torch, _DTYPES[args.dtype])
-    results = run_demo(args.model, sizes, dtype, iters, console)
+    report = run_demo(args.model, sizes, dtype, iters, console)
     device = torch.cuda.get_device_name() if cuda else "CPU"
     table = Table(
         "batch",
@@ -77,7 +77,7 @@ def _demo(console: object, args: argparse.Namespace) -> int:
         "hand-written graph ms",
         title=f"{args.model} on {device}, median of {iters} calls",
     )
-    for result in results:
+    for result in report.results:
         table.add_row(
             str(result.batch),
             f"{result.relative_error:.2e}",
@@ -94,7 +94,7 @@ def _demo(console: object, args: argparse.Namespace) -> int:
             "dtype": str(dtype),
             "torch": torch.__version__,
             "iters": iters,
-            "results": [result.as_dict() for result in results],
+            **report.as_dict(),
         }
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=2)

@@ -17,7 +17,7 @@ from .runner import DEFAULT_BATCH_SIZES
 from .timing import median_ms
 from .validation import DEFAULT_TOLERANCE, relative_error
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoReport", "DemoResult", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,44 @@ class DemoResult:
         }
 
 
+@dataclass(frozen=True)
+class DemoReport:
+    """The demo's results, and what capturing every bucket cost (zero without a GPU)."""
+
+    results: list[DemoResult]
+    capture_seconds: float
+    pool_bytes: int
+    largest_alone_pool_bytes: int
+
+    @property
+    def pool_ratio(self) -> float | None:
+        """Pool bytes of all buckets over those of the largest bucket captured alone."""
+        if not self.largest_alone_pool_bytes:
+            return None
+        return self.pool_bytes / self.largest_alone_pool_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "capture_seconds": self.capture_seconds,
+            "pool_bytes": self.pool_bytes,
+            "largest_alone_pool_bytes": self.largest_alone_pool_bytes,
+            "pool_ratio": self.pool_ratio,
+            "results": [result.as_dict() for result in self.results],
+        }
+
+
 def run_demo(
     model_name: str,
     batch_sizes: Sequence[int],
     dtype: torch.dtype,
     iters: int,
     console: object,
-) -> list[DemoResult]:
-    """Build, wrap, capture, check and time ``model_name``; print progress on ``console``."""
+) -> DemoReport:
+    """Build, wrap, capture, check and time ``model_name``; print progress on ``console``.
+
+    On a GPU, the largest bucket is first captured alone to measure its pool, then every
+    bucket is captured into one shared pool, largest first.
+    """
     import timm
 
     cuda = torch.cuda.is_available()
@@ -70,19 +100,30 @@ def run_demo(
     model = timm.create_model(model_name, pretrained=False).to(device, dtype).eval()
     config = model.pretrained_cfg
     image_shape = tuple(config.get("input_size", (3, 224, 224)))
-    graphed = wrap(model, adapter="timm", batch_sizes=DEFAULT_BATCH_SIZES)
 
     def images(batch: int) -> torch.Tensor:
         return torch.randn((batch, *image_shape), device=device, dtype=dtype)
 
     results = []
+    largest_alone = 0
     with torch.inference_mode():
+        if cuda:
+            alone = wrap(model, adapter="timm", batch_sizes=[max(DEFAULT_BATCH_SIZES)])
+            alone.capture(images(1), progress=False)
+            largest_alone = alone.stats.pool_bytes
+            alone.release()
+            del alone
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        graphed = wrap(model, adapter="timm", batch_sizes=DEFAULT_BATCH_SIZES)
         if cuda:
             keys = graphed.capture(images(1), progress=False)
             stats = graphed.stats
             console.print(
-                f"captured {len(keys)} graphs in {stats.capture_seconds:.2f} s, "
-                f"pool {stats.pool_bytes / 2**20:.0f} MiB"
+                f"captured {len(keys)} graphs (batch {', '.join(str(k.batch) for k in keys)}) "
+                f"in {stats.capture_seconds:.2f} s into one pool of "
+                f"{stats.pool_bytes / 2**20:.0f} MiB; batch {keys[0].batch} alone: "
+                f"{largest_alone / 2**20:.0f} MiB ({stats.pool_bytes / largest_alone:.2f}x)"
             )
         tolerance = DEFAULT_TOLERANCE[dtype]
         for batch in batch_sizes:
@@ -101,5 +142,6 @@ def run_demo(
                 plain = median_ms(lambda x=x, run=by_hand: run(x), device=device, iters=iters)
                 del by_hand
             results.append(DemoResult(batch, error, eager, fast, plain))
-    console.print(str(graphed.stats))
-    return results
+    stats = graphed.stats
+    console.print(str(stats))
+    return DemoReport(results, stats.capture_seconds, stats.pool_bytes, largest_alone)

@@ -46,6 +46,28 @@ def test_graph_equals_eager(name: str, dtype: torch.dtype) -> None:
     assert stats.eager_total == 0
 
 
+@pytest.mark.parametrize(
+    ("name", "overrides", "size"),
+    [
+        ("vit_small_patch14_reg4_dinov2", {}, (518, 518)),
+        ("vit_base_patch16_siglip_224", {}, (224, 224)),
+        ("deit_small_distilled_patch16_224", {}, (224, 224)),
+        ("vit_small_patch16_224", {"class_token": False, "global_pool": "avg"}, (224, 224)),
+        ("vit_small_patch16_224", {"dynamic_img_size": True}, (160, 288)),
+    ],
+    ids=["register-tokens", "siglip", "deit-distilled", "no-class-token", "dynamic-size"],
+)
+def test_vision_transformer_variants(name: str, overrides: dict, size: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, **overrides).cuda().half().eval()
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[1, 4])
+    with torch.inference_mode():
+        for batch in (1, 3):
+            x = torch.randn(batch, 3, *size, device="cuda", dtype=torch.float16)
+            assert relative_error(graphed(x), model(x)) <= DEFAULT_TOLERANCE[torch.float16]
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+
+
 def test_validate_accepts_a_correct_graph() -> None:
     model = build("vit_tiny_patch16_224", torch.float16)
     graphed = layergraph.wrap(model, adapter="timm", validate=True)
