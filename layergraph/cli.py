@@ -6,6 +6,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["main"]
 
@@ -40,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _demo(console, args)
 
 
-def _adapters(console: object) -> int:
+def _adapters(console: Console) -> int:
     from rich.table import Table
 
     from .plugins import list_adapters
@@ -53,7 +57,7 @@ def _adapters(console: object) -> int:
     return 0
 
 
-def _demo(console: object, args: argparse.Namespace) -> int:
+def _demo(console: Console, args: argparse.Namespace) -> int:
     import torch
     from rich.table import Table
 

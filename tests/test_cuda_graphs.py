@@ -88,9 +88,11 @@ def pool_bytes(model: torch.nn.Module, sizes: tuple[int, ...]) -> int:
 
 
 def test_shared_pool_costs_about_the_largest_graph_alone() -> None:
+    """Measured all sizes first: one-time allocations made during the first capture (cuBLAS
+    workspaces) land in that pool, so the comparison errs against the shared pool."""
     model = build("vit_base_patch16_224", torch.float16)
-    largest_alone = pool_bytes(model, (max(POOL_SIZES),))
     all_sizes = pool_bytes(model, POOL_SIZES)
+    largest_alone = pool_bytes(model, (max(POOL_SIZES),))
     assert largest_alone > 0
     assert all_sizes <= 1.2 * largest_alone, (all_sizes, largest_alone)
 
