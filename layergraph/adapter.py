@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from .keys import CallInputs
+from .keys import CallInputs, ShapeKey
 
 __all__ = ["Adapter", "AdapterMismatch", "CapturePlan", "WholeForward"]
 
@@ -56,11 +56,44 @@ class CapturePlan:
         specs = call.sample_specs
         return specs[0] if len(specs) == 1 else specs
 
+    def eager_reason(self, call: CallInputs) -> str | None:
+        """Why the model's own semantics need this call to run eagerly, or ``None``.
+
+        Checked after the runner's own checks, on every call: keep it cheap.
+        """
+        return None
+
     def check_inputs(self, call: CallInputs) -> None:
         """Raise ``ValueError`` naming the problem if the model cannot take these inputs.
 
         Called before anything is captured, so a bad input leaves nothing behind.
         """
+
+    def key_state(self, key: ShapeKey, call: CallInputs) -> Any:
+        """Buffers a graph of ``key`` needs besides its inputs, built once before its capture.
+
+        Attention metadata and workspaces go here. The runner keeps the returned object alive
+        with the graph and binds it (:meth:`bound`) around the warm-up and capture runs, so its
+        tensors keep the addresses the graph baked in. ``None`` (the default): nothing.
+        """
+        return None
+
+    @contextlib.contextmanager
+    def bound(self, state: Any) -> Iterator[None]:
+        """Context in which :meth:`region` uses ``state`` from :meth:`key_state`.
+
+        Outside it, the region builds whatever it needs for the call at hand (eager calls).
+        """
+        yield
+
+    @property
+    def capture_module(self) -> nn.Module | None:
+        """The module whose call drives ahead-of-time capture; ``None``: the wrapped model.
+
+        A plan serving a vision tower inside a larger model names the tower, so that
+        ``capture(pixel_values)`` works without the larger model's other inputs.
+        """
+        return None
 
     def attach(self, serve: Callable[..., Any]) -> None:
         """Route the region's calls inside the model to ``serve``; a no-op for whole forwards."""

@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .adapter import Adapter
+    import torch
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec", "register_adapters"]
+    from .adapter import Adapter
+    from .attention.layout import AttentionMetadata, SequenceLayout
+
+__all__ = ["PROJECT_NAME", "attention_metadata", "hookimpl", "hookspec", "register_adapters"]
 
 PROJECT_NAME = "layergraph"
 
@@ -39,4 +42,19 @@ def register_adapters(register: Callable[[type[Adapter] | Callable[..., Adapter]
     Called once for every plugin, each on its own, the first time adapters are looked up; the
     return value is ignored. If it raises, that plugin's adapters are marked broken with the
     error and the other plugins' adapters stay available.
+    """
+
+
+@hookspec(firstresult=True)
+def attention_metadata(
+    backend: str, layout: SequenceLayout, device: torch.device
+) -> AttentionMetadata | None:
+    """Build the metadata attention ``backend`` needs for ``layout`` on ``device``.
+
+    Called once per shape key before its graph is captured, and once per layout for eager
+    calls. The first result that is not ``None`` wins; return ``None`` to leave a backend or
+    layout to others. layergraph's own implementation runs last and builds the metadata of the
+    built-in backends (``sdpa``, ``triton``, ``fa3``) for any layout, so a plugin overrides it
+    by returning its own. The returned tensors must not be replaced afterwards: a captured
+    graph reads them at the addresses they had during capture.
     """

@@ -119,6 +119,7 @@ class GraphedModule(nn.Module):
         """
         if self._plan.serves_forward:
             return self._runner.capture(*args, batch_sizes=batch_sizes, progress=progress, **kwargs)
+        driver = self._plan.capture_module
         keys: list[ShapeKey] = []
 
         def capture_then_serve(*region_args: Any, **region_kwargs: Any) -> Any:
@@ -131,10 +132,18 @@ class GraphedModule(nn.Module):
 
         self._plan.attach(capture_then_serve)
         try:
-            self.forward(*args, **kwargs)
+            if driver is None:
+                self.forward(*args, **kwargs)
+            else:
+                driver(*args, **kwargs)
         finally:
             self._plan.attach(self._runner)
         return keys
+
+    @property
+    def plan(self) -> CapturePlan:
+        """The adapter's capture plan for this model (what is captured, and how)."""
+        return self._plan
 
     @property
     def stats(self) -> GraphStats:

@@ -21,9 +21,12 @@ from importlib import metadata
 from typing import Any
 
 import pluggy
+import torch
 
 from . import hookspecs
 from .adapter import Adapter
+from .attention import metadata_hooks
+from .attention.layout import AttentionMetadata, SequenceLayout
 
 __all__ = [
     "DISABLE_ENV",
@@ -75,6 +78,7 @@ class AdapterRegistry:
     def __init__(self) -> None:
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
+        self.plugin_manager.register(metadata_hooks, name="layergraph.attention")
         self._adapters: dict[str, tuple[AdapterFactory, AdapterInfo]] = {}
         self._failures: dict[str, AdapterInfo] = {}
         self._plugin_adapters: dict[str, list[str]] = {}
@@ -173,6 +177,19 @@ class AdapterRegistry:
             )
             message += f"; failed to load: {broken}"
         raise UnknownAdapterError(message)
+
+    def attention_metadata(
+        self, backend: str, layout: SequenceLayout, device: torch.device
+    ) -> AttentionMetadata:
+        """The metadata for ``backend`` and ``layout`` from the first plugin that builds it."""
+        metadata = self.plugin_manager.hook.attention_metadata(
+            backend=backend, layout=layout, device=device
+        )
+        if metadata is None:
+            raise LookupError(
+                f"no plugin builds attention metadata for backend {backend!r} and layout {layout}"
+            )
+        return metadata
 
     def create(self, name: str, options: dict[str, Any]) -> Adapter:
         """An adapter instance from the factory named ``name``, given adapter ``options``."""

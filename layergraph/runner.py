@@ -66,6 +66,8 @@ class GraphEntry:
     output_leaves: tuple[Any, ...]
     output_spec: pytree.TreeSpec
     batched_outputs: tuple[bool, ...] = field(repr=False)
+    state: Any = field(default=None, repr=False)
+    """The plan's per-key buffers (attention metadata, workspaces), kept alive with the graph."""
 
 
 class GraphRunner:
@@ -163,7 +165,7 @@ class GraphRunner:
             return "autocast is enabled"
         if self.backend.is_capturing():
             return "an enclosing graph capture is running"
-        return None
+        return self.plan.eager_reason(call)
 
     # ---- capture and replay -----------------------------------------------------------------
 
@@ -191,9 +193,13 @@ class GraphRunner:
         _load(static, call.tensors)
         args, kwargs = call.rebuild(static)
         started = time.perf_counter()
-        graph, output = self.backend.capture(
-            lambda: self.plan.region(*args, **kwargs), self._pool, self.options.warmup_runs
-        )
+        state = self.plan.key_state(key, call)
+
+        def region() -> Any:
+            with self.plan.bound(state):
+                return self.plan.region(*args, **kwargs)
+
+        graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
         leaves, spec = pytree.tree_flatten(output)
         entry = GraphEntry(
             key=key,
@@ -205,6 +211,7 @@ class GraphRunner:
                 isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == key.batch
                 for leaf in leaves
             ),
+            state=state,
         )
         self._entries[lookup] = entry
         self._stats.captures += 1

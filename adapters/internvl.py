@@ -1,0 +1,279 @@
+"""Plugin for InternViT, the vision tower of InternVL, from transformers.
+
+Serves ``InternVLVisionModel`` (InternViT-300M, InternViT-6B and their configurations) and the
+vision tower inside ``InternVLModel`` and ``InternVLForConditionalGeneration``. The tower's
+whole forward (patch embedding, position embedding, layers, final norm) is captured per key
+(batch of tiles, tokens per tile): 1025 tokens for a 448x448 tile. Wrapping a VLM graphs its
+tower in place, so ``generate()`` and ``get_image_features()`` use the graphs; ``unwrap()``
+restores the tower.
+
+Each attention module computes q, k and v as usual and hands them, packed as
+``[tokens, heads, head_dim]`` views of the projections, to the attention backend chosen with
+``attention=``: ``sdpa`` (dense), ``triton`` (layergraph's varlen kernel, writing into a
+per-key workspace), ``fa3`` (FA3 or PyTorch's varlen flash kernel) or ``auto`` (the fastest
+here, measured). Attention metadata comes from the ``attention_metadata`` hook, once per key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from layergraph import Adapter, AdapterMismatch, CapturePlan, ShapeKey, hookimpl
+from layergraph.attention import (
+    BACKEND_NAMES,
+    AttentionBackend,
+    AttentionMetadata,
+    SequenceLayout,
+    choose_backend,
+)
+from layergraph.keys import CallInputs
+from layergraph.plugins import get_registry
+
+
+class InternVLAdapter(Adapter):
+    """Graphs InternViT, alone or as the vision tower of an InternVL model."""
+
+    name = "internvl"
+
+    def __init__(self, attention: str = "auto") -> None:
+        if attention not in BACKEND_NAMES:
+            raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
+        self.attention = attention
+
+    def recognizes(self, model: nn.Module) -> bool:
+        if "transformers" not in sys.modules:
+            return False
+        return _find_tower(model) is not None
+
+    def plan(self, model: nn.Module) -> CapturePlan:
+        try:
+            import transformers  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "the internvl adapter needs transformers: pip install 'layergraph[transformers]'"
+            ) from error
+        tower = _find_tower(model)
+        if tower is None:
+            raise AdapterMismatch(
+                f"the internvl adapter serves transformers' InternVLVisionModel, InternVLModel "
+                f"and InternVLForConditionalGeneration; got {type(model).__module__}."
+                f"{type(model).__name__}"
+            )
+        return InternViTPlan(tower, self.attention)
+
+
+def _find_tower(model: nn.Module) -> nn.Module | None:
+    from transformers import InternVLVisionModel
+
+    candidates = [model, getattr(model, "vision_tower", None)]
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module):
+        candidates.append(getattr(inner, "vision_tower", None))
+    return next((c for c in candidates if isinstance(c, InternVLVisionModel)), None)
+
+
+@dataclass(frozen=True)
+class AttentionState:
+    """What every attention module of the tower uses for one key: backend, metadata, workspace."""
+
+    backend: AttentionBackend
+    layout: SequenceLayout
+    metadata: AttentionMetadata
+    workspace: torch.Tensor | None
+
+
+_current_state: contextvars.ContextVar[AttentionState | None] = contextvars.ContextVar(
+    "layergraph_internvl_attention", default=None
+)
+
+
+class InternViTPlan(CapturePlan):
+    """The tower's whole forward, keyed by (tiles, tokens per tile), with routed attention."""
+
+    def __init__(self, tower: nn.Module, attention: str) -> None:
+        config = tower.config
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int) or heads < 1:
+            raise AdapterMismatch(
+                "the internvl adapter sizes its attention workspace from the vision config's "
+                "num_attention_heads, which this model's config does not give"
+            )
+        if config.hidden_size % heads:
+            raise AdapterMismatch(
+                f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
+            )
+        self.owner = tower
+        self.attention = attention
+        self.heads = heads
+        self.head_dim = config.hidden_size // heads
+        patch = config.patch_size
+        self.patch_size: tuple[int, int] = (
+            (patch, patch) if isinstance(patch, int) else tuple(patch)
+        )
+        self.channels: int = config.num_channels
+        self.attention_by_key: dict[ShapeKey, str] = {}
+        """Which backend, and which implementation of it, serves each captured key."""
+        self._forward = tower.forward
+        self._modules = [layer.attention for layer in tower.encoder.layer]
+        self._eager_states: OrderedDict[tuple[Any, ...], AttentionState] = OrderedDict()
+
+    # ---- what the runner asks ----------------------------------------------------------------
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        if _current_state.get() is not None or kwargs.get("output_attentions"):
+            return self._forward(*args, **kwargs)
+        pixels = _pixels(args, kwargs)
+        tokens = self._tokens(pixels.shape[-2], pixels.shape[-1])
+        state = self._eager_state(pixels.shape[0], tokens, pixels.device, self._dtype())
+        with self.bound(state):
+            return self._forward(*args, **kwargs)
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        pixels = call.tensors[0]
+        return self._tokens(pixels.shape[-2], pixels.shape[-1])
+
+    def eager_reason(self, call: CallInputs) -> str | None:
+        if ("output_attentions", True) in _fixed_kwargs(call):
+            return "attention weights were asked for (output_attentions=True)"
+        return None
+
+    def check_inputs(self, call: CallInputs) -> None:
+        pixels = call.tensors[0]
+        if pixels.dim() != 4:
+            raise ValueError(
+                f"expected pixel_values of shape [tiles, channels, height, width], got "
+                f"{tuple(pixels.shape)}"
+            )
+        _, channels, height, width = pixels.shape
+        if channels != self.channels:
+            raise ValueError(f"expected {self.channels} channels, got {channels}")
+        patch_h, patch_w = self.patch_size
+        if height % patch_h or width % patch_w:
+            raise ValueError(
+                f"tile size {height}x{width} is not a multiple of the patch size "
+                f"{patch_h}x{patch_w}"
+            )
+
+    def key_state(self, key: ShapeKey, call: CallInputs) -> AttentionState:
+        pixels = call.tensors[0]
+        state = self._build_state(key.batch, key.sequence, pixels.device, self._dtype())
+        self.attention_by_key[key] = f"{state.backend.name} ({state.backend.implementation})"
+        return state
+
+    @contextlib.contextmanager
+    def bound(self, state: AttentionState | None) -> Iterator[None]:
+        token = _current_state.set(state)
+        try:
+            yield
+        finally:
+            _current_state.reset(token)
+
+    @property
+    def capture_module(self) -> nn.Module:
+        return self.owner
+
+    def attach(self, serve: Callable[..., Any]) -> None:
+        self.owner.forward = serve
+        for module in self._modules:
+            module.forward = _routed_attention(module)
+
+    def detach(self) -> None:
+        self.owner.__dict__.pop("forward", None)
+        for module in self._modules:
+            module.__dict__.pop("forward", None)
+
+    # ---- attention state ---------------------------------------------------------------------
+
+    def _tokens(self, height: int, width: int) -> int:
+        return (height // self.patch_size[0]) * (width // self.patch_size[1]) + 1
+
+    def _dtype(self) -> torch.dtype:
+        return self._modules[0].q_proj.weight.dtype
+
+    def _build_state(
+        self, batch: int, tokens: int, device: torch.device, dtype: torch.dtype
+    ) -> AttentionState:
+        layout = SequenceLayout.uniform(batch, tokens)
+        backend = choose_backend(self.attention, device, dtype, self.heads, self.head_dim, layout)
+        metadata = get_registry().attention_metadata(
+            backend=backend.name, layout=layout, device=device
+        )
+        workspace = (
+            torch.empty(layout.total, self.heads, self.head_dim, dtype=dtype, device=device)
+            if backend.needs_workspace
+            else None
+        )
+        return AttentionState(backend, layout, metadata, workspace)
+
+    def _eager_state(
+        self, batch: int, tokens: int, device: torch.device, dtype: torch.dtype
+    ) -> AttentionState:
+        """States for eager calls, kept for the last few (batch, tokens) seen."""
+        lookup = (batch, tokens, device, dtype)
+        state = self._eager_states.get(lookup)
+        if state is None:
+            state = self._build_state(batch, tokens, device, dtype)
+            self._eager_states[lookup] = state
+            if len(self._eager_states) > 8:
+                self._eager_states.popitem(last=False)
+        else:
+            self._eager_states.move_to_end(lookup)
+        return state
+
+
+def _routed_attention(module: nn.Module) -> Callable[..., Any]:
+    """A forward for one ``InternVLVisionAttention`` that hands q, k, v to the bound backend.
+
+    Outside a bound state (attention weights asked for, or the module called on its own) the
+    module's own forward runs.
+    """
+    original = type(module).forward.__get__(module)
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        state = _current_state.get()
+        if state is None:
+            return original(hidden_states, *args, **kwargs)
+        batch, tokens, width = hidden_states.shape
+        heads, head_dim = module.num_heads, module.head_dim
+        q = module.q_norm(module.q_proj(hidden_states)).view(batch * tokens, heads, head_dim)
+        k = module.k_norm(module.k_proj(hidden_states)).view(batch * tokens, heads, head_dim)
+        v = module.v_proj(hidden_states).view(batch * tokens, heads, head_dim)
+        out = state.backend(
+            q,
+            k,
+            v,
+            layout=state.layout,
+            metadata=state.metadata,
+            workspace=state.workspace,
+            scale=module.scale,
+        )
+        out = module.projection_layer(out.view(batch, tokens, width))
+        return module.projection_dropout(out), None
+
+    return forward
+
+
+def _pixels(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    pixels = kwargs.get("pixel_values", args[0] if args else None)
+    if not isinstance(pixels, torch.Tensor):
+        raise TypeError("InternViT's forward needs pixel_values as a tensor")
+    return pixels
+
+
+def _fixed_kwargs(call: CallInputs) -> set[tuple[str, Any]]:
+    _, kwargs = call.rebuild(call.tensors)
+    return {(name, value) for name, value in kwargs.items() if not isinstance(value, torch.Tensor)}
+
+
+@hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(InternVLAdapter)

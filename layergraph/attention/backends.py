@@ -1,0 +1,290 @@
+"""Attention backends: dense SDPA, our Triton varlen kernel, and FA3 / PyTorch varlen.
+
+Every backend takes q, k and v packed as ``[tokens, heads, head_dim]`` (views of the
+projections; no copies are made to pack them), the layout, the metadata built for it, an
+optional workspace, and the softmax scale, and returns the attention output as
+``[tokens, heads, head_dim]``. Backends do not build their own metadata at call time: the
+caller builds it once per layout, through the ``attention_metadata`` hook, so that a captured
+graph keeps its addresses.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import statistics
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .layout import AttentionMetadata, SequenceLayout, build_metadata
+
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "Fa3Attention",
+    "SdpaAttention",
+    "TritonVarlenAttention",
+    "choose_backend",
+    "get_backend",
+]
+
+
+class AttentionBackend(ABC):
+    """One way to compute non-causal attention over packed sequences."""
+
+    name: ClassVar[str]
+    needs_workspace: ClassVar[bool] = False
+    """Whether the output is written into a caller-owned ``[tokens, heads, head_dim]`` buffer."""
+
+    @abstractmethod
+    def unavailable_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
+    ) -> str | None:
+        """Why this backend cannot run here, or ``None`` if it can."""
+
+    @abstractmethod
+    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+        """The metadata this backend's kernel takes, built for ``layout``."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        metadata: AttentionMetadata,
+        workspace: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of ``q`` over ``k`` and ``v`` within each sequence of ``layout``."""
+
+    @property
+    def implementation(self) -> str:
+        """What actually runs (a kernel or library name), for statistics and reports."""
+        return self.name
+
+
+class SdpaAttention(AttentionBackend):
+    """Dense ``scaled_dot_product_attention`` over ``[B, heads, S, head_dim]``; uniform layouts."""
+
+    name = "sdpa"
+
+    def unavailable_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
+    ) -> str | None:
+        if not layout.is_uniform:
+            return "sdpa needs sequences of one length"
+        return None
+
+    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+        return AttentionMetadata(max_seqlen=layout.max_length)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        metadata: AttentionMetadata,
+        workspace: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        batch, length = layout.count, layout.lengths[0]
+
+        def dense(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, *t.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(dense(q), dense(k), dense(v), scale=scale)
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+class TritonVarlenAttention(AttentionBackend):
+    """layergraph's own Triton varlen flash-attention kernel, writing into a workspace.
+
+    Metadata: ``cu_seqlens``, ``seq_lens`` and ``max_seqlen``. Runs on CUDA, or on the CPU
+    under ``TRITON_INTERPRET=1`` (slowly; for tests).
+    """
+
+    name = "triton"
+    needs_workspace = True
+    head_dims: ClassVar[frozenset[int]] = frozenset({32, 64, 80, 96, 128, 256})
+
+    def unavailable_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
+    ) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+        if head_dim not in self.head_dims:
+            return f"head_dim {head_dim} is not one of {sorted(self.head_dims)}"
+        return None
+
+    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+        return build_metadata(layout, device, cu_seqlens=True, seq_lens=True)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        metadata: AttentionMetadata,
+        workspace: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        from .triton_varlen import varlen_attention
+
+        if workspace is None:
+            raise ValueError("the triton backend writes into a workspace; none was given")
+        return varlen_attention(
+            q, k, v, workspace, metadata.cu_seqlens, metadata.seq_lens, metadata.max_seqlen, scale
+        )
+
+
+class Fa3Attention(AttentionBackend):
+    """FA3's ``flash_attn_varlen_func`` when ``flash_attn_interface`` is installed, else
+    PyTorch's varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``).
+
+    Metadata: ``cu_seqlens`` and ``max_seqlen``. :attr:`implementation` says which one runs.
+    """
+
+    name = "fa3"
+
+    @functools.cached_property
+    def _kernel(self) -> tuple[str, Any] | None:
+        try:
+            from flash_attn_interface import flash_attn_varlen_func
+        except ImportError:
+            pass
+        else:
+            return "flash_attn_interface.flash_attn_varlen_func (FA3)", flash_attn_varlen_func
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            return None
+        return "torch.nn.attention.varlen.varlen_attn", varlen_attn
+
+    @property
+    def implementation(self) -> str:
+        kernel = self._kernel
+        return "unavailable" if kernel is None else kernel[0]
+
+    def unavailable_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
+    ) -> str | None:
+        if self._kernel is None:
+            return "neither flash_attn_interface nor torch.nn.attention.varlen is installed"
+        if device.type != "cuda":
+            return "fa3 needs a CUDA device"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"fa3 needs float16 or bfloat16, not {dtype}"
+        return None
+
+    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+        return build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        metadata: AttentionMetadata,
+        workspace: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        name, kernel = self._kernel
+        cu, longest = metadata.cu_seqlens, metadata.max_seqlen
+        if name.startswith("flash_attn_interface"):
+            out = kernel(q, k, v, cu, cu, longest, longest, softmax_scale=scale)
+            return out[0] if isinstance(out, tuple) else out
+        return kernel(q, k, v, cu, cu, longest, longest, scale=scale)
+
+
+_BACKENDS: dict[str, AttentionBackend] = {
+    backend.name: backend for backend in (SdpaAttention(), TritonVarlenAttention(), Fa3Attention())
+}
+BACKEND_NAMES: tuple[str, ...] = (*_BACKENDS, "auto")
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The backend called ``name``; a ``ValueError`` listing the names for an unknown one."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def choose_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    layout: SequenceLayout,
+) -> AttentionBackend:
+    """The backend to use: ``name`` itself if it can run here, or for ``"auto"`` the fastest.
+
+    ``"auto"`` takes ``sdpa`` off the GPU; on a GPU it times every available backend on random
+    inputs of this layout (median of 10 calls after 3 warm-ups) and keeps the fastest, once
+    per (device, dtype, heads, head_dim, layout).
+    """
+    if name != "auto":
+        backend = get_backend(name)
+        reason = backend.unavailable_reason(device, dtype, head_dim, layout)
+        if reason is not None:
+            raise RuntimeError(f"attention backend {name!r} cannot run: {reason}")
+        return backend
+    usable = [
+        backend
+        for backend in _BACKENDS.values()
+        if backend.unavailable_reason(device, dtype, head_dim, layout) is None
+    ]
+    if device.type != "cuda" or len(usable) == 1:
+        return _BACKENDS["sdpa"] if _BACKENDS["sdpa"] in usable else usable[0]
+    return min(
+        usable, key=lambda backend: _time_ms(backend, device, dtype, heads, head_dim, layout)
+    )
+
+
+def _time_ms(
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    layout: SequenceLayout,
+) -> float:
+    q, k, v = torch.randn(3, layout.total, heads, head_dim, device=device, dtype=dtype).unbind(0)
+    metadata = backend.default_metadata(layout, device)
+    workspace = torch.empty_like(q) if backend.needs_workspace else None
+
+    def run() -> None:
+        backend(
+            q, k, v, layout=layout, metadata=metadata, workspace=workspace, scale=head_dim**-0.5
+        )
+
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

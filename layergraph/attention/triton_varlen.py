@@ -1,0 +1,326 @@
+"""Variable-length (packed sequences) flash-attention forward in Triton, for vision encoders.
+
+A batch of images or tiles whose token counts differ is packed into one tensor of
+``total_tokens`` rows; ``cu_seqlens`` marks where each sequence starts. Each sequence attends to
+itself only (a block-diagonal mask and no other), computed with the online softmax of flash
+attention: float32 accumulation, ``exp2`` with ``log2(e)`` folded into the scale, one program per
+(query block, sequence, head). The launch does no device-to-host synchronisation and allocates
+nothing, so it can be captured inside a CUDA graph; the grid is fixed by ``max_seqlen`` and the
+number of sequences, and programs whose query block starts past their sequence's end exit at
+once. Compile before capturing: the first call with a new dtype, head dim or config compiles.
+
+What it does not do: no causal or other masks, no dropout, no attention bias, no grouped or
+multi-query heads (q, k and v have the same number of heads), no backward pass, no returned
+log-sum-exp. ``max_seqlen`` is trusted: a sequence longer than it is silently truncated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["VarlenConfig", "default_config", "varlen_attention"]
+
+_LOG2_E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_GRID_Y = 65535
+
+
+@dataclass(frozen=True)
+class VarlenConfig:
+    """Launch configuration: query and key block sizes, warps per program, pipeline depth."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"VarlenConfig.{name} must be a power of two, got {value}")
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError(
+                f"VarlenConfig block sizes must be at least 16 (tl.dot), got "
+                f"block_m={self.block_m}, block_n={self.block_n}"
+            )
+        if self.num_stages < 1:
+            raise ValueError(f"VarlenConfig.num_stages must be at least 1, got {self.num_stages}")
+
+
+def default_config(head_dim: int) -> VarlenConfig:
+    """The block sizes, warps and stages used for ``head_dim`` unless a config is given.
+
+    Chosen for Hopper (H100/H200) from ``benchmarks/attention_kernel.py``: 128-row query
+    blocks, with the key block and the warps shrinking as the head dim grows so that the
+    tiles stay in registers.
+    """
+    if head_dim <= 64:
+        return VarlenConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return VarlenConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return VarlenConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _load_tile(
+    ptrs,
+    rows,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_D: tl.constexpr,
+):
+    """Load a [rows, BLOCK_D] tile, masking only what the constexpr flags say may be out."""
+    if MASK_D:
+        mask = offs_d[None, :] < HEAD_DIM
+        if MASK_ROWS:
+            mask = mask & (rows[:, None] < n_rows)
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    elif MASK_ROWS:
+        tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _attend_block(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    seq_len,
+    offs_n,
+    offs_d,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the key block starting at ``start_n``."""
+    cols = start_n + offs_n
+    k = _load_tile(k_ptrs, cols, seq_len, offs_d, HEAD_DIM, MASK_N, MASK_D)
+    v = _load_tile(v_ptrs, cols, seq_len, offs_d, HEAD_DIM, MASK_N, MASK_D)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASK_N:
+        qk = tl.where(cols[None, :] < seq_len, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _varlen_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    cu_seqlens,
+    seq_lens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    heads,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    block_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // heads
+    head = batch_head % heads
+    seq_len = tl.load(seq_lens + batch)
+    start_m = block_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    seq_start = tl.load(cu_seqlens + batch).to(tl.int64)
+    MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + seq_start * stride_qt + head * stride_qh
+    q_ptrs += offs_m[:, None] * stride_qt + offs_d[None, :]
+    k_ptrs = K + seq_start * stride_kt + head * stride_kh
+    k_ptrs += offs_n[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = V + seq_start * stride_vt + head * stride_vh
+    v_ptrs += offs_n[:, None] * stride_vt + offs_d[None, :]
+
+    q = _load_tile(q_ptrs, offs_m, seq_len, offs_d, HEAD_DIM, True, MASK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Whole key blocks without row masks, then the ragged last block with them.
+    full_end = (seq_len // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs + start_n * stride_kt,
+            v_ptrs + start_n * stride_vt,
+            start_n,
+            seq_len,
+            offs_n,
+            offs_d,
+            qk_scale,
+            HEAD_DIM,
+            False,
+            MASK_D,
+            DOT_PRECISION,
+        )
+    if full_end < seq_len:
+        acc, l_i, m_i = _attend_block(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_ptrs + full_end * stride_kt,
+            v_ptrs + full_end * stride_vt,
+            full_end,
+            seq_len,
+            offs_n,
+            offs_d,
+            qk_scale,
+            HEAD_DIM,
+            True,
+            MASK_D,
+            DOT_PRECISION,
+        )
+
+    acc = acc / l_i[:, None]
+    o_ptrs = Out + seq_start * stride_ot + head * stride_oh
+    o_ptrs += offs_m[:, None] * stride_ot + offs_d[None, :]
+    o_mask = offs_m[:, None] < seq_len
+    if MASK_D:
+        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)
+
+
+def _check_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen: int,
+) -> None:
+    """Raise ValueError naming the first thing wrong; reads metadata only (no device sync)."""
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must be [total_tokens, heads, head_dim], got shape {tuple(t.shape)}"
+            )
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} differs from q shape {tuple(q.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} last dimension must have stride 1, got {t.stride(-1)}")
+    head_dim = q.shape[-1]
+    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
+        raise ValueError(
+            f"unsupported head_dim {head_dim}: must be a multiple of 8 between 16 and 256"
+        )
+    for name, t in (("cu_seqlens", cu_seqlens), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} dtype must be torch.int32, got {t.dtype}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if cu_seqlens.numel() != seq_lens.numel() + 1:
+        raise ValueError(
+            f"cu_seqlens must have len(seq_lens) + 1 = {seq_lens.numel() + 1} elements, "
+            f"got {cu_seqlens.numel()}"
+        )
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be a positive Python int, got {max_seqlen!r}")
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    *,
+    config: VarlenConfig | None = None,
+) -> torch.Tensor:
+    """Attention of each packed sequence to itself, written into ``out``, which is returned.
+
+    ``q``, ``k``, ``v`` and ``out`` are ``[total_tokens, heads, head_dim]`` of one dtype
+    (float16, bfloat16, or float32 for testing), any strides with the last one 1. Sequence
+    ``b`` holds rows ``cu_seqlens[b]`` to ``cu_seqlens[b] + seq_lens[b]`` (both int32 on the
+    device); no length may exceed ``max_seqlen``. Rows of ``out`` outside every sequence are
+    left as they were. ``scale`` multiplies ``q @ k^T`` before the softmax (usually
+    ``head_dim ** -0.5``); ``config`` overrides :func:`default_config`.
+    """
+    _check_args(q, k, v, out, cu_seqlens, seq_lens, max_seqlen)
+    batch, heads, head_dim = seq_lens.numel(), q.shape[1], q.shape[2]
+    if batch == 0 or heads == 0 or q.shape[0] == 0:
+        return out
+    if batch * heads > _MAX_GRID_Y:
+        raise ValueError(
+            f"sequences * heads = {batch * heads} exceeds the grid limit of {_MAX_GRID_Y}"
+        )
+    cfg = config or default_config(head_dim)
+    grid = (triton.cdiv(max_seqlen, cfg.block_m), batch * heads)
+    _varlen_fwd_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens,
+        seq_lens,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        heads,
+        float(scale) * _LOG2_E,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
