@@ -24,16 +24,23 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from layergraph.attention.triton_varlen import VarlenConfig, default_config, varlen_attention
 
-CASES = [(8, 1025, 16, 64), (8, 1025, 8, 128), (1, 1025, 16, 64), (1, 1025, 8, 128)]
+CASES = [
+    (8, 1025, 16, 64),
+    (8, 1025, 8, 128),
+    (1, 1025, 16, 64),
+    (1, 1025, 8, 128),
+    (8, 1025, 16, 80),  # head dim padded to 128 inside the kernel
+]
 CANDIDATES = [  # (block_m, block_n, num_warps, num_stages)
     (128, 64, 4, 3),
-    (128, 64, 4, 4),
     (128, 128, 4, 3),
     (128, 64, 8, 3),
     (128, 128, 8, 3),
-    (128, 128, 8, 2),
     (128, 32, 4, 3),
     (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 32, 4, 3),
+    (64, 128, 4, 3),
 ]
 
 

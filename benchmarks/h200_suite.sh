@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# The GPU run: versions, the CUDA-marked tests, the full test suite, and the demo in fp16 and
-# bf16, with everything written under $OUT (or ./gpu-results when OUT is unset).
+# The GPU run: versions, the CUDA-marked tests, the rest of the suite, the demo in fp16,
+# the attention-kernel and InternViT benchmarks. Everything is written under $OUT (or
+# ./gpu-results when OUT is unset): log.txt holds the console output of every step.
 set -uo pipefail
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$out/install.txt" 2>&1 \
-  || { cat "$out/install.txt"; exit 1; }
+log="$out/log.txt"
+export PYTHONUNBUFFERED=1 COLUMNS=160
+step() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1 \
+  || { cat "$log"; exit 1; }
 {
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 - <<'PY'
-import platform, torch, timm, pluggy
+  python3 -c 'import platform, torch, timm, transformers, triton, pluggy
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
-      "| timm", timm.__version__, "| pluggy", pluggy.__version__)
-PY
-} | tee "$out/versions.txt"
+      "| timm", timm.__version__, "| transformers", transformers.__version__,
+      "| triton", triton.__version__, "| pluggy", pluggy.__version__)'
+} 2>&1 | tee -a "$log"
 status=0
-python3 -m pytest -q -m cuda tests 2>&1 | tee "$out/pytest-cuda.txt" || status=1
-python3 -m pytest -q -m "not cuda" tests 2>&1 | tail -n 3 | tee "$out/pytest-rest.txt" || status=1
-COLUMNS=160 layergraph demo --dtype float16 --json "$out/demo-fp16.json" 2>&1 | tee "$out/demo-fp16.txt" || status=1
-COLUMNS=160 layergraph demo --dtype bfloat16 --json "$out/demo-bf16.json" 2>&1 | tee "$out/demo-bf16.txt" || status=1
+step python3 -m pytest -q -m cuda tests -p no:cacheprovider || status=1
+step python3 -m pytest -q -m "not cuda" tests -p no:cacheprovider || status=1
+step layergraph demo --dtype float16 --json "$out/demo-fp16.json" || status=1
+step python3 benchmarks/attention_kernel.py --json "$out/attention-kernel.json" || status=1
+step python3 benchmarks/internvl.py --json "$out/internvl.json" || status=1
 exit $status

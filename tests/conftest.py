@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +12,11 @@ import pytest
 import torch
 
 from layergraph import plugins
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on machines without a GPU. The variable is
+    # read when a kernel module is imported, so it is set before any test imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,7 +8,6 @@ adapter's attention computes the same softmax(q k^T) v as transformers' with oth
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -49,11 +48,10 @@ def tiles(batch: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def triton_interpreter() -> None:
+    """The Triton backend on CPU tensors, through the interpreter (set up in conftest.py)."""
     if torch.cuda.is_available():
-        pytest.skip("the interpreter run is for machines without a GPU")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
+        pytest.skip("runs the Triton backend on CPU tensors, for machines without a GPU")
 
 
 @pytest.mark.parametrize(

@@ -114,7 +114,6 @@ class TritonVarlenAttention(AttentionBackend):
 
     name = "triton"
     needs_workspace = True
-    head_dims: ClassVar[frozenset[int]] = frozenset({32, 64, 80, 96, 128, 256})
 
     def unavailable_reason(
         self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
@@ -123,8 +122,8 @@ class TritonVarlenAttention(AttentionBackend):
             return "triton is not installed"
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return "triton needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
-        if head_dim not in self.head_dims:
-            return f"head_dim {head_dim} is not one of {sorted(self.head_dims)}"
+        if head_dim % 8 or not 16 <= head_dim <= 256:
+            return f"head_dim {head_dim} is not a multiple of 8 between 16 and 256"
         return None
 
     def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
