@@ -38,6 +38,40 @@ from layergraph.attention import (
 from layergraph.keys import CallInputs
 from layergraph.plugins import get_registry
 
+INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
+    "internvit-300m": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=[448, 448],
+        patch_size=[14, 14],
+        norm_type="layer_norm",
+        use_qk_norm=False,
+    ),
+    "internvit-6b": dict(
+        hidden_size=3200,
+        intermediate_size=12800,
+        num_hidden_layers=45,
+        num_attention_heads=25,
+        image_size=[448, 448],
+        patch_size=[14, 14],
+        norm_type="rms_norm",
+        use_qk_norm=True,
+    ),
+}
+"""``InternVLVisionConfig`` settings of InternViT-300M and InternViT-6B at 448x448 tiles, for
+building the towers with random weights (tests, benchmarks) without downloading anything."""
+
+
+def build_internvit(name: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """An ``InternVLVisionModel`` of one of :data:`INTERNVIT_CONFIGS`, random weights, eval mode."""
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    with torch.device(device):
+        model = InternVLVisionModel(InternVLVisionConfig(**INTERNVIT_CONFIGS[name]))
+    return model.to(dtype).eval()
+
 
 class InternVLAdapter(Adapter):
     """Graphs InternViT, alone or as the vision tower of an InternVL model."""

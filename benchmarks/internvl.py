@@ -21,17 +21,7 @@ import layergraph
 from layergraph.reference import plain_graph
 from layergraph.timing import median_ms
 from layergraph.validation import relative_error
-
-INTERNVIT_300M = dict(
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    image_size=[448, 448],
-    patch_size=[14, 14],
-    norm_type="layer_norm",
-    use_qk_norm=False,
-)
+from layergraph_adapters.internvl import build_internvit
 
 
 def main() -> None:
@@ -42,11 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(part) for part in args.batch_sizes.split(",")]
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.InternVLVisionModel(
-            transformers.InternVLVisionConfig(**INTERNVIT_300M)
-        )
-    model = model.to(torch.bfloat16).eval()
+    model = build_internvit("internvit-300m", torch.bfloat16, "cuda")
     rows = []
     with torch.inference_mode():
         for batch in sizes:

@@ -10,13 +10,12 @@ where a different attention kernel in bf16 over 24 or 45 layers is accepted up t
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
+from layergraph_adapters.internvl import INTERNVIT_CONFIGS, build_internvit
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,34 +23,11 @@ pytestmark = pytest.mark.cuda
 
 BACKENDS = ["sdpa", "triton", "fa3", "auto"]
 TO_TRANSFORMERS = 5e-2
-INTERNVIT_300M = dict(
-    hidden_size=1024,
-    intermediate_size=4096,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    image_size=[448, 448],
-    patch_size=[14, 14],
-    norm_type="layer_norm",
-    use_qk_norm=False,
-)
-INTERNVIT_6B = dict(
-    hidden_size=3200,
-    intermediate_size=12800,
-    num_hidden_layers=45,
-    num_attention_heads=25,
-    image_size=[448, 448],
-    patch_size=[14, 14],
-    norm_type="rms_norm",
-    use_qk_norm=True,
-)
 
 
-def build(settings: dict[str, Any]) -> torch.nn.Module:
+def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.InternVLVisionConfig(**settings)
-    with torch.device("cuda"):
-        model = transformers.InternVLVisionModel(config)
-    return model.to(torch.bfloat16).eval()
+    return build_internvit(name, torch.bfloat16, "cuda")
 
 
 def tiles(batch: int) -> torch.Tensor:
@@ -60,7 +36,7 @@ def tiles(batch: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def internvit_300m() -> torch.nn.Module:
-    return build(INTERNVIT_300M)
+    return build("internvit-300m")
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
@@ -87,7 +63,7 @@ def test_internvit_300m_graph_equals_eager(internvit_300m: torch.nn.Module, atte
 
 @pytest.fixture(scope="module")
 def internvit_6b() -> torch.nn.Module:
-    return build(INTERNVIT_6B)
+    return build("internvit-6b")
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
@@ -160,7 +136,7 @@ def test_whole_vlm_image_features_run_through_the_graph() -> None:
         vocab_size=2000,
     )
     config = transformers.InternVLConfig(
-        vision_config=transformers.InternVLVisionConfig(**INTERNVIT_300M),
+        vision_config=transformers.InternVLVisionConfig(**INTERNVIT_CONFIGS["internvit-300m"]),
         text_config=text,
         image_token_id=1999,
         downsample_ratio=0.5,
