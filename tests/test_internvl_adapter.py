@@ -254,3 +254,41 @@ def test_recognizes_towers_and_vlms() -> None:
     adapter = InternVLAdapter()
     assert adapter.recognizes(tower()) and adapter.recognizes(tiny_vlm())
     assert not adapter.recognizes(torch.nn.Linear(2, 2))
+
+
+def test_triton_backend_eager_path_equals_transformers(triton_interpreter: None) -> None:
+    model = tower()
+    x = tiles(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x).last_hidden_state
+        graphed = layergraph.wrap(model, adapter="internvl", attention="triton")
+        got = graphed(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert graphed.stats.eager_total == 1
+
+
+def test_internvl_model_tower_is_found_and_restored() -> None:
+    vlm = tiny_vlm()
+    model = vlm.model
+    assert isinstance(model, transformers.InternVLModel)
+    pixels = torch.randn(1, 3, 64, 64)
+    with torch.inference_mode():
+        expected = model.get_image_features(pixel_values=pixels).pooler_output
+        graphed = layergraph.wrap(model, adapter="internvl", backend=SimulatedGraphs())
+        got = graphed.get_image_features(pixel_values=pixels).pooler_output
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert graphed.stats.replays == 1
+    graphed.unwrap()
+    assert "forward" not in model.vision_tower.__dict__
+
+
+def test_from_pretrained_local_weights_then_wrap(tmp_path: Any) -> None:
+    saved = tower()
+    saved.save_pretrained(tmp_path)
+    loaded = transformers.InternVLVisionModel.from_pretrained(tmp_path).eval()
+    x = tiles(2)
+    with torch.inference_mode():
+        expected = saved(pixel_values=x).last_hidden_state
+        graphed = layergraph.wrap(loaded, adapter="internvl", backend=SimulatedGraphs())
+        got = graphed(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
