@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,13 @@ from layergraph.attention import (
 )
 from layergraph.keys import CallInputs
 from layergraph.plugins import get_registry
+from layergraph_adapters.hf_vision import (
+    VisionTowerPlan,
+    find_tower,
+    pixels_of,
+    transformers_classes,
+    vlm_feature_layers,
+)
 
 INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
     "internvit-300m": dict(
@@ -78,10 +85,13 @@ class InternVLAdapter(Adapter):
 
     name = "internvl"
 
-    def __init__(self, attention: str = "auto") -> None:
+    def __init__(
+        self, attention: str = "auto", feature_layers: int | list[int] | None = None
+    ) -> None:
         if attention not in BACKEND_NAMES:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
         self.attention = attention
+        self.feature_layers = feature_layers
 
     def recognizes(self, model: nn.Module) -> bool:
         if "transformers" not in sys.modules:
@@ -102,17 +112,14 @@ class InternVLAdapter(Adapter):
                 f"and InternVLForConditionalGeneration; got {type(model).__module__}."
                 f"{type(model).__name__}"
             )
-        return InternViTPlan(tower, self.attention)
+        layers = self.feature_layers
+        if layers is None and tower is not model:
+            layers = vlm_feature_layers(model)
+        return InternViTPlan(tower, self.attention, layers)
 
 
 def _find_tower(model: nn.Module) -> nn.Module | None:
-    from transformers import InternVLVisionModel
-
-    candidates = [model, getattr(model, "vision_tower", None)]
-    inner = getattr(model, "model", None)
-    if isinstance(inner, nn.Module):
-        candidates.append(getattr(inner, "vision_tower", None))
-    return next((c for c in candidates if isinstance(c, InternVLVisionModel)), None)
+    return find_tower(model, transformers_classes("InternVLVisionModel"))
 
 
 @dataclass(frozen=True)
@@ -130,10 +137,12 @@ _current_state: contextvars.ContextVar[AttentionState | None] = contextvars.Cont
 )
 
 
-class InternViTPlan(CapturePlan):
+class InternViTPlan(VisionTowerPlan):
     """The tower's whole forward, keyed by (tiles, tokens per tile), with routed attention."""
 
-    def __init__(self, tower: nn.Module, attention: str) -> None:
+    def __init__(
+        self, tower: nn.Module, attention: str, feature_layers: int | list[int] | None = None
+    ) -> None:
         config = tower.config
         heads = getattr(config, "num_attention_heads", None)
         if not isinstance(heads, int) or heads < 1:
@@ -145,57 +154,26 @@ class InternViTPlan(CapturePlan):
             raise AdapterMismatch(
                 f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
             )
-        self.owner = tower
+        super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers)
         self.attention = attention
         self.heads = heads
         self.head_dim = config.hidden_size // heads
-        patch = config.patch_size
-        self.patch_size: tuple[int, int] = (
-            (patch, patch) if isinstance(patch, int) else tuple(patch)
-        )
-        self.channels: int = config.num_channels
         self.attention_by_key: dict[ShapeKey, str] = {}
         """Which backend, and which implementation of it, serves each captured key."""
-        self._forward = tower.forward
-        self._modules = [layer.attention for layer in tower.encoder.layer]
+        self._attentions = [layer.attention for layer in tower.encoder.layer]
         self._eager_states: OrderedDict[tuple[Any, ...], AttentionState] = OrderedDict()
-
-    # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         if _current_state.get() is not None or kwargs.get("output_attentions"):
-            return self._forward(*args, **kwargs)
-        pixels = _pixels(args, kwargs)
-        tokens = self._tokens(pixels.shape[-2], pixels.shape[-1])
+            return super().region(*args, **kwargs)
+        pixels = pixels_of(args, kwargs)
+        tokens = self.sequence_of(CallInputs((pixels,), {}))
         state = self._eager_state(pixels.shape[0], tokens, pixels.device, self._dtype())
         with self.bound(state):
-            return self._forward(*args, **kwargs)
+            return super().region(*args, **kwargs)
 
-    def sequence_of(self, call: CallInputs) -> Hashable:
-        pixels = call.tensors[0]
-        return self._tokens(pixels.shape[-2], pixels.shape[-1])
-
-    def eager_reason(self, call: CallInputs) -> str | None:
-        if ("output_attentions", True) in _fixed_kwargs(call):
-            return "attention weights were asked for (output_attentions=True)"
-        return None
-
-    def check_inputs(self, call: CallInputs) -> None:
-        pixels = call.tensors[0]
-        if pixels.dim() != 4:
-            raise ValueError(
-                f"expected pixel_values of shape [tiles, channels, height, width], got "
-                f"{tuple(pixels.shape)}"
-            )
-        _, channels, height, width = pixels.shape
-        if channels != self.channels:
-            raise ValueError(f"expected {self.channels} channels, got {channels}")
-        patch_h, patch_w = self.patch_size
-        if height % patch_h or width % patch_w:
-            raise ValueError(
-                f"tile size {height}x{width} is not a multiple of the patch size "
-                f"{patch_h}x{patch_w}"
-            )
+    def _resizes(self, kwargs: dict[str, Any]) -> bool:
+        return True  # InternViT interpolates its position embedding to any tile size
 
     def key_state(self, key: ShapeKey, call: CallInputs) -> AttentionState:
         pixels = call.tensors[0]
@@ -211,27 +189,20 @@ class InternViTPlan(CapturePlan):
         finally:
             _current_state.reset(token)
 
-    @property
-    def capture_module(self) -> nn.Module:
-        return self.owner
-
     def attach(self, serve: Callable[..., Any]) -> None:
-        self.owner.forward = serve
-        for module in self._modules:
+        super().attach(serve)
+        for module in self._attentions:
             module.forward = _routed_attention(module)
 
     def detach(self) -> None:
-        self.owner.__dict__.pop("forward", None)
-        for module in self._modules:
+        super().detach()
+        for module in self._attentions:
             module.__dict__.pop("forward", None)
 
     # ---- attention state ---------------------------------------------------------------------
 
-    def _tokens(self, height: int, width: int) -> int:
-        return (height // self.patch_size[0]) * (width // self.patch_size[1]) + 1
-
     def _dtype(self) -> torch.dtype:
-        return self._modules[0].q_proj.weight.dtype
+        return self._attentions[0].q_proj.weight.dtype
 
     def _build_state(
         self, batch: int, tokens: int, device: torch.device, dtype: torch.dtype
@@ -294,18 +265,6 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
         return module.projection_dropout(out), None
 
     return forward
-
-
-def _pixels(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    pixels = kwargs.get("pixel_values", args[0] if args else None)
-    if not isinstance(pixels, torch.Tensor):
-        raise TypeError("InternViT's forward needs pixel_values as a tensor")
-    return pixels
-
-
-def _fixed_kwargs(call: CallInputs) -> set[tuple[str, Any]]:
-    _, kwargs = call.rebuild(call.tensors)
-    return {(name, value) for name, value in kwargs.items() if not isinstance(value, torch.Tensor)}
 
 
 @hookimpl

@@ -56,9 +56,10 @@ class CallInputs:
     """A call's arguments, split into batched tensors and the fixed rest.
 
     Tensors may appear as top-level positional or keyword arguments; each is batched along its
-    first dimension, and all must agree on the batch size. Every other argument must be
-    hashable: it becomes part of the signature, so a call with another value gets another
-    graph. Tensors nested inside lists or dicts are not supported (the call runs eagerly).
+    first dimension, and all must agree on the batch size. Every other argument becomes part of
+    the signature, so a call with another value gets another graph: it must be hashable, or a
+    list, tuple or dict of hashable values (keyed by its contents). Tensors nested inside lists
+    or dicts are not supported (the call runs eagerly).
     """
 
     __slots__ = ("_kwarg_names", "_template", "batch", "signature", "tensors")
@@ -79,14 +80,8 @@ class CallInputs:
             else:
                 if isinstance(value, (list, tuple, dict)) and _holds_tensor(value):
                     raise UnsupportedCall("tensors nested inside a list, tuple or dict")
-                try:
-                    hash(value)
-                except TypeError:
-                    raise UnsupportedCall(
-                        f"argument of type {type(value).__name__} is not hashable"
-                    ) from None
                 template.append(value)
-                parts.append(value)
+                parts.append(_frozen(value))
         if not tensors:
             raise UnsupportedCall("the call has no tensor argument")
         batch = tensors[0].shape[0]
@@ -114,6 +109,19 @@ class CallInputs:
         """The same call on rows ``start:stop`` of every batched tensor."""
         args, kwargs = self.rebuild([t[start:stop] for t in self.tensors])
         return CallInputs(args, kwargs)
+
+
+def _frozen(value: Any) -> Hashable:
+    """``value`` itself if hashable; lists and dicts as tuples of their frozen contents."""
+    if isinstance(value, list):
+        return (list, tuple(_frozen(item) for item in value))
+    if isinstance(value, dict):
+        return (dict, tuple((key, _frozen(item)) for key, item in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        raise UnsupportedCall(f"argument of type {type(value).__name__} is not hashable") from None
+    return value
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -33,6 +33,9 @@ def test_signature_ignores_batch_but_not_shape_dtype_or_values() -> None:
     assert signature(torch.randn(2, 4, dtype=torch.float64)) != base
     assert signature(torch.randn(2, 4), 1) != signature(torch.randn(2, 4), 2)
     assert signature(x=torch.randn(2, 4)) != base
+    assert signature(torch.randn(2, 4), [1, 2]) == signature(torch.randn(3, 4), [1, 2])
+    assert signature(torch.randn(2, 4), [1, 2]) != signature(torch.randn(2, 4), (1, 2))
+    assert signature(torch.randn(2, 4), {"a": [1]}) != signature(torch.randn(2, 4), {"a": [2]})
 
 
 @pytest.mark.parametrize(
@@ -42,7 +45,7 @@ def test_signature_ignores_batch_but_not_shape_dtype_or_values() -> None:
         ((torch.tensor(1.0),), "no batch dimension"),
         (([torch.randn(2, 3)],), "nested"),
         ((1, "a"), "no tensor argument"),
-        ((torch.randn(2, 3), {"a": 1}), "not hashable"),
+        ((torch.randn(2, 3), {"a": {1, 2}}), "set is not hashable"),
     ],
 )
 def test_unsupported_calls_name_the_problem(args: tuple, message: str) -> None:

@@ -1,0 +1,29 @@
+"""Plugin for CLIP vision towers from transformers.
+
+Serves ``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` (projection included), the vision
+half of ``CLIPModel``, and the CLIP tower inside LLaVA and LLaVA-NeXT. The whole tower is
+captured per (images, tokens per image): ViT-L/14 at 336x336 gives 577 tokens, class token
+included. Inside a VLM the graphs follow its ``vision_feature_layer`` (LLaVA reads layer -2,
+so the graph stops one layer early).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from layergraph import hookimpl
+from layergraph_adapters.hf_vision import VisionTowerAdapter
+
+
+class ClipAdapter(VisionTowerAdapter):
+    """Graphs a CLIP vision tower, alone or inside a larger model."""
+
+    name = "clip"
+    tower_classes = ("CLIPVisionModelWithProjection", "CLIPVisionModel", "CLIPVisionTransformer")
+    prefix_tokens = 1
+
+
+@hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(ClipAdapter)

@@ -1,0 +1,248 @@
+"""What transformers' vision towers have in common, for the InternVL, SigLIP and CLIP adapters.
+
+A tower (``CLIPVisionModel``, ``SiglipVisionModel``, ``InternVLVisionModel``...) is found in the
+model given to ``wrap`` (the model itself, or its ``vision_model`` / ``vision_tower``, as in
+``CLIPModel``, ``SiglipModel``, LLaVA, LLaVA-NeXT, PaliGemma and InternVL), and its whole forward
+is captured per key (images, tokens per image), then installed as the tower's forward so that
+every caller (``generate``, ``get_image_features``) reaches the graphs. ``unwrap()`` restores it.
+
+Feature layers: a VLM that reads hidden states before the last layer (LLaVA reads layer -2)
+does not need the layers after it. With ``feature_layers`` set, calls that ask for hidden
+states run a graph that stops at the deepest layer needed and returns those hidden states at
+their usual indices of ``hidden_states`` (other entries, ``last_hidden_state`` and
+``pooler_output`` are ``None``). Calls that need more run eagerly and say why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from layergraph import Adapter, AdapterMismatch, CapturePlan
+from layergraph.keys import CallInputs
+
+_TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
+
+
+def find_tower(model: nn.Module, classes: tuple[type, ...]) -> nn.Module | None:
+    """The first of ``model`` and its usual tower attributes that is one of ``classes``."""
+    for path in ("", *_TOWER_PATHS):
+        candidate: Any = model
+        for name in filter(None, path.split(".")):
+            candidate = getattr(candidate, name, None)
+        if isinstance(candidate, classes):
+            return candidate
+    return None
+
+
+def transformers_classes(*names: str) -> tuple[type, ...]:
+    """The classes of those ``names`` that this version of transformers has."""
+    import transformers
+
+    return tuple(cls for name in names if (cls := getattr(transformers, name, None)) is not None)
+
+
+def vlm_feature_layers(model: nn.Module) -> int | list[int] | None:
+    """The VLM's own ``vision_feature_layer`` setting, or ``None`` for a tower on its own."""
+    return getattr(getattr(model, "config", None), "vision_feature_layer", None)
+
+
+class VisionTowerAdapter(Adapter):
+    """An adapter for one family of transformers vision towers; subclasses name the family.
+
+    ``feature_layers`` (an index into ``hidden_states``, or a list of them) lets the graphs stop
+    at the deepest layer needed; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
+    """
+
+    tower_classes: ClassVar[tuple[str, ...]] = ()
+    """Names of the transformers classes that are this family's towers."""
+    prefix_tokens: ClassVar[int] = 0
+    """Tokens per image besides the patches (a class token)."""
+
+    def __init__(self, feature_layers: int | list[int] | None = None) -> None:
+        self.feature_layers = feature_layers
+
+    def recognizes(self, model: nn.Module) -> bool:
+        if "transformers" not in sys.modules:
+            return False
+        return find_tower(model, transformers_classes(*self.tower_classes)) is not None
+
+    def plan(self, model: nn.Module) -> CapturePlan:
+        try:
+            classes = transformers_classes(*self.tower_classes)
+        except ImportError as error:
+            raise ImportError(
+                f"the {self.name} adapter needs transformers: "
+                f"pip install 'layergraph[transformers]'"
+            ) from error
+        tower = find_tower(model, classes)
+        if tower is None:
+            raise AdapterMismatch(
+                f"the {self.name} adapter serves transformers' {', '.join(self.tower_classes)} "
+                f"and models holding one as vision_model or vision_tower; got "
+                f"{type(model).__module__}.{type(model).__name__}"
+            )
+        layers = self.feature_layers
+        if layers is None and tower is not model:
+            layers = vlm_feature_layers(model)
+        return VisionTowerPlan(tower, prefix_tokens=self.prefix_tokens, feature_layers=layers)
+
+
+class VisionTowerPlan(CapturePlan):
+    """A transformers vision tower's whole forward, keyed by (images, tokens per image)."""
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        *,
+        prefix_tokens: int,
+        feature_layers: int | Sequence[int] | None = None,
+    ) -> None:
+        config = tower.config
+        self.owner = tower
+        self.prefix_tokens = prefix_tokens
+        self.patch_size = _pair(config.patch_size)
+        self.image_size = _pair(config.image_size)
+        self.channels: int = config.num_channels
+        self._forward = tower.forward
+        self._parent, self._layers_name, layers = _layer_list(tower)
+        self.depth = len(layers)
+        self.feature_layers = self._held_layers(feature_layers)
+        """Indices into ``hidden_states`` (0: embeddings, i: after layer i) the feature graphs
+        return, or ``None`` when graphs run the whole tower."""
+        self._truncation = threading.Lock()
+
+    def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
+        if wanted is None:
+            return None
+        indices = [wanted] if isinstance(wanted, int) else list(wanted)
+        count = self.depth + 1
+        bad = [i for i in indices if not -count <= i < count]
+        if bad or not indices:
+            raise ValueError(
+                f"feature_layers {wanted!r}: hidden_states has {count} entries (embeddings and "
+                f"{self.depth} layers), so indices must lie in [{-count}, {count - 1}]"
+            )
+        held = tuple(sorted({i % count for i in indices}))
+        return None if held[-1] == self.depth else held
+
+    # ---- what the runner asks ----------------------------------------------------------------
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        if self.feature_layers is not None and kwargs.get("output_hidden_states"):
+            return self._feature_region(args, kwargs)
+        return self._forward(*args, **kwargs)
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        pixels = call.tensors[0]
+        height, width = pixels.shape[-2:]
+        return (height // self.patch_size[0]) * (width // self.patch_size[1]) + self.prefix_tokens
+
+    def eager_reason(self, call: CallInputs) -> str | None:
+        _, kwargs = call.rebuild(call.tensors)
+        if kwargs.get("output_attentions"):
+            return "attention weights were asked for (output_attentions=True)"
+        if self.feature_layers is None:
+            return None
+        asked = kwargs.get("output_hidden_states")
+        deepest = self.feature_layers[-1]
+        if not asked:
+            return (
+                f"the graphs stop after layer {deepest} of {self.depth} "
+                f"(feature_layers); this call needs the last hidden state"
+            )
+        if asked is True:
+            return None
+        indices = [asked] if isinstance(asked, int) else list(asked)
+        missing = sorted({i % (self.depth + 1) for i in indices} - set(self.feature_layers))
+        if missing:
+            return f"hidden states {missing} are not among the graphs' feature layers"
+        return None
+
+    def check_inputs(self, call: CallInputs) -> None:
+        pixels = call.tensors[0]
+        if pixels.dim() != 4:
+            raise ValueError(
+                f"expected pixel_values of shape [images, channels, height, width], got "
+                f"{tuple(pixels.shape)}"
+            )
+        _, channels, height, width = pixels.shape
+        if channels != self.channels:
+            raise ValueError(f"expected {self.channels} channels, got {channels}")
+        patch_h, patch_w = self.patch_size
+        if height % patch_h or width % patch_w:
+            raise ValueError(
+                f"image size {height}x{width} is not a multiple of the patch size "
+                f"{patch_h}x{patch_w}"
+            )
+        _, kwargs = call.rebuild(call.tensors)
+        if (height, width) != self.image_size and not self._resizes(kwargs):
+            raise ValueError(
+                f"image size {height}x{width} differs from the model's "
+                f"{self.image_size[0]}x{self.image_size[1]}; pass interpolate_pos_encoding=True "
+                f"to take other sizes"
+            )
+
+    def _resizes(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the tower takes images of other sizes in this call."""
+        return bool(kwargs.get("interpolate_pos_encoding"))
+
+    @property
+    def capture_module(self) -> nn.Module:
+        return self.owner
+
+    def attach(self, serve: Callable[..., Any]) -> None:
+        self.owner.forward = serve
+
+    def detach(self) -> None:
+        self.owner.__dict__.pop("forward", None)
+
+    # ---- feature layers ----------------------------------------------------------------------
+
+    def _feature_region(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        held = self.feature_layers
+        with self._truncated(held[-1]):
+            out = self._forward(*args, **{**kwargs, "output_hidden_states": True})
+        hidden = [None] * (self.depth + 1)
+        for index in held:
+            hidden[index] = out.hidden_states[index]
+        return type(out)(hidden_states=tuple(hidden))
+
+    @contextlib.contextmanager
+    def _truncated(self, depth: int) -> Iterator[None]:
+        """The tower with only its first ``depth`` layers, for the duration of one call."""
+        with self._truncation:
+            layers = getattr(self._parent, self._layers_name)
+            setattr(self._parent, self._layers_name, nn.ModuleList(list(layers)[:depth]))
+            try:
+                yield
+            finally:
+                setattr(self._parent, self._layers_name, layers)
+
+
+def _pair(value: int | Sequence[int]) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def _layer_list(tower: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """The encoder's list of layers: its parent module, attribute name, and the list."""
+    for name, module in tower.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.ModuleList) and leaf in ("layers", "layer") and "encoder" in name:
+            parent = tower.get_submodule(name.rsplit(".", 1)[0]) if "." in name else tower
+            return parent, leaf, module
+    raise AdapterMismatch(f"{type(tower).__name__} has no encoder layer list")
+
+
+def pixels_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The ``pixel_values`` of a tower call, positional or keyword."""
+    pixels = kwargs.get("pixel_values", args[0] if args else None)
+    if not isinstance(pixels, torch.Tensor):
+        raise TypeError("the vision tower's forward needs pixel_values as a tensor")
+    return pixels

@@ -1,0 +1,29 @@
+"""Plugin for SigLIP vision towers from transformers.
+
+Serves ``SiglipVisionModel`` (SigLIP2 checkpoints of fixed resolution load as this class too),
+the vision half of ``SiglipModel``, and the SigLIP tower inside VLMs such as PaliGemma or
+LLaVA variants built on SigLIP. The whole tower, attention-pooling head included, is captured
+per (images, tokens per image); SigLIP has no class token, so a 384x384 image with 14-pixel
+patches gives 729 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from layergraph import hookimpl
+from layergraph_adapters.hf_vision import VisionTowerAdapter
+
+
+class SiglipAdapter(VisionTowerAdapter):
+    """Graphs a SigLIP vision tower, alone or inside a larger model."""
+
+    name = "siglip"
+    tower_classes = ("SiglipVisionModel", "SiglipVisionTransformer")
+    prefix_tokens = 0
+
+
+@hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(SiglipAdapter)

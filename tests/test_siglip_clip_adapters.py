@@ -1,0 +1,244 @@
+"""SigLIP and CLIP adapters on the CPU: towers, VLM towers, feature layers.
+
+Models are transformers' classes built from small configs with random weights; the reference
+is always the unmodified model. Graph runs use the simulated backend. Tolerance: float32, the
+same kernels as eager on a zero-padded batch, so 1e-4 relative, 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import layergraph  # noqa: E402
+from layergraph.testing import SimulatedGraphs  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+IMAGE = 32  # 4x4 patches of 8 pixels
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    image_size=IMAGE,
+    patch_size=8,
+)
+
+
+def siglip_config(**overrides: Any) -> Any:
+    return transformers.SiglipVisionConfig(**{**SMALL, **overrides})
+
+
+def clip_config(**overrides: Any) -> Any:
+    return transformers.CLIPVisionConfig(**{**SMALL, "projection_dim": 32, **overrides})
+
+
+def built(cls: type, config: Any) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def images(batch: int, size: int = IMAGE) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size)
+
+
+TOWERS = {
+    "SiglipVisionModel": (
+        "siglip",
+        lambda: built(transformers.SiglipVisionModel, siglip_config()),
+        16,
+    ),
+    "CLIPVisionModel": ("clip", lambda: built(transformers.CLIPVisionModel, clip_config()), 17),
+    "CLIPVisionModelWithProjection": (
+        "clip",
+        lambda: built(transformers.CLIPVisionModelWithProjection, clip_config()),
+        17,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_tower_graph_equals_eager(name: str) -> None:
+    adapter, make, tokens = TOWERS[name]
+    model = make()
+    inputs = [images(1), images(3), images(4)]
+    with torch.inference_mode():
+        expected = [model(pixel_values=x) for x in inputs]
+        graphed = layergraph.wrap(
+            model, adapter=adapter, backend=SimulatedGraphs(), batch_sizes=[1, 4]
+        )
+        for x, want in zip(inputs, expected):
+            got = graphed(pixel_values=x)
+            assert type(got) is type(want)
+            for field, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(got[field], value, rtol=RTOL, atol=ATOL)
+    assert {key.sequence for key in graphed.keys} == {tokens}
+    assert graphed.stats.replays == 3 and graphed.stats.padded_calls == 1
+
+
+def test_siglip_attention_pooling_head_is_captured() -> None:
+    model = built(transformers.SiglipVisionModel, siglip_config(vision_use_head=True))
+    x = images(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x).pooler_output
+        graphed = layergraph.wrap(model, adapter="siglip", backend=SimulatedGraphs())
+        got = graphed(pixel_values=x).pooler_output
+    assert got.shape == (2, 64)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "adapter"),
+    [
+        (transformers.SiglipModel, transformers.SiglipConfig, "siglip"),
+        (transformers.CLIPModel, transformers.CLIPConfig, "clip"),
+    ],
+)
+def test_vision_half_of_a_dual_encoder(cls: type, config: type, adapter: str) -> None:
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    vision = siglip_config() if adapter == "siglip" else clip_config()
+    model = built(cls, config(text_config=text, vision_config=vision.to_dict()))
+    x = images(2)
+    with torch.inference_mode():
+        expected = model.get_image_features(pixel_values=x)
+        graphed = layergraph.wrap(model, adapter=adapter, backend=SimulatedGraphs())
+        got = graphed.get_image_features(pixel_values=x)
+    want = expected.pooler_output if not isinstance(expected, torch.Tensor) else expected
+    have = got.pooler_output if not isinstance(got, torch.Tensor) else got
+    torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL)
+    assert graphed.stats.replays == 1
+
+
+def test_feature_layer_graph_stops_early_and_matches_hidden_states() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    x = images(3)
+    with torch.inference_mode():
+        expected = model(pixel_values=x, output_hidden_states=True).hidden_states
+        graphed = layergraph.wrap(
+            model, adapter="clip", feature_layers=[-2, 1], backend=SimulatedGraphs()
+        )
+        got = graphed(pixel_values=x, output_hidden_states=True)
+        eager = graphed(pixel_values=x)
+    assert len(got.hidden_states) == 4
+    assert got.hidden_states[0] is None and got.hidden_states[3] is None
+    for index in (1, 2):
+        torch.testing.assert_close(got.hidden_states[index], expected[index], rtol=RTOL, atol=ATOL)
+    assert got.last_hidden_state is None
+    assert eager.last_hidden_state is not None
+    assert graphed.plan.feature_layers == (1, 2)
+    assert graphed.stats.replays == 1
+    (reason,) = graphed.stats.eager_calls
+    assert "stop after layer 2 of 3" in reason
+
+
+def test_feature_layers_out_of_range_are_refused() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    with pytest.raises(ValueError, match=r"hidden_states has 4 entries"):
+        layergraph.wrap(model, adapter="clip", feature_layers=[-5])
+
+
+def tiny_llava(vision: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    vision_config = clip_config() if vision == "clip" else siglip_config()
+    config = transformers.LlavaConfig(
+        vision_config=vision_config,
+        text_config=text,
+        image_token_index=299,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="full",
+        image_seq_length=16,
+    )
+    return transformers.LlavaForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize(("vision", "tokens"), [("clip", 17), ("siglip", 16)])
+def test_llava_tower_follows_the_vlm_feature_layer(vision: str, tokens: int) -> None:
+    model = tiny_llava(vision)
+    pixels = images(2)
+    prompt = torch.tensor([[1, 2, *[299] * tokens * 2, 3]])
+    with torch.inference_mode():
+        features = model.get_image_features(pixel_values=pixels)
+        logits = model(input_ids=prompt, pixel_values=pixels).logits
+        graphed = layergraph.wrap(model, adapter=vision, backend=SimulatedGraphs())
+        got_features = graphed.get_image_features(pixel_values=pixels)
+        got_logits = graphed(input_ids=prompt, pixel_values=pixels).logits
+    want = (
+        features.pooler_output
+        if not isinstance(features, (torch.Tensor, list, tuple))
+        else features
+    )
+    have = (
+        got_features.pooler_output
+        if not isinstance(got_features, (torch.Tensor, list, tuple))
+        else got_features
+    )
+    torch.testing.assert_close(torch.cat(list(have)), torch.cat(list(want)), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got_logits, logits, rtol=RTOL, atol=ATOL)
+    assert graphed.plan.feature_layers == (2,)
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+    graphed.unwrap()
+    assert "forward" not in model.model.vision_tower.__dict__
+
+
+def test_paligemma_tower_runs_whole() -> None:
+    torch.manual_seed(0)
+    text = transformers.GemmaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=300,
+    )
+    config = transformers.PaliGemmaConfig(
+        vision_config=siglip_config(projection_dim=64),
+        text_config=text,
+        image_token_index=299,
+        projection_dim=64,
+    )
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    pixels = images(1)
+    with torch.inference_mode():
+        expected = model.get_image_features(pixel_values=pixels)
+        graphed = layergraph.wrap(model, adapter="siglip", backend=SimulatedGraphs())
+        got = graphed.get_image_features(pixel_values=pixels)
+    want = expected if isinstance(expected, torch.Tensor) else expected.pooler_output
+    have = got if isinstance(got, torch.Tensor) else got.pooler_output
+    torch.testing.assert_close(have, want, rtol=RTOL, atol=ATOL)
+    assert graphed.plan.feature_layers is None and graphed.stats.replays == 1
+
+
+def test_other_image_sizes_need_interpolation() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    x = images(1, 48)
+    with torch.inference_mode():
+        expected = model(pixel_values=x, interpolate_pos_encoding=True)
+        graphed = layergraph.wrap(model, adapter="clip", backend=SimulatedGraphs())
+        with pytest.raises(ValueError, match="interpolate_pos_encoding=True"):
+            graphed(pixel_values=x)
+        got = graphed(pixel_values=x, interpolate_pos_encoding=True)
+    torch.testing.assert_close(
+        got.last_hidden_state, expected.last_hidden_state, rtol=RTOL, atol=ATOL
+    )
+    assert {key.sequence for key in graphed.keys} == {37}
+
+
+def test_models_without_a_tower_are_refused() -> None:
+    with pytest.raises(layergraph.AdapterMismatch, match="SiglipVisionModel"):
+        layergraph.wrap(torch.nn.Linear(2, 2), adapter="siglip")
+    with pytest.raises(layergraph.AdapterMismatch, match="CLIPVisionModel"):
+        layergraph.wrap(torch.nn.Sequential(), adapter="clip")
