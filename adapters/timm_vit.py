@@ -1,7 +1,9 @@
-"""Plugin for timm's VisionTransformer family: vit_*, deit_*, register tokens, SigLIP-in-timm.
+"""Plugin for timm's ViTs: the VisionTransformer family and Eva / EVA02.
 
-The whole forward is captured per (batch, image size): patch embedding, position embedding
-(interpolated for models built with ``dynamic_img_size=True``), blocks, norm, pooling and head.
+VisionTransformer covers vit_*, deit_*, register tokens, no class token and SigLIP-in-timm;
+Eva covers eva_* and eva02_* (rotary position embeddings). The whole forward is captured per
+(batch, image size): patch embedding, position embedding (interpolated for models built with
+``dynamic_img_size=True``), blocks, norm, pooling and head.
 """
 
 from __future__ import annotations
@@ -27,29 +29,34 @@ class ImageTokens(NamedTuple):
         return f"{self.tokens} tokens ({self.height}x{self.width})"
 
 
+def _vit_classes() -> tuple[type, ...]:
+    from timm.models.eva import Eva
+    from timm.models.vision_transformer import VisionTransformer
+
+    return (VisionTransformer, Eva)
+
+
 class TimmVisionTransformerAdapter(Adapter):
-    """Graphs the whole forward of a ``timm.models.vision_transformer.VisionTransformer``."""
+    """Graphs the whole forward of a timm ``VisionTransformer`` or ``Eva``."""
 
     name = "timm"
 
     def recognizes(self, model: nn.Module) -> bool:
         if "timm" not in sys.modules:
             return False
-        from timm.models.vision_transformer import VisionTransformer
-
-        return isinstance(model, VisionTransformer)
+        return isinstance(model, _vit_classes())
 
     def plan(self, model: nn.Module) -> CapturePlan:
         try:
-            from timm.models.vision_transformer import VisionTransformer
+            classes = _vit_classes()
         except ImportError as error:
             raise ImportError(
                 "the timm adapter needs timm: pip install 'layergraph[timm]'"
             ) from error
-        if not isinstance(model, VisionTransformer):
+        if not isinstance(model, classes):
             raise AdapterMismatch(
-                f"the timm adapter serves timm VisionTransformer models (vit_*, deit_*, ...); "
-                f"got {type(model).__module__}.{type(model).__name__}"
+                f"the timm adapter serves timm VisionTransformer (vit_*, deit_*, ...) and Eva "
+                f"(eva_*, eva02_*) models; got {type(model).__module__}.{type(model).__name__}"
             )
         return _TimmViTPlan(model)
 

@@ -135,8 +135,16 @@ class Adapter:
     name: ClassVar[str] = ""
     """The name users pass as ``wrap(model, adapter=name)``."""
 
+    generic: ClassVar[bool] = False
+    """Whether this adapter serves models by their shape rather than their family; with
+    ``adapter="auto"`` generic adapters are asked only after every dedicated one."""
+
     def recognizes(self, model: nn.Module) -> bool:
-        """Whether this adapter serves ``model``. Must not import frameworks the user did not."""
+        """Whether this adapter serves ``model`` (for ``adapter="auto"``).
+
+        Called on an instance made with default options. Must not import frameworks the user
+        did not import.
+        """
         return False
 
     def plan(self, model: nn.Module) -> CapturePlan:

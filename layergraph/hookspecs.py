@@ -18,11 +18,19 @@ import pluggy
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from .adapter import Adapter
     from .attention.layout import AttentionMetadata, SequenceLayout
 
-__all__ = ["PROJECT_NAME", "attention_metadata", "hookimpl", "hookspec", "register_adapters"]
+__all__ = [
+    "PROJECT_NAME",
+    "attention_metadata",
+    "hookimpl",
+    "hookspec",
+    "recognize_model",
+    "register_adapters",
+]
 
 PROJECT_NAME = "layergraph"
 
@@ -57,4 +65,15 @@ def attention_metadata(
     built-in backends (``sdpa``, ``triton``, ``fa3``) for any layout, so a plugin overrides it
     by returning its own. The returned tensors must not be replaced afterwards: a captured
     graph reads them at the addresses they had during capture.
+    """
+
+
+@hookspec(firstresult=True)
+def recognize_model(model: nn.Module) -> str | None:
+    """The name of the adapter that serves ``model``, for ``wrap(model, adapter="auto")``.
+
+    The first result that is not ``None`` wins; return ``None`` to leave ``model`` to others.
+    layergraph's own implementation runs last: it asks every registered adapter's
+    ``recognizes(model)``, dedicated adapters before generic ones (``Adapter.generic``), and
+    must not import a framework the user has not imported.
     """

@@ -19,7 +19,7 @@ __all__ = ["GraphedModule", "unwrap", "wrap"]
 
 def wrap(
     model: nn.Module,
-    adapter: str | Adapter,
+    adapter: str | Adapter = "auto",
     *,
     batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
     lazy: bool = True,
@@ -33,11 +33,13 @@ def wrap(
 ) -> GraphedModule:
     """Wrap ``model`` so that its calls replay CUDA graphs, one per shape key.
 
-    ``adapter`` is the name of a registered adapter (see :func:`layergraph.list_adapters`) or
-    an :class:`~layergraph.Adapter` instance. Keyword options not listed here go to the named
-    adapter's constructor (for example ``stack="encoder.layers"`` for ``"sequential"``). The
-    runner options are described in :class:`~layergraph.runner.RunnerOptions`; ``backend``
-    replaces the CUDA graph backend (tests use :class:`layergraph.testing.SimulatedGraphs`).
+    ``adapter`` is the name of a registered adapter (see :func:`layergraph.list_adapters`), an
+    :class:`~layergraph.Adapter` instance, or ``"auto"`` (the default): the adapter that
+    recognises the model, through the ``recognize_model`` hook. Keyword options not listed
+    here go to the adapter's constructor (for example ``stack="encoder.layers"`` for
+    ``"sequential"``, ``attention="triton"`` for ``"internvl"``). The runner options are
+    described in :class:`~layergraph.runner.RunnerOptions`; ``backend`` replaces the CUDA
+    graph backend (tests use :class:`layergraph.testing.SimulatedGraphs`).
 
     The model itself is not copied. A region inside it may be routed to the graphs while
     wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
@@ -47,7 +49,9 @@ def wrap(
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() needs an nn.Module, got {type(model).__name__}")
     if isinstance(adapter, str):
-        adapter_object = get_registry().create(adapter, adapter_options)
+        registry = get_registry()
+        name = registry.recognize(model) if adapter == "auto" else adapter
+        adapter_object = registry.create(name, adapter_options)
     elif isinstance(adapter, Adapter):
         if adapter_options:
             raise TypeError(

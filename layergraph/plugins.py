@@ -79,6 +79,7 @@ class AdapterRegistry:
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
         self.plugin_manager.register(metadata_hooks, name="layergraph.attention")
+        self.plugin_manager.register(_Recognizer(self), name="layergraph.recognize")
         self._adapters: dict[str, tuple[AdapterFactory, AdapterInfo]] = {}
         self._failures: dict[str, AdapterInfo] = {}
         self._plugin_adapters: dict[str, list[str]] = {}
@@ -191,6 +192,18 @@ class AdapterRegistry:
             )
         return metadata
 
+    def recognize(self, model: torch.nn.Module) -> str:
+        """The name of the adapter that serves ``model``; a clear error if none does."""
+        name = self.plugin_manager.hook.recognize_model(model=model)
+        if name is None:
+            available = ", ".join(sorted(self._adapters)) or "none"
+            raise UnknownAdapterError(
+                f"no adapter recognises {type(model).__module__}.{type(model).__name__}; name "
+                f"one with wrap(model, adapter=NAME). Available: {available}. For a stack of "
+                f"layers applied in sequence: adapter='sequential', stack='path.to.layers'"
+            )
+        return name
+
     def create(self, name: str, options: dict[str, Any]) -> Adapter:
         """An adapter instance from the factory named ``name``, given adapter ``options``."""
         factory = self.factory(name)
@@ -205,6 +218,26 @@ class AdapterRegistry:
         except ValueError:
             pass
         return factory(**options)
+
+
+class _Recognizer:
+    """layergraph's own ``recognize_model``: asks each registered adapter, generic ones last."""
+
+    def __init__(self, registry: AdapterRegistry) -> None:
+        self._registry = registry
+
+    @hookspecs.hookimpl(trylast=True)
+    def recognize_model(self, model: torch.nn.Module) -> str | None:
+        factories = [factory for factory, _ in self._registry._adapters.values()]
+        factories.sort(key=lambda factory: bool(getattr(factory, "generic", False)))
+        for factory in factories:
+            try:
+                recognized = factory().recognizes(model)
+            except Exception:
+                continue
+            if recognized:
+                return factory.name
+        return None
 
 
 def _is_disabled(setting: str | None, entry_point: str, distribution: str) -> bool:

@@ -34,6 +34,7 @@ class SequentialAdapter(Adapter):
     """Graphs an ``nn.Sequential`` model, or the stack of layers named by ``stack``."""
 
     name = "sequential"
+    generic = True
 
     def __init__(self, stack: str | None = None) -> None:
         self.stack = stack

@@ -113,7 +113,8 @@ def test_misspelled_hook_fails_loudly_for_that_plugin(
 
 def test_unknown_adapter_lists_available_names(fresh_registry: None) -> None:
     with pytest.raises(
-        UnknownAdapterError, match="no adapter named 'vit'; available: internvl, sequential, timm"
+        UnknownAdapterError,
+        match="no adapter named 'vit'; available: clip, internvl, sequential, siglip, timm",
     ):
         layergraph.wrap(torch.nn.Sequential(), adapter="vit")
 

@@ -28,6 +28,7 @@ VARIANTS = {
         {"class_token": False, "global_pool": "avg"},
     ),
     "deit distilled": ("deit_tiny_distilled_patch16_224", {}),
+    "eva02 (rotary embeddings)": ("eva02_tiny_patch14_224", {}),
 }
 
 
@@ -63,6 +64,19 @@ def test_eager_path_without_cuda_equals_the_model() -> None:
     assert graphed.stats.eager_total == 1 and graphed.stats.graphs == 0
 
 
+def test_eva_with_dynamic_image_size() -> None:
+    model = build("eva02_tiny_patch14_224", dynamic_img_size=True)
+    graphed = layergraph.wrap(model, adapter="timm", backend=SimulatedGraphs(), batch_sizes=[4])
+    with torch.inference_mode():
+        for size in ((224, 224), (168, 252)):
+            x = images(model, 3, size)
+            torch.testing.assert_close(graphed(x), model(x), rtol=1e-4, atol=1e-5)
+    assert {key.sequence for key in graphed.keys} == {
+        ImageTokens(257, 224, 224),
+        ImageTokens(12 * 18 + 1, 168, 252),
+    }
+
+
 def test_key_sequence_is_tokens_and_image_size() -> None:
     model = build("vit_tiny_patch16_224", dynamic_img_size=True)
     graphed = layergraph.wrap(model, adapter="timm", backend=SimulatedGraphs(), batch_sizes=[2])
@@ -96,7 +110,9 @@ def test_bad_images_are_refused_before_capture(
 
 
 def test_other_models_are_refused_by_name() -> None:
-    with pytest.raises(layergraph.AdapterMismatch, match=r"timm VisionTransformer.*got .*Linear"):
+    with pytest.raises(
+        layergraph.AdapterMismatch, match=r"timm VisionTransformer.*Eva.*got .*Linear"
+    ):
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="timm")
 
 
