@@ -15,6 +15,19 @@ from typing import Any
 from layergraph import hookimpl
 from layergraph_adapters.hf_vision import VisionTowerAdapter
 
+CLIP_CONFIGS: dict[str, dict[str, Any]] = {
+    "clip-vit-l-336": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+        projection_dim=768,
+    ),
+}
+"""``CLIPVisionConfig`` settings of well-known towers, for building them with random weights."""
+
 
 class ClipAdapter(VisionTowerAdapter):
     """Graphs a CLIP vision tower, alone or inside a larger model."""

@@ -30,6 +30,22 @@ from layergraph.keys import CallInputs
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
 
 
+def build_tower(
+    class_name: str, settings: dict[str, Any], dtype: torch.dtype, device: str | torch.device
+) -> nn.Module:
+    """A transformers vision tower built from ``settings`` with random weights, in eval mode.
+
+    The way benchmarks and tests make a full-size tower without downloading weights.
+    """
+    import transformers
+
+    tower_class = getattr(transformers, class_name)
+    config_class = tower_class.config_class
+    with torch.device(device):
+        model = tower_class(config_class(**settings))
+    return model.to(dtype).eval()
+
+
 def find_tower(model: nn.Module, classes: tuple[type, ...]) -> nn.Module | None:
     """The first of ``model`` and its usual tower attributes that is one of ``classes``."""
     for path in ("", *_TOWER_PATHS):

@@ -39,6 +39,7 @@ from layergraph.keys import CallInputs
 from layergraph.plugins import get_registry
 from layergraph_adapters.hf_vision import (
     VisionTowerPlan,
+    build_tower,
     find_tower,
     pixels_of,
     transformers_classes,
@@ -73,11 +74,7 @@ building the towers with random weights (tests, benchmarks) without downloading 
 
 def build_internvit(name: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """An ``InternVLVisionModel`` of one of :data:`INTERNVIT_CONFIGS`, random weights, eval mode."""
-    from transformers import InternVLVisionConfig, InternVLVisionModel
-
-    with torch.device(device):
-        model = InternVLVisionModel(InternVLVisionConfig(**INTERNVIT_CONFIGS[name]))
-    return model.to(dtype).eval()
+    return build_tower("InternVLVisionModel", INTERNVIT_CONFIGS[name], dtype, device)
 
 
 class InternVLAdapter(Adapter):

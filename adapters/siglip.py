@@ -15,6 +15,18 @@ from typing import Any
 from layergraph import hookimpl
 from layergraph_adapters.hf_vision import VisionTowerAdapter
 
+SIGLIP_CONFIGS: dict[str, dict[str, Any]] = {
+    "siglip-so400m-384": dict(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=384,
+        patch_size=14,
+    ),
+}
+"""``SiglipVisionConfig`` settings of well-known towers, for building them with random weights."""
+
 
 class SiglipAdapter(VisionTowerAdapter):
     """Graphs a SigLIP vision tower, alone or inside a larger model."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run: versions, the CUDA-marked tests, the rest of the suite, the demo in fp16,
-# the attention-kernel and InternViT benchmarks. Everything is written under $OUT (or
+# the attention-kernel, InternViT and SigLIP/CLIP benchmarks. Everything is written under $OUT (or
 # ./gpu-results when OUT is unset): log.txt holds the console output of every step.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -24,4 +24,5 @@ step python3 -m pytest -q -m "not cuda" tests -p no:cacheprovider || status=1
 step layergraph demo --dtype float16 --json "$out/demo-fp16.json" || status=1
 step python3 benchmarks/attention_kernel.py --json "$out/attention-kernel.json" || status=1
 step python3 benchmarks/internvl.py --json "$out/internvl.json" || status=1
+step python3 benchmarks/towers.py --json "$out/towers.json" || status=1
 exit $status

@@ -1,0 +1,85 @@
+"""SigLIP so400m/14@384, CLIP ViT-L/14@336 with layer -2, and a timm EVA02 on the GPU.
+
+Marked ``cuda`` and skipped without a GPU. Random weights, bf16. The reference is the
+unmodified model, computed before wrapping. Tolerance: the graph replays the kernels eager
+launches, so bf16's :data:`~layergraph.validation.DEFAULT_TOLERANCE` (relative error 2e-2) is
+ample; a padded batch (3 on the graph of 4) may pick other matrix kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.validation import DEFAULT_TOLERANCE, relative_error
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+from layergraph_adapters.clip import CLIP_CONFIGS  # noqa: E402
+from layergraph_adapters.hf_vision import build_tower  # noqa: E402
+from layergraph_adapters.siglip import SIGLIP_CONFIGS  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+TOLERANCE = DEFAULT_TOLERANCE[torch.bfloat16]
+BATCHES = (1, 3, 8)
+
+
+def pixels(batch: int, size: int) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, device="cuda", dtype=torch.bfloat16)
+
+
+def test_siglip_so400m() -> None:
+    torch.manual_seed(0)
+    model = build_tower(
+        "SiglipVisionModel", SIGLIP_CONFIGS["siglip-so400m-384"], torch.bfloat16, "cuda"
+    )
+    inputs = [pixels(batch, 384) for batch in BATCHES]
+    with torch.inference_mode():
+        expected = [model(pixel_values=x) for x in inputs]
+        graphed = layergraph.wrap(model, batch_sizes=[1, 4, 8])
+        for x, want in zip(inputs, expected):
+            got = graphed(pixel_values=x)
+            assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+            assert relative_error(got.pooler_output, want.pooler_output) <= TOLERANCE
+    assert graphed.adapter.name == "siglip"
+    assert [key.sequence for key in graphed.keys] == [729] * 3
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
+
+
+def test_clip_vit_l_336_layer_minus_two() -> None:
+    torch.manual_seed(0)
+    model = build_tower("CLIPVisionModel", CLIP_CONFIGS["clip-vit-l-336"], torch.bfloat16, "cuda")
+    inputs = [pixels(batch, 336) for batch in BATCHES]
+    with torch.inference_mode():
+        expected = [
+            model(pixel_values=x, output_hidden_states=True).hidden_states[-2] for x in inputs
+        ]
+        graphed = layergraph.wrap(model, adapter="clip", feature_layers=-2, batch_sizes=[1, 4, 8])
+        for x, want in zip(inputs, expected):
+            got = graphed(pixel_values=x, output_hidden_states=True)
+            assert got.hidden_states[-1] is None
+            assert relative_error(got.hidden_states[-2], want) <= TOLERANCE
+    assert graphed.plan.feature_layers == (23,)
+    assert [key.sequence for key in graphed.keys] == [577] * 3
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
+
+
+def test_timm_eva02() -> None:
+    torch.manual_seed(0)
+    model = (
+        timm.create_model("eva02_base_patch14_224", pretrained=False)
+        .cuda()
+        .to(torch.bfloat16)
+        .eval()
+    )
+    inputs = [pixels(batch, 224) for batch in BATCHES]
+    with torch.inference_mode():
+        expected = [model(x) for x in inputs]
+        graphed = layergraph.wrap(model, batch_sizes=[1, 4, 8])
+        for x, want in zip(inputs, expected):
+            assert relative_error(graphed(x), want) <= TOLERANCE
+    assert graphed.adapter.name == "timm"
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
