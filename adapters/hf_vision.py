@@ -191,12 +191,6 @@ class VisionTowerPlan(CapturePlan):
         _, channels, height, width = pixels.shape
         if channels != self.channels:
             raise ValueError(f"expected {self.channels} channels, got {channels}")
-        patch_h, patch_w = self.patch_size
-        if height % patch_h or width % patch_w:
-            raise ValueError(
-                f"image size {height}x{width} is not a multiple of the patch size "
-                f"{patch_h}x{patch_w}"
-            )
         _, kwargs = call.rebuild(call.tensors)
         if (height, width) != self.image_size and not self._resizes(kwargs):
             raise ValueError(
