@@ -242,3 +242,52 @@ def test_models_without_a_tower_are_refused() -> None:
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="siglip")
     with pytest.raises(layergraph.AdapterMismatch, match="CLIPVisionModel"):
         layergraph.wrap(torch.nn.Sequential(), adapter="clip")
+
+
+def test_llava_next_tower_serves_its_patches() -> None:
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    config = transformers.LlavaNextConfig(
+        vision_config=clip_config(),
+        text_config=text,
+        image_token_index=299,
+        vision_feature_layer=-2,
+        image_grid_pinpoints=[[IMAGE, IMAGE], [IMAGE, 2 * IMAGE]],
+    )
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    pixels = torch.randn(1, 3, 3, IMAGE, IMAGE)  # one image: a base view and two grid tiles
+    sizes = torch.tensor([[IMAGE, 2 * IMAGE]])
+    with torch.inference_mode():
+        expected = model.get_image_features(pixel_values=pixels, image_sizes=sizes)
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        got = graphed.get_image_features(pixel_values=pixels, image_sizes=sizes)
+    want = expected if isinstance(expected, (list, tuple)) else expected.pooler_output
+    have = got if isinstance(got, (list, tuple)) else got.pooler_output
+    for a, b in zip(have, want):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert graphed.adapter.name == "clip" and graphed.plan.feature_layers == (2,)
+    assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_eager_path_without_cuda_equals_the_model(name: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the path taken without a GPU")
+    adapter, make, _ = TOWERS[name]
+    model = make()
+    x = images(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x)
+        graphed = layergraph.wrap(model, adapter=adapter)
+        got = graphed(pixel_values=x)
+    for field, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got[field], value, rtol=0, atol=0)
+    assert graphed.stats.eager_calls == {"CUDA is not available": 1}
