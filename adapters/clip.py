@@ -33,8 +33,9 @@ class ClipAdapter(VisionTowerAdapter):
     """Graphs a CLIP vision tower, alone or inside a larger model."""
 
     name = "clip"
-    tower_classes = ("CLIPVisionModelWithProjection", "CLIPVisionModel", "CLIPVisionTransformer")
+    tower_classes = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "CLIPVisionTransformer")
     prefix_tokens = 1
+    example_configs = CLIP_CONFIGS
 
 
 @hookimpl

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan
+from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel
 from layergraph.keys import CallInputs
 
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
@@ -44,6 +44,28 @@ def build_tower(
     with torch.device(device):
         model = tower_class(config_class(**settings))
     return model.to(dtype).eval()
+
+
+def tower_example(
+    name: str, adapter: str, class_name: str, settings: dict[str, Any]
+) -> ExampleModel:
+    """An :class:`ExampleModel` for a tower built by :func:`build_tower`, fed square images."""
+    size = _pair(settings["image_size"])
+
+    def inputs(
+        batch: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        pixels = torch.randn(
+            batch, settings.get("num_channels", 3), *size, dtype=dtype, device=device
+        )
+        return (), {"pixel_values": pixels}
+
+    return ExampleModel(
+        name=name,
+        adapter=adapter,
+        build=lambda dtype, device: build_tower(class_name, settings, dtype, device),
+        inputs=inputs,
+    )
 
 
 def find_tower(model: nn.Module, classes: tuple[type, ...]) -> nn.Module | None:
@@ -80,6 +102,8 @@ class VisionTowerAdapter(Adapter):
     """Names of the transformers classes that are this family's towers."""
     prefix_tokens: ClassVar[int] = 0
     """Tokens per image besides the patches (a class token)."""
+    example_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    """Configurations of well-known towers of the family, by name, for example models."""
 
     def __init__(self, feature_layers: int | list[int] | None = None) -> None:
         self.feature_layers = feature_layers
@@ -108,6 +132,15 @@ class VisionTowerAdapter(Adapter):
         if layers is None and tower is not model:
             layers = vlm_feature_layers(model)
         return VisionTowerPlan(tower, prefix_tokens=self.prefix_tokens, feature_layers=layers)
+
+    def example_models(self) -> list[str]:
+        return list(self.example_configs)
+
+    def example_model(self, name: str) -> ExampleModel | None:
+        settings = self.example_configs.get(name)
+        if settings is None:
+            return None
+        return tower_example(name, self.name, self.tower_classes[0], settings)
 
 
 class VisionTowerPlan(CapturePlan):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, ShapeKey, hookimpl
+from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, ShapeKey, hookimpl
 from layergraph.attention import (
     BACKEND_NAMES,
     AttentionBackend,
@@ -42,6 +42,7 @@ from layergraph_adapters.hf_vision import (
     build_tower,
     find_tower,
     pixels_of,
+    tower_example,
     transformers_classes,
     vlm_feature_layers,
 )
@@ -94,6 +95,15 @@ class InternVLAdapter(Adapter):
         if "transformers" not in sys.modules:
             return False
         return _find_tower(model) is not None
+
+    def example_models(self) -> list[str]:
+        return list(INTERNVIT_CONFIGS)
+
+    def example_model(self, name: str) -> ExampleModel | None:
+        settings = INTERNVIT_CONFIGS.get(name)
+        if settings is None:
+            return None
+        return tower_example(name, self.name, "InternVLVisionModel", settings)
 
     def plan(self, model: nn.Module) -> CapturePlan:
         try:

@@ -34,6 +34,7 @@ class SiglipAdapter(VisionTowerAdapter):
     name = "siglip"
     tower_classes = ("SiglipVisionModel", "SiglipVisionTransformer")
     prefix_tokens = 0
+    example_configs = SIGLIP_CONFIGS
 
 
 @hookimpl

@@ -4,7 +4,7 @@ graphed = layergraph.wrap(model, adapter="timm")
 out = graphed(pixel_values)  # same outputs as model(pixel_values), replayed from a graph
 """
 
-from .adapter import Adapter, AdapterMismatch, CapturePlan, WholeForward
+from .adapter import Adapter, AdapterMismatch, CapturePlan, ExampleModel, WholeForward
 from .hookspecs import hookimpl
 from .keys import ShapeKey
 from .module import GraphedModule, unwrap, wrap
@@ -20,6 +20,7 @@ __all__ = [
     "AdapterInfo",
     "AdapterMismatch",
     "CapturePlan",
+    "ExampleModel",
     "GraphMismatchError",
     "GraphStats",
     "GraphedModule",

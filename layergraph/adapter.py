@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from .keys import CallInputs, ShapeKey
 
-__all__ = ["Adapter", "AdapterMismatch", "CapturePlan", "WholeForward"]
+__all__ = ["Adapter", "AdapterMismatch", "CapturePlan", "ExampleModel", "WholeForward"]
 
 
 class AdapterMismatch(TypeError):
@@ -123,6 +125,21 @@ class WholeForward(CapturePlan):
         return self.owner(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class ExampleModel:
+    """A model an adapter can build with random weights, and inputs for it.
+
+    Used by the demo and the benchmark, so that nothing is downloaded: ``build(dtype, device)``
+    makes the model from its configuration, in eval mode; ``inputs(batch, dtype, device)``
+    returns the ``(args, kwargs)`` of one call with ``batch`` random images.
+    """
+
+    name: str
+    adapter: str
+    build: Callable[[torch.dtype, torch.device], nn.Module]
+    inputs: Callable[[int, torch.dtype, torch.device], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
 class Adapter:
     """Model knowledge for one family of models, registered under :attr:`name`.
 
@@ -150,6 +167,14 @@ class Adapter:
     def plan(self, model: nn.Module) -> CapturePlan:
         """The region of ``model`` to capture; raise :class:`AdapterMismatch` for other models."""
         raise NotImplementedError
+
+    def example_models(self) -> list[str]:
+        """Names of the models :meth:`example_model` builds (those worth listing)."""
+        return []
+
+    def example_model(self, name: str) -> ExampleModel | None:
+        """The example model called ``name``, or ``None`` if this adapter has none by that name."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} adapter {self.name!r}>"

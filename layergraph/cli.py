@@ -32,6 +32,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--dtype", default="float16", choices=sorted(_DTYPES))
     demo.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
     demo.add_argument("--json", default=None, help="also write the results to this file")
+    bench = commands.add_parser(
+        "bench", help="eager, layergraph, a hand-written graph and torch.compile side by side"
+    )
+    bench.add_argument(
+        "--model",
+        default="vit_base_patch16_224",
+        help="an example model of an adapter (see --list-models), or timm:NAME",
+    )
+    bench.add_argument("--list-models", action="store_true", help="list the model names")
+    bench.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    bench.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    bench.add_argument("--iters", type=int, default=100, help="timed calls per measurement")
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="also torch.compile(mode='reduce-overhead'); compiles each batch size for long",
+    )
+    bench.add_argument("--json", default=None, help="write the report as JSON here")
+    bench.add_argument("--markdown", default=None, help="write a Markdown table here")
+    bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
     try:
         from rich.console import Console
@@ -41,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     if args.command == "adapters":
         return _adapters(console)
+    if args.command == "bench":
+        return _bench(console, args)
     return _demo(console, args)
 
 
@@ -102,6 +124,73 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
         }
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=2)
+    return 0
+
+
+def _bench(console: Console, args: argparse.Namespace) -> int:
+    import torch
+    from rich.live import Live
+    from rich.table import Table
+
+    from .bench import BenchReport, run_benchmark
+    from .bench.report import METHODS
+    from .plugins import get_registry
+
+    if args.list_models:
+        for name in get_registry().example_model_names():
+            console.print(name)
+        console.print("timm:NAME (any timm VisionTransformer or Eva)")
+        return 0
+    if not torch.cuda.is_available():
+        console.print(
+            "[yellow]No CUDA GPU here: only the eager path is measured (float32, CPU).[/]"
+        )
+
+    def table(report: BenchReport) -> Table:
+        view = Table(title=f"{report.model} on {report.device}, {report.dtype}")
+        view.add_column("batch")
+        for label in METHODS.values():
+            view.add_column(f"{label} ms")
+        view.add_column("speedup")
+        view.add_column("vs hand-written")
+        for row in report.rows:
+            cells = [getattr(row, method) for method in METHODS]
+            speedup = row.ratio("eager_ms", "layergraph_ms")
+            versus = row.ratio("layergraph_ms", "plain_graph_ms")
+            view.add_row(
+                str(row.batch),
+                *("-" if cell is None else f"{cell:.3f}" for cell in cells),
+                "-" if speedup is None else f"{speedup:.2f}x",
+                "-" if versus is None else f"{versus:.3f}",
+            )
+        return view
+
+    sizes = [int(part) for part in args.batch_sizes.split(",")]
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    with Live(console=console, refresh_per_second=4) as live:
+        live.update(f"building {args.model} and capturing {len(sizes)} batch sizes...")
+        report = run_benchmark(
+            args.model,
+            sizes,
+            dtype=dtype,
+            iters=args.iters,
+            compile=args.compile,
+            on_row=lambda partial: live.update(table(partial)),
+        )
+    if report.capture_seconds is not None:
+        console.print(
+            f"capture of {len(sizes)} batch sizes: {report.capture_seconds:.2f} s; pool "
+            f"{report.pool_bytes / 2**20:.0f} MiB, largest alone "
+            f"{report.largest_alone_pool_bytes / 2**20:.0f} MiB ({report.pool_ratio:.3f}x); "
+            f"matmul rate {report.matmul_tflops:.0f} TFLOP/s"
+        )
+    if args.json:
+        report.write_json(args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(report.to_markdown())
+    if args.plot:
+        report.plot(args.plot)
     return 0
 
 

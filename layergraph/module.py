@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
@@ -162,6 +163,20 @@ class GraphedModule(nn.Module):
     def release(self) -> None:
         """Drop every graph and the shared pool; later calls capture again."""
         self._runner.release()
+
+    @contextlib.contextmanager
+    def original(self) -> Iterator[nn.Module]:
+        """The model as it was before wrapping, for the duration of a ``with`` block.
+
+        Routing inside the model is undone and put back afterwards; the graphs are kept. For
+        comparisons (benchmarks, checks against eager); calls through the wrapper meanwhile
+        run the model unrouted.
+        """
+        self._plan.detach()
+        try:
+            yield self.module
+        finally:
+            self._plan.attach(self._runner)
 
     def unwrap(self) -> nn.Module:
         """Release the graphs, undo any routing inside the model, and return the model."""

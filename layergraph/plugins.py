@@ -24,7 +24,7 @@ import pluggy
 import torch
 
 from . import hookspecs
-from .adapter import Adapter
+from .adapter import Adapter, ExampleModel
 from .attention import metadata_hooks
 from .attention.layout import AttentionMetadata, SequenceLayout
 
@@ -203,6 +203,30 @@ class AdapterRegistry:
                 f"layers applied in sequence: adapter='sequential', stack='path.to.layers'"
             )
         return name
+
+    def example_model(self, name: str) -> ExampleModel:
+        """The example model called ``name`` from whichever adapter builds it."""
+        for factory, _ in self._adapters.values():
+            try:
+                example = factory().example_model(name)
+            except TypeError:
+                continue
+            if example is not None:
+                return example
+        raise UnknownAdapterError(
+            f"no adapter builds a model called {name!r}; built-in names: "
+            f"{', '.join(self.example_model_names())}, or timm:NAME for any timm ViT"
+        )
+
+    def example_model_names(self) -> list[str]:
+        """Every example model name the registered adapters list."""
+        names: list[str] = []
+        for factory, _ in self._adapters.values():
+            try:
+                names += factory().example_models()
+            except TypeError:
+                continue
+        return sorted(names)
 
     def create(self, name: str, options: dict[str, Any]) -> Adapter:
         """An adapter instance from the factory named ``name``, given adapter ``options``."""

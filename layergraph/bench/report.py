@@ -1,0 +1,163 @@
+"""Benchmark results and their forms: JSON, a Markdown table, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METHODS", "BenchReport", "BenchRow"]
+
+METHODS = {
+    "eager_ms": "eager",
+    "layergraph_ms": "layergraph",
+    "plain_graph_ms": "hand-written graph",
+    "compile_ms": "torch.compile reduce-overhead",
+}
+"""The timed methods: the row field holding each one's median latency, and its label."""
+
+
+@dataclass
+class BenchRow:
+    """One batch size: median latencies in milliseconds (``None``: not measured) and FLOPs."""
+
+    batch: int
+    eager_ms: float
+    gflop: float
+    layergraph_ms: float | None = None
+    plain_graph_ms: float | None = None
+    compile_ms: float | None = None
+    compile_seconds: float | None = None
+    relative_error: float | None = None
+
+    def ratio(self, numerator: str, denominator: str) -> float | None:
+        """``numerator / denominator`` of two latency fields, if both were measured."""
+        top, bottom = getattr(self, numerator), getattr(self, denominator)
+        return None if top is None or bottom is None else top / bottom
+
+    def tflops(self, method: str) -> float | None:
+        """Achieved TFLOP/s of a method at this batch size."""
+        ms = getattr(self, method)
+        return None if ms is None else self.gflop / ms
+
+
+@dataclass
+class BenchReport:
+    """A whole benchmark run: what ran where, capture and memory, and one row per batch."""
+
+    model: str
+    adapter: str
+    device: str
+    dtype: str
+    versions: dict[str, str]
+    date: str
+    command: str
+    iters: int
+    matmul_tflops: float | None = None
+    capture_seconds: float | None = None
+    capture_wall_seconds: float | None = None
+    pool_bytes: int | None = None
+    largest_alone_pool_bytes: int | None = None
+    rows: list[BenchRow] = field(default_factory=list)
+
+    @property
+    def pool_ratio(self) -> float | None:
+        """Pool of all batch sizes over the pool of the largest captured alone."""
+        if not self.pool_bytes or not self.largest_alone_pool_bytes:
+            return None
+        return self.pool_bytes / self.largest_alone_pool_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["pool_ratio"] = self.pool_ratio
+        return record
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def to_markdown(self) -> str:
+        """A Markdown section: the setting, then one table row per batch size."""
+        lines = [
+            f"{self.model} ({self.adapter} adapter), {self.dtype}, {self.device}, {self.date}",
+            "",
+            f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
+            f"- command: `{self.command}`",
+            f"- medians of {self.iters} calls after warm-up, each timed "
+            + ("with CUDA events" if self.matmul_tflops else "by the wall clock"),
+        ]
+        if self.matmul_tflops:
+            lines.append(f"- measured matrix-product rate: {self.matmul_tflops:.0f} TFLOP/s")
+        if self.capture_seconds is not None:
+            lines.append(
+                f"- capture of every batch size: {self.capture_seconds:.2f} s "
+                f"({self.capture_wall_seconds:.2f} s wall)"
+            )
+        if self.pool_ratio is not None:
+            lines.append(
+                f"- shared pool {self.pool_bytes / 2**20:.0f} MiB; largest batch alone "
+                f"{self.largest_alone_pool_bytes / 2**20:.0f} MiB ({self.pool_ratio:.3f}x)"
+            )
+        lines += [
+            "",
+            "speedup is eager over layergraph; the next two columns are layergraph's latency "
+            "over the hand-written graph's and over torch.compile reduce-overhead's.",
+            "",
+            "| batch | GFLOP | eager ms | layergraph ms | hand-written ms | compile-ro ms | "
+            "speedup | vs hand-written | vs compile-ro | eager TFLOP/s | layergraph TFLOP/s "
+            "| of matmul rate |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in self.rows:
+            achieved = row.tflops("layergraph_ms")
+            share = (
+                f"{100 * achieved / self.matmul_tflops:.0f} %"
+                if achieved is not None and self.matmul_tflops
+                else "-"
+            )
+            eager = row.tflops("eager_ms")
+            lines.append(
+                f"| {row.batch} | {row.gflop:.1f} | {_ms(row.eager_ms)} | "
+                f"{_ms(row.layergraph_ms)} | "
+                f"{_ms(row.plain_graph_ms)} | {_ms(row.compile_ms)} | "
+                f"{_x(row.ratio('eager_ms', 'layergraph_ms'))} | "
+                f"{_x(row.ratio('layergraph_ms', 'plain_graph_ms'))} | "
+                f"{_x(row.ratio('layergraph_ms', 'compile_ms'))} | {eager:.1f} | "
+                f"{'-' if achieved is None else f'{achieved:.1f}'} | {share} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: str | Path) -> None:
+        """A PNG of latency against batch size, one line per method measured."""
+        import matplotlib
+        import matplotlib.ticker
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        batches = [row.batch for row in self.rows]
+        for method, label in METHODS.items():
+            values = [getattr(row, method) for row in self.rows]
+            if any(value is not None for value in values):
+                axes.plot(batches, values, marker="o", label=label)
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axes.set_xticks(batches, [str(b) for b in batches])
+        axes.set_xlabel("batch size")
+        axes.set_ylabel("median latency (ms)")
+        axes.set_title(f"{self.model}, {self.dtype}, {self.device}")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"

@@ -1,0 +1,187 @@
+"""Running the benchmark: one model, several batch sizes, every method in one process."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..module import wrap
+from ..plugins import get_registry
+from ..reference import compiled_reduce_overhead, plain_graph
+from ..timing import median_ms
+from ..validation import relative_error
+from .report import BenchReport, BenchRow
+
+__all__ = ["run_benchmark"]
+
+
+def run_benchmark(
+    model_name: str,
+    batch_sizes: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    iters: int = 100,
+    compile: bool = False,
+    on_row: Callable[[BenchReport], None] | None = None,
+) -> BenchReport:
+    """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
+
+    On a GPU: eager; layergraph with every batch size captured ahead into one pool (capture
+    time and pool size recorded, and the largest batch captured alone for comparison); the
+    whole forward captured by hand; and, with ``compile=True``, torch.compile with
+    ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time). Without a
+    GPU only eager is measured, in float32. ``on_row`` is called with the report after each
+    batch size, for live display.
+    """
+    example = get_registry().example_model(model_name)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        dtype = torch.float32
+    sizes = sorted(set(batch_sizes))
+    model = example.build(dtype, device)
+    report = BenchReport(
+        model=example.name,
+        adapter=example.adapter,
+        device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()})",
+        dtype=str(dtype).removeprefix("torch."),
+        versions=_versions(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        command=" ".join(["layergraph", *sys.argv[1:]])
+        if sys.argv[0].endswith("layergraph")
+        else f"run_benchmark({model_name!r}, {sizes})",
+        iters=iters,
+    )
+    with torch.inference_mode():
+        graphed = None
+        if cuda:
+            report.matmul_tflops = _matmul_tflops(dtype)
+            graphed = _capture_all(model, example, sizes, dtype, device, report)
+        for batch in sizes:
+            args, kwargs = example.inputs(batch, dtype, device)
+            report.rows.append(
+                _measure(model, graphed, args, kwargs, batch, device, iters, compile)
+            )
+            if on_row is not None:
+                on_row(report)
+        if graphed is not None:
+            graphed.unwrap()
+    return report
+
+
+def _capture_all(
+    model: torch.nn.Module,
+    example: Any,
+    sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    report: BenchReport,
+) -> Any:
+    """Wrap and capture every size; record capture time and pool sizes on ``report``."""
+    args, kwargs = example.inputs(1, dtype, device)
+    _pool_alone(model, example.adapter, 1, args, kwargs)  # takes one-time allocations
+    graphed = wrap(model, adapter=example.adapter, batch_sizes=sizes)
+    started = time.perf_counter()
+    graphed.capture(*args, progress=False, **kwargs)
+    torch.cuda.synchronize()
+    report.capture_wall_seconds = time.perf_counter() - started
+    stats = graphed.stats
+    report.capture_seconds = stats.capture_seconds
+    report.pool_bytes = stats.pool_bytes
+    report.largest_alone_pool_bytes = _pool_alone(model, example.adapter, sizes[-1], args, kwargs)
+    return graphed
+
+
+def _pool_alone(
+    model: torch.nn.Module, adapter: str, batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> int:
+    alone = wrap(model, adapter=adapter, batch_sizes=[batch])
+    alone.capture(*args, progress=False, **kwargs)
+    size = alone.stats.pool_bytes
+    alone.unwrap()
+    return size
+
+
+def _measure(
+    model: torch.nn.Module,
+    graphed: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batch: int,
+    device: torch.device,
+    iters: int,
+    compile: bool,
+) -> BenchRow:
+    with FlopCounterMode(display=False) as counter:
+        expected = model(*args, **kwargs)
+    row = BenchRow(
+        batch=batch,
+        eager_ms=median_ms(lambda: model(*args, **kwargs), device=device, iters=iters),
+        gflop=counter.get_total_flops() / 1e9,
+    )
+    if graphed is None:
+        return row
+    got = graphed(*args, **kwargs)
+    row.relative_error = relative_error(_first_tensor(got), _first_tensor(expected))
+    row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
+    with graphed.original() as original:
+        by_hand = plain_graph(original, *args, **kwargs)
+        row.plain_graph_ms = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
+        if compile:
+            compiled = compiled_reduce_overhead(original)
+            started = time.perf_counter()
+            for _ in range(3):
+                compiled(*args, **kwargs)
+            torch.cuda.synchronize()
+            row.compile_seconds = time.perf_counter() - started
+            row.compile_ms = median_ms(
+                lambda: compiled(*args, **kwargs), device=device, iters=iters
+            )
+    return row
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    return next(
+        leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)
+    )
+
+
+def _matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
+    """The GPU's measured matrix-product rate: median of 10 products of random matrices."""
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    if torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
+    for name in ("timm", "transformers", "triton"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = getattr(module, "__version__", "?")
+    from .. import __version__
+
+    versions["layergraph"] = __version__
+    return versions

@@ -1,0 +1,125 @@
+"""The benchmark's logic on the CPU (eager only there), and its report forms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layergraph.bench import BenchReport, BenchRow, run_benchmark
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_run_benchmark_without_gpu_measures_eager_only() -> None:
+    seen: list[int] = []
+    report = run_benchmark(
+        "vit_tiny_patch16_224", [2, 1], iters=2, on_row=lambda r: seen.append(len(r.rows))
+    )
+    assert [row.batch for row in report.rows] == [1, 2] and seen == [1, 2]
+    assert report.adapter == "timm" and report.dtype == "float32"
+    first, second = report.rows
+    assert first.eager_ms > 0 and first.layergraph_ms is None and first.plain_graph_ms is None
+    # vit_tiny: about 1.26 GFLOP per 224x224 image (counted from the model's shapes)
+    assert 2.0 < first.gflop < 3.0 and second.gflop == pytest.approx(2 * first.gflop)
+    assert report.pool_ratio is None and report.matmul_tflops is None
+
+
+def sample_report() -> BenchReport:
+    report = BenchReport(
+        model="m",
+        adapter="timm",
+        device="GPU",
+        dtype="bfloat16",
+        versions={"torch": "2"},
+        date="today",
+        command="layergraph bench",
+        iters=10,
+        matmul_tflops=800.0,
+        capture_seconds=0.5,
+        capture_wall_seconds=0.6,
+        pool_bytes=210 * 2**20,
+        largest_alone_pool_bytes=200 * 2**20,
+    )
+    report.rows = [
+        BenchRow(
+            batch=1,
+            eager_ms=3.0,
+            gflop=35.0,
+            layergraph_ms=0.7,
+            plain_graph_ms=0.69,
+            compile_ms=0.8,
+        ),
+        BenchRow(batch=8, eager_ms=3.2, gflop=280.0, layergraph_ms=1.12, plain_graph_ms=1.12),
+    ]
+    return report
+
+
+def test_markdown_holds_ratios_rates_and_memory() -> None:
+    text = sample_report().to_markdown()
+    assert "(1.050x)" in text and "800 TFLOP/s" in text and "0.50 s" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 1 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[6:9] == ["4.286x", "1.014x", "0.875x"]
+    assert cells[9:12] == ["11.7", "50.0", "6 %"]
+    row8 = next(line for line in text.splitlines() if line.startswith("| 8 |"))
+    assert "| - |" in row8  # no compile measured
+
+
+def test_json_and_plot_are_written(tmp_path: Path) -> None:
+    report = sample_report()
+    report.write_json(tmp_path / "r.json")
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["pool_ratio"] == pytest.approx(1.05) and len(record["rows"]) == 2
+    report.plot(tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_command_lists_models_and_writes_outputs(tmp_path: Path) -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", "bench", "--list-models"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for name in ("vit_base_patch16_224", "siglip-so400m-384", "internvit-300m", "timm:NAME"):
+        assert name in listing.stdout
+    if torch.cuda.is_available():
+        return
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "layergraph.cli",
+            "bench",
+            "--model",
+            "timm:vit_tiny_patch16_224",
+            "--batch-sizes",
+            "1",
+            "--iters",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+            "--markdown",
+            str(tmp_path / "b.md"),
+            "--plot",
+            str(tmp_path / "b.png"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "only the eager path" in out.stdout
+    assert "| 1 |" in (tmp_path / "b.md").read_text()
+    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["batch"] == 1
+    assert (tmp_path / "b.png").exists()
+
+
+def test_unknown_model_name_lists_the_built_in_ones() -> None:
+    from layergraph import UnknownAdapterError
+
+    with pytest.raises(UnknownAdapterError, match=r"internvit-300m.*timm:NAME"):
+        run_benchmark("no-such-model", [1])
