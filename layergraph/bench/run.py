@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
 import statistics
@@ -120,19 +121,17 @@ def _measure(
     iters: int,
     compile: bool,
 ) -> BenchRow:
-    with FlopCounterMode(display=False) as counter:
-        expected = model(*args, **kwargs)
-    row = BenchRow(
-        batch=batch,
-        eager_ms=median_ms(lambda: model(*args, **kwargs), device=device, iters=iters),
-        gflop=counter.get_total_flops() / 1e9,
-    )
-    if graphed is None:
-        return row
-    got = graphed(*args, **kwargs)
-    row.relative_error = relative_error(_first_tensor(got), _first_tensor(expected))
-    row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
-    with graphed.original() as original:
+    """One batch size. Eager and the references run on the model as it was before wrapping."""
+    with graphed.original() if graphed is not None else contextlib.nullcontext(model) as original:
+        with FlopCounterMode(display=False) as counter:
+            expected = original(*args, **kwargs)
+        row = BenchRow(
+            batch=batch,
+            eager_ms=median_ms(lambda: original(*args, **kwargs), device=device, iters=iters),
+            gflop=counter.get_total_flops() / 1e9,
+        )
+        if graphed is None:
+            return row
         by_hand = plain_graph(original, *args, **kwargs)
         row.plain_graph_ms = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
         if compile:
@@ -145,6 +144,11 @@ def _measure(
             row.compile_ms = median_ms(
                 lambda: compiled(*args, **kwargs), device=device, iters=iters
             )
+    got = graphed(*args, **kwargs)
+    row.relative_error = relative_error(_first_tensor(got), _first_tensor(expected))
+    row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
+    if graphed.stats.eager_total:
+        raise RuntimeError(f"layergraph ran eagerly during the benchmark: {graphed.stats}")
     return row
 
 
