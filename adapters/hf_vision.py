@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel
+from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
@@ -159,7 +160,7 @@ class VisionTowerPlan(CapturePlan):
         self.patch_size = _pair(config.patch_size)
         self.image_size = _pair(config.image_size)
         self.channels: int = config.num_channels
-        self._forward = tower.forward
+        self._forward = own_forward(tower)
         self._parent, self._layers_name, layers = _layer_list(tower)
         self.depth = len(layers)
         self.feature_layers = self._held_layers(feature_layers)

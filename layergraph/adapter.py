@@ -19,7 +19,14 @@ from torch import nn
 
 from .keys import CallInputs, ShapeKey
 
-__all__ = ["Adapter", "AdapterMismatch", "CapturePlan", "ExampleModel", "WholeForward"]
+__all__ = [
+    "Adapter",
+    "AdapterMismatch",
+    "CapturePlan",
+    "ExampleModel",
+    "WholeForward",
+    "own_forward",
+]
 
 
 class AdapterMismatch(TypeError):
@@ -107,6 +114,20 @@ class CapturePlan:
     def forward_scope(self) -> Iterator[None]:
         """Context the wrapper enters around each forward call; routing may depend on it."""
         yield
+
+
+def own_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s forward as its class defines it, refusing a module already routed.
+
+    A plan that routes a module in place installs an instance ``forward``; reading
+    ``module.forward`` then would give that routing, not the computation.
+    """
+    if "forward" in module.__dict__:
+        raise RuntimeError(
+            f"this {type(module).__name__} is already routed to graphs by another wrapper; "
+            f"unwrap() that one first"
+        )
+    return type(module).forward.__get__(module)
 
 
 class WholeForward(CapturePlan):

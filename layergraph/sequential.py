@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapter import Adapter, AdapterMismatch, CapturePlan, WholeForward
+from .adapter import Adapter, AdapterMismatch, CapturePlan, WholeForward, own_forward
 
 __all__ = ["SequentialAdapter"]
 
@@ -87,7 +87,7 @@ class _SequentialStack(_ScopedRouting):
     def __init__(self, model: nn.Module, stack: nn.Sequential) -> None:
         self.owner = model
         self._stack = stack
-        self._forward = stack.forward
+        self._forward = own_forward(stack)
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(*args, **kwargs)

@@ -291,3 +291,21 @@ def test_eager_path_without_cuda_equals_the_model(name: str) -> None:
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(got[field], value, rtol=0, atol=0)
     assert graphed.stats.eager_calls == {"CUDA is not available": 1}
+
+
+def test_a_routed_tower_cannot_be_wrapped_twice() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    first = layergraph.wrap(model, backend=SimulatedGraphs())
+    with pytest.raises(RuntimeError, match="already routed to graphs by another wrapper"):
+        layergraph.wrap(model, backend=SimulatedGraphs())
+    first.unwrap()
+    second = layergraph.wrap(model, backend=SimulatedGraphs())
+    x = images(1)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            second(pixel_values=x).last_hidden_state,
+            type(model).forward(model, pixel_values=x).last_hidden_state,
+            rtol=RTOL,
+            atol=ATOL,
+        )
+    assert second.stats.replays == 1 and second.stats.eager_total == 0
