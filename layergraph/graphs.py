@@ -39,6 +39,18 @@ class GraphBackend(Protocol):
     def pool_bytes(self, pool: Any) -> int:
         """Bytes the device allocator has reserved for ``pool``."""
 
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """Whether ``error`` says the device ran out of memory."""
+
+    def release_memory(self) -> None:
+        """Give memory no longer held by any graph or tensor back to the device."""
+
+    def mark_done(self) -> Any:
+        """A marker, on the caller's stream, after the work just launched (a CUDA event)."""
+
+    def wait_for(self, marker: Any) -> None:
+        """Make the caller's stream wait for ``marker`` before its next work."""
+
 
 class CudaGraphs:
     """Graph backend on ``torch.cuda.CUDAGraph``.
@@ -46,6 +58,8 @@ class CudaGraphs:
     Warm-up runs on a side stream (so lazy initialisation inside the model, such as cuBLAS
     workspaces, happens outside the capture), capture runs on PyTorch's default capture stream
     with the shared pool, and replay is launched on whichever stream is current for the caller.
+    Calls from different streams are ordered through events (:meth:`mark_done`,
+    :meth:`wait_for`), since their replays share static buffers.
     """
 
     device_type = "cuda"
@@ -75,6 +89,21 @@ class CudaGraphs:
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
+
+    def release_memory(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def mark_done(self) -> Any:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def wait_for(self, marker: Any) -> None:
+        torch.cuda.current_stream().wait_event(marker)
 
     def pool_bytes(self, pool: Any) -> int:
         pool_id = tuple(pool)

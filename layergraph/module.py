@@ -25,10 +25,12 @@ def wrap(
     batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
     lazy: bool = True,
     max_graphs: int = 32,
+    capture_after: int = 1,
     static_output: bool = False,
     validate: bool = False,
     tolerance: float | None = None,
     warmup_runs: int = 2,
+    debug: bool = False,
     backend: GraphBackend | None = None,
     **adapter_options: Any,
 ) -> GraphedModule:
@@ -69,10 +71,12 @@ def wrap(
         batch_sizes=batch_sizes,
         lazy=lazy,
         max_graphs=max_graphs,
+        capture_after=capture_after,
         static_output=static_output,
         validate=validate,
         tolerance=tolerance,
         warmup_runs=warmup_runs,
+        debug=debug,
     )
     plan = adapter_object.plan(model)
     runner = GraphRunner(plan, options, backend if backend is not None else CudaGraphs())

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .adapter import CapturePlan
+from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend
+from .guards import ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
 from .progress import track
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
 
-__all__ = ["DEFAULT_BATCH_SIZES", "GraphEntry", "GraphRunner", "RunnerOptions"]
+__all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "RunnerOptions", "StaleOutputWarning"]
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+class StaleOutputWarning(UserWarning):
+    """A replay overwrote outputs of an earlier replay that the caller still held."""
 
 
 @dataclass(frozen=True)
@@ -32,42 +40,38 @@ class RunnerOptions:
       size, no padding, no splitting.
     - ``lazy``: capture a key the first time a call needs it. Off: only keys captured through
       :meth:`GraphRunner.capture` replay; other calls run eagerly.
-    - ``max_graphs``: no more graphs than this; later new keys run eagerly.
-    - ``static_output``: return the graph's own output buffers (no copy). They are overwritten
-      by the next replay of the same key; by default each call returns fresh tensors.
+    - ``max_graphs``: no more graphs than this; capturing another drops the least recently
+      used one.
+    - ``capture_after``: capture a key only once calls have needed it this many times (the
+      calls before run eagerly), so that rare shapes do not take graph memory.
+    - ``static_output``: return views of the graph's own output buffers (no copy). They are
+      overwritten by the next replay of the same key, which warns if an earlier output is still
+      referenced; by default each call returns fresh tensors.
     - ``validate``: compare the first replay of each key with eager on the same input and raise
       :class:`~layergraph.validation.GraphMismatchError` beyond ``tolerance`` (relative error;
       ``None`` takes the per-dtype default).
     - ``warmup_runs``: eager runs on a side stream before each capture.
+    - ``debug``: check at every replay that each buffer the graph uses (static inputs and
+      outputs, per-key state, the model's parameters) still has its captured address.
     """
 
     batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES
     lazy: bool = True
     max_graphs: int = 32
+    capture_after: int = 1
     static_output: bool = False
     validate: bool = False
     tolerance: float | None = None
     warmup_runs: int = 2
+    debug: bool = False
 
     def __post_init__(self) -> None:
         if self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {self.max_graphs}")
         if self.warmup_runs < 1:
             raise ValueError(f"warmup_runs must be at least 1, got {self.warmup_runs}")
-
-
-@dataclass(frozen=True, slots=True)
-class GraphEntry:
-    """One captured graph and the buffers whose addresses it baked in."""
-
-    key: ShapeKey
-    graph: Any
-    static_inputs: tuple[torch.Tensor, ...]
-    output_leaves: tuple[Any, ...]
-    output_spec: pytree.TreeSpec
-    batched_outputs: tuple[bool, ...] = field(repr=False)
-    state: Any = field(default=None, repr=False)
-    """The plan's per-key buffers (attention metadata, workspaces), kept alive with the graph."""
+        if self.capture_after < 1:
+            raise ValueError(f"capture_after must be at least 1, got {self.capture_after}")
 
 
 class GraphRunner:
@@ -82,7 +86,13 @@ class GraphRunner:
     are sliced off the outputs, which are cloned unless ``static_output`` is set.
 
     All graphs share one memory pool. The runner does not know the model: the plan supplies the
-    region and its checks. It does not track changes to the model's parameters after capture.
+    region and its checks. Before each call it checks, cheaply, that the model's parameters and
+    buffers still live where the graphs read them (:class:`~layergraph.guards.ParameterWatch`);
+    if not, every graph is dropped and captured again on demand. A capture that runs out of
+    device memory drops every graph and the pool, and its key runs eagerly from then on.
+
+    Thread safety: calls are served one at a time (a lock), since replays share static buffers;
+    a call on another CUDA stream waits, through an event, for the previous call's work.
     """
 
     def __init__(self, plan: CapturePlan, options: RunnerOptions, backend: GraphBackend) -> None:
@@ -90,13 +100,19 @@ class GraphRunner:
         self.options = options
         self.backend = backend
         self.buckets = BatchBuckets(options.batch_sizes)
-        self._entries: dict[tuple[int, Any], GraphEntry] = {}
+        self._entries = GraphCache(options.max_graphs, options.capture_after)
         self._validated: set[tuple[int, Any]] = set()
+        self._failed: dict[tuple[int, Any], str] = {}
+        self._done: Any = None
         self._stats = GraphStats()
         self._pool: Any = None
         self._lock = threading.RLock()
         self._unavailable = backend.unavailable_reason()
-        self._parameters = tuple(plan.owner.parameters())
+        self._watch = ParameterWatch(plan.owner)
+        self._refresh_parameters()
+
+    def _refresh_parameters(self) -> None:
+        self._parameters = tuple(self.plan.owner.parameters())
         self._reference = self._parameters[0] if self._parameters else None
 
     # ---- calls -------------------------------------------------------------------------------
@@ -105,12 +121,27 @@ class GraphRunner:
         try:
             call = CallInputs(args, kwargs)
         except UnsupportedCall as unsupported:
-            return self._run_eagerly(str(unsupported), args, kwargs)
-        reason = self._eager_reason(call)
-        if reason is not None:
-            return self._run_eagerly(reason, args, kwargs)
+            return self._run_eagerly(str(unsupported), args, kwargs, explain_errors=True)
+        if call.batch == 0:
+            raise ValueError(
+                f"empty batch: the tensor arguments have 0 rows "
+                f"({', '.join(str(tuple(t.shape)) for t in call.tensors)})"
+            )
         with self._lock:
+            if len(self._entries) and self._watch.changed():
+                self._drop_graphs_after_model_change()
+            reason = self._eager_reason(call)
+            if reason is not None:
+                return self._run_eagerly(reason, args, kwargs, explain_errors=True)
             return self._serve(call, args, kwargs)
+
+    def _drop_graphs_after_model_change(self) -> None:
+        """Parameters moved or were replaced: no graph may replay against their old memory."""
+        self._entries.clear()
+        self._validated.clear()
+        self._failed.clear()
+        self._stats.invalidations += 1
+        self._refresh_parameters()
 
     def _serve(self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         bucket = self.buckets.bucket_for(call.batch)
@@ -132,9 +163,27 @@ class GraphRunner:
             parts.append(self._serve(chunk, *chunk.rebuild(chunk.tensors)))
         return _concatenate(parts)
 
-    def _run_eagerly(self, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_eagerly(
+        self,
+        reason: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        explain_errors: bool = False,
+    ) -> Any:
+        """Run the region eagerly, counting ``reason``.
+
+        With ``explain_errors``, an error raised by the model is re-raised as a ``ValueError``
+        that names ``reason`` first (an input unlike the model's), the model's error chained.
+        """
         self._stats.eager_calls[reason] += 1
-        return self.plan.region(*args, **kwargs)
+        if not explain_errors:
+            return self.plan.region(*args, **kwargs)
+        try:
+            return self.plan.region(*args, **kwargs)
+        except Exception as error:
+            raise ValueError(
+                f"{reason}; the model raised {type(error).__name__}: {error}"
+            ) from error
 
     def _eager_reason(self, call: CallInputs) -> str | None:
         """Why this call cannot be served by a graph, or ``None`` if it can."""
@@ -174,15 +223,38 @@ class GraphRunner:
         entry = self._entries.get(lookup)
         if entry is not None:
             return entry, ""
+        failure = self._failed.get(lookup)
+        if failure is not None:
+            return None, failure
         self.plan.check_inputs(call)
         key = ShapeKey(bucket, self.plan.sequence_of(call))
         if not self.options.lazy:
             return None, f"no graph captured for {key} and lazy capture is off"
-        if len(self._entries) >= self.options.max_graphs:
-            return None, f"graph limit reached (max_graphs={self.options.max_graphs})"
-        return self._capture(key, lookup, call), ""
+        if self._entries.admit(lookup) is not None:
+            return None, f"shape not yet seen {self.options.capture_after} times (capture_after)"
+        return self._capture(key, lookup, call)
 
-    def _capture(self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs) -> GraphEntry:
+    def _capture(
+        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
+    ) -> tuple[GraphEntry | None, str]:
+        """Capture ``key``; on running out of memory, drop every graph and say so instead."""
+        try:
+            return self._capture_entry(key, lookup, call), ""
+        except Exception as error:
+            if not self.backend.is_out_of_memory(error):
+                raise
+        reason = f"capture of {key} ran out of device memory"
+        self._entries.clear()
+        self._validated.clear()
+        self._pool = None
+        self.backend.release_memory()
+        self._failed[lookup] = reason
+        self._stats.failed_captures += 1
+        return None, reason
+
+    def _capture_entry(
+        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
+    ) -> GraphEntry:
         if self._pool is None:
             self._pool = self.backend.new_pool()
         with torch.inference_mode(False):
@@ -199,6 +271,8 @@ class GraphRunner:
             with self.plan.bound(state):
                 return self.plan.region(*args, **kwargs)
 
+        if self._done is not None:
+            self.backend.wait_for(self._done)
         graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
         leaves, spec = pytree.tree_flatten(output)
         entry = GraphEntry(
@@ -212,13 +286,27 @@ class GraphRunner:
                 for leaf in leaves
             ),
             state=state,
+            addresses=addresses((*static, *leaves, *_state_tensors(state), *self._watch.tensors)),
         )
-        self._entries[lookup] = entry
+        if self._entries.add(lookup, entry) is not None:
+            self._stats.evictions += 1
         self._stats.captures += 1
         self._stats.capture_seconds += time.perf_counter() - started
         return entry
 
     def _replay(self, entry: GraphEntry, call: CallInputs) -> Any:
+        if self.options.debug:
+            self._check_addresses(entry)
+        if self.options.static_output and entry.held.any_alive():
+            self._stats.overwritten_outputs += 1
+            warnings.warn(
+                f"replaying the graph of {entry.key} overwrites outputs of its previous replay "
+                f"that are still referenced (static_output=True); clone them to keep them",
+                StaleOutputWarning,
+                stacklevel=4,
+            )
+        if self._done is not None:
+            self.backend.wait_for(self._done)
         _load(entry.static_inputs, call.tensors)
         self.backend.replay(entry.graph)
         self._stats.replays += 1
@@ -230,8 +318,14 @@ class GraphRunner:
                 leaf[:rows] if batched else leaf
                 for leaf, batched in zip(leaves, entry.batched_outputs)
             ]
-        if not self.options.static_output:
+        if self.options.static_output:
+            leaves = [
+                leaf.view_as(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+            ]
+            entry.held.track(leaves)
+        else:
             leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self._done = self.backend.mark_done()
         output = pytree.tree_unflatten(list(leaves), entry.output_spec)
         if self.options.validate:
             self._validate_once(entry, call, output)
@@ -251,9 +345,26 @@ class GraphRunner:
                 context=f"graph for key {entry.key} (batch {call.batch})",
             )
         except GraphMismatchError:
-            del self._entries[lookup]
+            self._entries.remove(lookup)
             raise
         self._validated.add(lookup)
+
+    def _check_addresses(self, entry: GraphEntry) -> None:
+        now = addresses(
+            (
+                *entry.static_inputs,
+                *entry.output_leaves,
+                *_state_tensors(entry.state),
+                *self._watch.tensors,
+            )
+        )
+        if now != entry.addresses:
+            moved = sum(a != b for a, b in zip(now, entry.addresses))
+            moved += abs(len(now) - len(entry.addresses))
+            raise RuntimeError(
+                f"debug check: {moved} buffer(s) of the graph for {entry.key} no longer have "
+                f"their captured addresses; replaying it would read or write freed memory"
+            )
 
     # ---- ahead-of-time capture, statistics, release -------------------------------------------
 
@@ -283,21 +394,24 @@ class GraphRunner:
                 rows = torch.arange(size, device=call.tensors[0].device) % call.batch
                 example = CallInputs(*call.rebuild([t[rows] for t in call.tensors]))
                 lookup = (size, example.signature)
-                if lookup not in self._entries:
-                    if len(self._entries) >= self.options.max_graphs:
+                entry = self._entries.get(lookup)
+                if entry is None:
+                    if len(sizes) > self.options.max_graphs:
                         raise RuntimeError(
-                            f"cannot capture batch {size}: graph limit reached "
-                            f"(max_graphs={self.options.max_graphs})"
+                            f"cannot capture {len(sizes)} batch sizes with max_graphs="
+                            f"{self.options.max_graphs}"
                         )
                     key = ShapeKey(size, self.plan.sequence_of(example))
-                    self._capture(key, lookup, example)
-                keys.append(self._entries[lookup].key)
+                    entry, reason = self._capture(key, lookup, example)
+                    if entry is None:
+                        raise RuntimeError(f"cannot capture graphs: {reason}")
+                keys.append(entry.key)
         return keys
 
     @property
     def keys(self) -> list[ShapeKey]:
         """The keys of the graphs held now."""
-        return [entry.key for entry in self._entries.values()]
+        return [entry.key for entry in self._entries]
 
     def stats(self) -> GraphStats:
         """A snapshot of the statistics, with the pool's current size read from the allocator."""
@@ -315,7 +429,17 @@ class GraphRunner:
         with self._lock:
             self._entries.clear()
             self._validated.clear()
+            self._failed.clear()
             self._pool = None
+
+
+def _state_tensors(state: Any) -> list[Any]:
+    """The tensors inside a plan's per-key state (a dataclass, tuple, dict or tensor)."""
+    if state is None:
+        return []
+    if dataclasses.is_dataclass(state):
+        state = [getattr(state, f.name) for f in dataclasses.fields(state)]
+    return [leaf for leaf in pytree.tree_leaves(state) if isinstance(leaf, torch.Tensor)]
 
 
 def _load(static: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:

@@ -15,6 +15,9 @@ class GraphStats:
     ``eager_calls`` maps each reason a call could not be served by a graph (no CUDA, training
     mode, an uncaptured shape...) to how many calls ran eagerly for it. ``pool_bytes`` is the
     memory the shared graph pool holds, read from the allocator when the statistics are taken.
+    ``evictions``: graphs dropped as least recently used; ``invalidations``: times every graph
+    was dropped because the model's parameters moved; ``failed_captures``: captures that ran
+    out of memory; ``overwritten_outputs``: replays that overwrote a still-held static output.
     """
 
     graphs: int = 0
@@ -22,6 +25,10 @@ class GraphStats:
     replays: int = 0
     padded_calls: int = 0
     split_calls: int = 0
+    evictions: int = 0
+    invalidations: int = 0
+    failed_captures: int = 0
+    overwritten_outputs: int = 0
     eager_calls: Counter[str] = field(default_factory=Counter)
     capture_seconds: float = 0.0
     pool_bytes: int = 0
@@ -35,6 +42,8 @@ class GraphStats:
         lines = [
             f"graphs={self.graphs} captures={self.captures} replays={self.replays} "
             f"padded={self.padded_calls} split={self.split_calls} eager={self.eager_total} "
+            f"evicted={self.evictions} invalidated={self.invalidations} "
+            f"failed={self.failed_captures} "
             f"pool={self.pool_bytes / 2**20:.1f} MiB capture={self.capture_seconds:.3f} s"
         ]
         lines += [f"  eager x{n}: {reason}" for reason, n in self.eager_calls.most_common()]

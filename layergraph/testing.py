@@ -34,6 +34,7 @@ class SimulatedGraphs:
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0
+        self.memory_releases = 0
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -59,6 +60,18 @@ class SimulatedGraphs:
                 if isinstance(static, torch.Tensor):
                     static.copy_(value)
         self.replays += 1
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        return isinstance(error, MemoryError) or "out of memory" in str(error)
+
+    def release_memory(self) -> None:
+        self.memory_releases += 1
+
+    def mark_done(self) -> None:
+        return None
+
+    def wait_for(self, marker: Any) -> None:
+        return None
 
     def pool_bytes(self, pool: list[Any]) -> int:
         return sum(

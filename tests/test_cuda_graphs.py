@@ -118,7 +118,7 @@ def test_static_buffers_keep_their_addresses_across_replays() -> None:
     with torch.inference_mode():
         a = graphed(images(2, torch.float16))
         address = a.data_ptr()
-        (entry,) = graphed._runner._entries.values()
+        (entry,) = graphed._runner._entries
         input_address = entry.static_inputs[0].data_ptr()
         for _ in range(3):
             x = images(2, torch.float16)

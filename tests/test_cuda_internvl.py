@@ -88,7 +88,7 @@ def test_captured_buffers_keep_their_addresses(internvit_300m: torch.nn.Module) 
     try:
         with torch.inference_mode():
             graphed(pixel_values=tiles(2))
-            (entry,) = graphed._runner._entries.values()
+            (entry,) = graphed._runner._entries
             state = entry.state
             addresses = (
                 entry.static_inputs[0].data_ptr(),

@@ -140,7 +140,7 @@ def test_workspace_is_sized_per_key_from_the_model(triton_interpreter: None) -> 
     )
     with torch.inference_mode():
         graphed(pixel_values=tiles(2))
-    (entry,) = graphed._runner._entries.values()
+    (entry,) = graphed._runner._entries
     assert entry.state.workspace.shape == (2 * TOKENS, 2, 64)
     assert entry.state.workspace.dtype == torch.float32
 
@@ -173,7 +173,7 @@ def test_metadata_hook_override_is_used(monkeypatch: pytest.MonkeyPatch) -> None
     with torch.inference_mode():
         graphed(pixel_values=tiles(2))
     assert calls == [("sdpa", SequenceLayout.uniform(2, TOKENS))]
-    (entry,) = graphed._runner._entries.values()
+    (entry,) = graphed._runner._entries
     assert entry.state.metadata == AttentionMetadata(max_seqlen=TOKENS)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import layergraph
+import layergraph.runner
 from layergraph import GraphMismatchError
 from layergraph.testing import SimulatedGraphs
 
@@ -76,8 +77,9 @@ def test_exact_mode_captures_each_batch_and_respects_max_graphs(mlp_stack: nn.Se
             x = torch.randn(batch, 16)
             torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
     stats = graphed.stats
-    assert stats.graphs == 2 and stats.replays == 3
-    assert stats.eager_calls == {"graph limit reached (max_graphs=2)": 1}
+    assert stats.graphs == 2 and stats.replays == 4 and stats.captures == 4
+    assert stats.evictions == 2 and stats.eager_total == 0
+    assert sorted(key.batch for key in graphed.keys) == [3, 7]
 
 
 def test_lazy_off_runs_uncaptured_keys_eagerly(mlp_stack: nn.Sequential) -> None:
@@ -113,8 +115,10 @@ def test_default_output_is_fresh_and_static_output_is_overwritten(
         fresh(b)
         torch.testing.assert_close(kept, mlp_stack(a), atol=ATOL, rtol=0)
         held = static(a)
-        static(b)
+        with pytest.warns(layergraph.runner.StaleOutputWarning, match="still referenced"):
+            static(b)
         torch.testing.assert_close(held, mlp_stack(b), atol=ATOL, rtol=0)
+    assert static.stats.overwritten_outputs == 1
 
 
 class Pair(NamedTuple):
@@ -172,10 +176,11 @@ def test_training_mode_runs_eagerly(mlp_stack: nn.Sequential) -> None:
 def test_inputs_unlike_the_model_run_eagerly(
     mlp_stack: nn.Sequential, x: torch.Tensor, reason: str
 ) -> None:
-    """Eager PyTorch then raises its own error, as it would without the wrapper."""
+    """The eager run fails; the error names the mismatch first, the model's error chained."""
     graphed = wrap_simulated(mlp_stack)
-    with torch.no_grad(), pytest.raises(RuntimeError):
+    with torch.no_grad(), pytest.raises(ValueError, match=reason) as error:
         graphed(x)
+    assert isinstance(error.value.__cause__, (RuntimeError, NotImplementedError))
     assert graphed.stats.eager_calls == {reason: 1}
     assert graphed.stats.graphs == 0
 

@@ -1,0 +1,221 @@
+"""Reliability on the CPU: model changes, memory faults, bounded graphs, threads, debug checks.
+
+Graphs are simulated (:class:`layergraph.testing.SimulatedGraphs`): a replay recomputes from
+the static buffers, so a graph that kept stale state would give wrong answers here too.
+Tolerance: float32 on the same kernels, 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+
+ATOL = 1e-5
+
+
+def stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).eval()
+
+
+def wrap(model: nn.Module, backend: Any = None, **options: Any) -> layergraph.GraphedModule:
+    return layergraph.wrap(
+        model, adapter="sequential", backend=backend or SimulatedGraphs(), **options
+    )
+
+
+def check(
+    graphed: layergraph.GraphedModule, model: nn.Module, batch: int, dtype: Any = None
+) -> None:
+    x = torch.randn(batch, 8, dtype=dtype or torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), model(x), atol=ATOL, rtol=0)
+
+
+def test_reallocated_parameters_drop_the_graphs_and_recapture() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[4])
+    check(graphed, model, 3)
+    model.double()
+    check(graphed, model, 3, torch.float64)
+    assert graphed.stats.invalidations == 1
+    model.float()
+    check(graphed, model, 3)
+    assert graphed.stats.invalidations == 2 and graphed.stats.eager_total == 0
+
+
+def test_load_state_dict_with_assign_is_detected() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[4])
+    check(graphed, model, 4)
+    fresh = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh, assign=True)
+    check(graphed, model, 4)
+    assert graphed.stats.invalidations == 1
+
+
+def test_a_replaced_module_is_detected() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[4])
+    check(graphed, model, 2)
+    model[2] = nn.Linear(16, 8)
+    check(graphed, model, 2)
+    assert graphed.stats.invalidations == 1
+
+
+def test_in_place_weight_updates_keep_the_graphs() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[4])
+    check(graphed, model, 4)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    check(graphed, model, 4)
+    assert graphed.stats.invalidations == 0 and graphed.stats.captures == 1
+
+
+class OutOfMemoryGraphs(SimulatedGraphs):
+    """Runs out of memory when capturing batches larger than ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def capture(self, fn: Any, pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        graph, output = super().capture(fn, pool, warmup_runs)
+        if output.shape[0] > self.limit:
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return graph, output
+
+
+def test_out_of_memory_at_capture_leaves_the_model_working() -> None:
+    model = stack()
+    backend = OutOfMemoryGraphs(limit=4)
+    graphed = wrap(model, backend=backend, batch_sizes=[2, 8])
+    check(graphed, model, 2)
+    check(graphed, model, 7)
+    check(graphed, model, 7)
+    stats = graphed.stats
+    assert stats.failed_captures == 1 and backend.memory_releases == 1
+    assert stats.eager_calls == {
+        "capture of (batch=8, sequence=float32[8]) ran out of device memory": 2
+    }
+    check(graphed, model, 2)
+    assert graphed.stats.graphs == 1 and graphed.stats.replays == 2
+
+
+def test_an_error_inside_a_layer_during_capture_ends_cleanly() -> None:
+    class Flaky(nn.Module):
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise RuntimeError("layer failed")
+            return x * 2
+
+    model = nn.Sequential(Flaky()).eval()
+    graphed = wrap(model, batch_sizes=[2])
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="layer failed"):
+            graphed(torch.randn(2, 3))
+        assert graphed.stats.graphs == 0
+        x = torch.randn(2, 3)
+        torch.testing.assert_close(graphed(x), x * 2)
+    assert graphed.stats.graphs == 1
+
+
+def test_least_recently_used_graphs_are_dropped_first() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=None, max_graphs=2)
+    for batch in (1, 2, 1, 3):
+        check(graphed, model, batch)
+    assert sorted(key.batch for key in graphed.keys) == [1, 3]
+    assert graphed.stats.evictions == 1
+
+
+def test_a_shape_is_captured_only_after_it_was_seen_enough() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=None, capture_after=3)
+    for _ in range(4):
+        check(graphed, model, 5)
+    stats = graphed.stats
+    assert stats.eager_calls == {"shape not yet seen 3 times (capture_after)": 2}
+    assert stats.captures == 1 and stats.replays == 2
+
+
+def test_a_stream_of_odd_shapes_keeps_memory_bounded() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=None, max_graphs=4, capture_after=2)
+    for batch in range(1, 60):
+        check(graphed, model, batch)
+    assert graphed.stats.graphs == 0
+    for batch in [5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 5]:
+        check(graphed, model, batch)
+    assert graphed.stats.graphs == 4 and graphed.stats.evictions == 1
+
+
+def test_debug_mode_notices_a_moved_buffer() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[2], debug=True)
+    check(graphed, model, 2)
+    (entry,) = graphed._runner._entries
+    entry.static_inputs[0].set_(torch.zeros(2, 8))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="no longer have their captured"):
+        graphed(torch.randn(2, 8))
+
+
+def test_empty_and_non_tensor_inputs_get_clear_errors() -> None:
+    graphed = wrap(stack())
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"empty batch: .*\(0, 8\)"):
+            graphed(torch.randn(0, 8))
+        with pytest.raises(ValueError, match="the call has no tensor argument"):
+            graphed("not an image")
+    assert graphed.stats.graphs == 0
+
+
+def test_threads_calling_one_wrapped_model_get_their_own_answers() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[1, 2, 4, 8])
+    wrong: list[int] = []
+
+    def worker(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for i in range(50):
+            x = torch.randn(1 + (seed + i) % 8, 8, generator=generator)
+            with torch.no_grad():
+                if not torch.allclose(graphed(x), model(x), atol=ATOL, rtol=0):
+                    wrong.append(seed)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    assert graphed.stats.replays == 400
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4, unique=True),
+    batch=st.integers(1, 30),
+)
+def test_any_bucket_list_and_batch_give_eager_results(sizes: list[int], batch: int) -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=sizes)
+    check(graphed, model, batch)
+    stats = graphed.stats
+    assert stats.eager_total == 0
+    assert all(key.batch in sizes for key in graphed.keys)
+    assert stats.split_calls == (1 if batch > max(sizes) else 0)
