@@ -1,0 +1,133 @@
+"""Faults and concurrency on the GPU: out of memory, a failing layer, moved weights, threads.
+
+Marked ``cuda`` and skipped without a GPU. The model is timm's vit_small_patch16_224 with
+random weights in bf16. Tolerance: bf16's :data:`~layergraph.validation.DEFAULT_TOLERANCE`
+(relative error 2e-2) against the unmodified model's eager output on the same input.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.validation import DEFAULT_TOLERANCE, relative_error
+
+timm = pytest.importorskip("timm")
+
+pytestmark = pytest.mark.cuda
+
+TOLERANCE = DEFAULT_TOLERANCE[torch.bfloat16]
+
+
+@pytest.fixture
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("vit_small_patch16_224").cuda().to(torch.bfloat16).eval()
+
+
+def images(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+
+
+def settled_memory() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def test_out_of_memory_during_capture_runs_eagerly_and_gives_memory_back(
+    model: torch.nn.Module,
+) -> None:
+    graphed = layergraph.wrap(model, batch_sizes=[1, 64])
+    x_small, x_large = images(1), images(64)
+    with torch.inference_mode():
+        graphed(x_small)
+        expected = model(x_large)
+        before = settled_memory()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction((before[1] + 32 * 2**20) / total)
+        try:
+            got = graphed(x_large)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        after = settled_memory()
+        assert relative_error(got, expected) <= TOLERANCE
+        stats = graphed.stats
+        assert stats.failed_captures == 1 and stats.graphs == 0
+        (reason,) = stats.eager_calls
+        assert "ran out of device memory" in reason
+        assert after[0] <= before[0] and after[1] <= before[1]
+        x = images(1)
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        assert graphed.stats.graphs == 1
+
+
+def test_an_exception_inside_a_layer_during_capture(model: torch.nn.Module) -> None:
+    def fail_while_capturing(*_: object) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("layer failed during capture")
+
+    handle = model.blocks[3].register_forward_hook(fail_while_capturing)
+    graphed = layergraph.wrap(model, batch_sizes=[2])
+    with torch.inference_mode():
+        before = settled_memory()
+        with pytest.raises(RuntimeError, match="layer failed during capture"):
+            graphed(images(2))
+        handle.remove()
+        assert graphed.stats.graphs == 0
+        assert settled_memory()[0] <= before[0]
+        x = images(2)
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+    assert graphed.stats.graphs == 1
+
+
+def test_moved_and_reassigned_weights_are_never_replayed(model: torch.nn.Module) -> None:
+    graphed = layergraph.wrap(model, batch_sizes=[4])
+    with torch.inference_mode():
+        x = images(4)
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        model.float()
+        model.to(torch.bfloat16)
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        state = {k: torch.randn_like(v) * 0.02 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    with torch.inference_mode():
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        with torch.no_grad():
+            model.head.weight.mul_(2.0)
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+    assert graphed.stats.invalidations == 2
+
+
+def test_eight_threads_of_mixed_batches_get_right_answers(model: torch.nn.Module) -> None:
+    graphed = layergraph.wrap(model, batch_sizes=[1, 2, 4, 8])
+    with torch.inference_mode():
+        inputs = [images(1 + i % 8) for i in range(32)]
+        expected = [model(x) for x in inputs]
+    wrong: list[tuple[int, int, float]] = []
+    calls = [0]
+    lock = threading.Lock()
+
+    def worker(thread: int) -> None:
+        stream = torch.cuda.Stream() if thread % 2 else torch.cuda.current_stream()
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for i in range(200):
+                index = (thread * 7 + i) % len(inputs)
+                out = graphed(inputs[index])
+                stream.synchronize()
+                error = relative_error(out, expected[index])
+                with lock:
+                    calls[0] += 1
+                    if not error <= TOLERANCE:
+                        wrong.append((thread, i, error))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls[0] == 1600 and wrong == []
+    assert graphed.stats.eager_total == 0
