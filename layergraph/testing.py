@@ -1,4 +1,8 @@
-"""Tools for testing adapters and the runner without a GPU.
+"""Tools for testing adapters: a CPU graph backend, a check, and a pytest plugin.
+
+Installed as the pytest plugin ``layergraph`` (entry point ``pytest11``), so adapter authors get
+the fixtures ``layergraph_registry`` and ``register_adapter`` in any test, and call
+:func:`check_adapter` to compare a wrapped model with the model itself.
 
 :class:`SimulatedGraphs` is a graph backend for CPU tensors that keeps the contract of a CUDA
 graph: a replay recomputes the captured function from the *static* input buffers and writes
@@ -9,14 +13,22 @@ on a GPU. It does not simulate kernels, streams or memory pools.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["SimulatedGraphs"]
+__all__ = [
+    "AdapterCheck",
+    "SimulatedGraphs",
+    "check_adapter",
+    "layergraph_registry",
+    "register_adapter",
+]
 
 
 @dataclass
@@ -80,3 +92,100 @@ class SimulatedGraphs:
             for leaf in pytree.tree_leaves(output)
             if isinstance(leaf, torch.Tensor)
         )
+
+
+# ---- the pytest plugin for adapter authors ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterCheck:
+    """What :func:`check_adapter` saw: the wrapper, the errors against eager, the stats."""
+
+    graphed: Any
+    eager_error: float
+    graph_error: float | None
+    """Relative error of graph replays against eager; ``None`` when no graph could run."""
+
+
+def check_adapter(
+    model: Any,
+    adapter: Any,
+    make_inputs: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]],
+    *,
+    batch_sizes: tuple[int, ...] = (1, 3),
+    tolerance: float | None = None,
+    **options: Any,
+) -> AdapterCheck:
+    """Wrap ``model`` with ``adapter`` and compare it with the unwrapped model.
+
+    ``make_inputs(batch)`` returns fresh ``(args, kwargs)`` for one call. Everywhere: the
+    wrapper's eager path must equal the model. On the CPU the graph logic runs through
+    :class:`SimulatedGraphs` (keys, padding, per-key state such as attention metadata); on a
+    GPU through real CUDA graphs. Every batch size in ``batch_sizes`` is checked, and the
+    largest bucket captured is the next power of two, so odd sizes are padded. Raises
+    ``AssertionError`` naming the batch size and the error beyond ``tolerance`` (relative error;
+    ``None`` takes :data:`~layergraph.validation.DEFAULT_TOLERANCE` for the output dtype).
+    """
+    from .module import wrap
+    from .validation import DEFAULT_TOLERANCE, relative_error
+
+    cuda = torch.cuda.is_available() and any(
+        p.is_cuda for p in itertools.chain(model.parameters(), model.buffers())
+    )
+    buckets = sorted({1 << (b - 1).bit_length() for b in batch_sizes})
+    calls = [make_inputs(batch) for batch in batch_sizes]
+    with torch.inference_mode():
+        expected = [_first_tensor(model(*args, **kwargs)) for args, kwargs in calls]
+        eager = wrap(model, adapter, batch_sizes=buckets, lazy=False, **options)
+        eager_error = max(
+            relative_error(_first_tensor(eager(*args, **kwargs)), want)
+            for (args, kwargs), want in zip(calls, expected)
+        )
+        eager.unwrap()
+        backend = None if cuda else SimulatedGraphs()
+        graphed = wrap(model, adapter, batch_sizes=buckets, backend=backend, **options)
+        graph_errors = [
+            relative_error(_first_tensor(graphed(*args, **kwargs)), want)
+            for (args, kwargs), want in zip(calls, expected)
+        ]
+    limit = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(expected[0].dtype, 1e-4)
+    assert eager_error <= limit, f"eager path differs from the model: {eager_error:.3g} > {limit}"
+    for batch, error in zip(batch_sizes, graph_errors):
+        assert error <= limit, f"batch {batch}: graph differs from eager: {error:.3g} > {limit}"
+    stats = graphed.stats
+    assert stats.eager_total == 0, f"calls ran eagerly: {dict(stats.eager_calls)}"
+    return AdapterCheck(graphed, eager_error, max(graph_errors))
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
+
+
+@pytest.fixture
+def layergraph_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A fresh plugin registry, loaded from the installed entry points, used by ``wrap``.
+
+    Changes made through it (plugins added or removed) end with the test.
+    """
+    from . import plugins
+
+    registry = plugins.AdapterRegistry()
+    registry.load_entry_points()
+    monkeypatch.setattr(plugins, "_registry", registry)
+    yield registry
+
+
+@pytest.fixture
+def register_adapter(layergraph_registry: Any) -> Callable[[Any], None]:
+    """``register_adapter(AdapterClass)``: available by its name to ``wrap`` for this test."""
+    from .hookspecs import hookimpl
+
+    def register(factory: Any) -> None:
+        class _TestPlugin:
+            @hookimpl
+            def register_adapters(self, register: Callable[[Any], Any]) -> None:
+                register(factory)
+
+        layergraph_registry.add_plugin(_TestPlugin(), f"test:{factory.name}")
+
+    return register

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import layergraph  # noqa: E402
 from layergraph.attention import AttentionMetadata, SequenceLayout  # noqa: E402
 from layergraph.plugins import AdapterRegistry, get_registry  # noqa: E402
-from layergraph.testing import SimulatedGraphs  # noqa: E402
+from layergraph.testing import SimulatedGraphs, check_adapter  # noqa: E402
 from layergraph_adapters.internvl import InternVLAdapter  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -292,3 +292,15 @@ def test_from_pretrained_local_weights_then_wrap(tmp_path: Any) -> None:
         graphed = layergraph.wrap(loaded, adapter="internvl", backend=SimulatedGraphs())
         got = graphed(pixel_values=x).last_hidden_state
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "auto"])
+def test_check_adapter_passes(attention: str) -> None:
+    result = check_adapter(
+        tower(),
+        "internvl",
+        lambda batch: ((), {"pixel_values": tiles(batch)}),
+        attention=attention,
+    )
+    (description,) = set(result.graphed.plan.attention_by_key.values())
+    assert description == "sdpa (sdpa)"

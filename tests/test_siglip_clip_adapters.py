@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import layergraph  # noqa: E402
-from layergraph.testing import SimulatedGraphs  # noqa: E402
+from layergraph.testing import SimulatedGraphs, check_adapter  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 IMAGE = 32  # 4x4 patches of 8 pixels
@@ -309,3 +309,25 @@ def test_a_routed_tower_cannot_be_wrapped_twice() -> None:
             atol=ATOL,
         )
     assert second.stats.replays == 1 and second.stats.eager_total == 0
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_check_adapter_passes(name: str) -> None:
+    adapter, make, _ = TOWERS[name]
+    result = check_adapter(make(), adapter, lambda batch: ((), {"pixel_values": images(batch)}))
+    assert result.graphed.adapter.name == adapter
+
+
+def test_register_adapter_fixture_makes_a_local_adapter_available(
+    register_adapter: Any,
+) -> None:
+    class Tower(layergraph.Adapter):
+        name = "my-tower"
+
+        def plan(self, model: torch.nn.Module) -> layergraph.CapturePlan:
+            return layergraph.WholeForward(model)
+
+    register_adapter(Tower)
+    model = built(transformers.CLIPVisionModel, clip_config())
+    result = check_adapter(model, "my-tower", lambda batch: ((images(batch),), {}))
+    assert isinstance(result.graphed.adapter, Tower)

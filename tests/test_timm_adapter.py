@@ -14,7 +14,7 @@ import torch
 timm = pytest.importorskip("timm")
 
 import layergraph  # noqa: E402
-from layergraph.testing import SimulatedGraphs  # noqa: E402
+from layergraph.testing import SimulatedGraphs, check_adapter  # noqa: E402
 from layergraph_adapters.timm_vit import ImageTokens, TimmVisionTransformerAdapter  # noqa: E402
 
 SMALL = {"depth": 2, "embed_dim": 64, "num_heads": 2}
@@ -120,3 +120,11 @@ def test_recognizes_only_vision_transformers() -> None:
     adapter = TimmVisionTransformerAdapter()
     assert adapter.recognizes(build("vit_tiny_patch16_224"))
     assert not adapter.recognizes(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("variant", ["class token", "eva02 (rotary embeddings)"])
+def test_check_adapter_passes(variant: str) -> None:
+    name, overrides = VARIANTS[variant]
+    model = build(name, **overrides)
+    result = check_adapter(model, "timm", lambda batch: ((images(model, batch),), {}))
+    assert result.graphed.stats.padded_calls == 1 and result.graph_error is not None
