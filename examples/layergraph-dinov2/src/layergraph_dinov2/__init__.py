@@ -1,0 +1,80 @@
+"""A layergraph adapter for transformers' ``Dinov2Model``, shipped as its own package.
+
+The whole forward is captured per (batch, tokens): patch embedding, the position embedding
+interpolated to the image size, the layers and the final norm.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import nn
+
+import layergraph
+from layergraph.keys import CallInputs
+
+
+class Dinov2Adapter(layergraph.Adapter):
+    """Graphs a transformers ``Dinov2Model``."""
+
+    name = "dinov2"
+
+    def recognizes(self, model: nn.Module) -> bool:
+        if "transformers" not in sys.modules:  # never import what the user did not
+            return False
+        from transformers import Dinov2Model
+
+        return isinstance(model, Dinov2Model)
+
+    def plan(self, model: nn.Module) -> layergraph.CapturePlan:
+        from transformers import Dinov2Model
+
+        if not isinstance(model, Dinov2Model):
+            raise layergraph.AdapterMismatch(
+                f"the dinov2 adapter serves transformers' Dinov2Model, got {type(model).__name__}"
+            )
+        return Dinov2Plan(model)
+
+    def example_models(self) -> list[str]:
+        return ["dinov2-small"]
+
+    def example_model(self, name: str) -> layergraph.ExampleModel | None:
+        if name != "dinov2-small":
+            return None
+
+        def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
+            from transformers import Dinov2Config, Dinov2Model
+
+            config = Dinov2Config(hidden_size=384, num_hidden_layers=12, num_attention_heads=6)
+            with torch.device(device):
+                return Dinov2Model(config).to(dtype).eval()
+
+        def inputs(batch: int, dtype: torch.dtype, device: torch.device) -> Any:
+            return (torch.randn(batch, 3, 224, 224, dtype=dtype, device=device),), {}
+
+        return layergraph.ExampleModel(name, self.name, build, inputs)
+
+
+class Dinov2Plan(layergraph.WholeForward):
+    """The model's whole forward; the key's sequence is the token count."""
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        patch = self.owner.config.patch_size
+        height, width = call.tensors[0].shape[-2:]
+        return (height // patch) * (width // patch) + 1
+
+    def check_inputs(self, call: CallInputs) -> None:
+        pixels = call.tensors[0]
+        if pixels.dim() != 4 or pixels.shape[1] != self.owner.config.num_channels:
+            raise ValueError(
+                f"expected pixel_values of shape [batch, {self.owner.config.num_channels}, "
+                f"height, width], got {tuple(pixels.shape)}"
+            )
+
+
+@layergraph.hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(Dinov2Adapter)
