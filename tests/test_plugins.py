@@ -111,7 +111,10 @@ def test_misspelled_hook_fails_loudly_for_that_plugin(
     assert infos["sequential"].ok
 
 
-def test_unknown_adapter_lists_available_names(fresh_registry: None) -> None:
+def test_unknown_adapter_lists_available_names(
+    fresh_registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(plugins.DISABLE_ENV, "1")  # first-party adapters only
     with pytest.raises(
         UnknownAdapterError,
         match="no adapter named 'vit'; available: clip, internvl, sequential, siglip, timm",
