@@ -128,22 +128,26 @@ class GraphRunner:
                 f"({', '.join(str(tuple(t.shape)) for t in call.tensors)})"
             )
         with self._lock:
-            if len(self._entries) and self._watch.changed():
-                self._drop_graphs_after_model_change()
+            if self._watch.changed():
+                self._after_model_change()
             reason = self._eager_reason(call)
-            if reason is not None:
-                return self._run_eagerly(reason, args, kwargs, explain_errors=True)
-            return self._serve(call, args, kwargs)
+            if reason is None:
+                return self._serve(call, args, kwargs, fresh=False)
+        return self._run_eagerly(reason, args, kwargs, explain_errors=True)
 
-    def _drop_graphs_after_model_change(self) -> None:
+    def _after_model_change(self) -> None:
         """Parameters moved or were replaced: no graph may replay against their old memory."""
-        self._entries.clear()
-        self._validated.clear()
-        self._failed.clear()
-        self._stats.invalidations += 1
+        if len(self._entries):
+            self._entries.clear()
+            self._validated.clear()
+            self._failed.clear()
+            self._stats.invalidations += 1
         self._refresh_parameters()
 
-    def _serve(self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _serve(
+        self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any], fresh: bool
+    ) -> Any:
+        """Serve one call from its bucket's graph; ``fresh`` forces cloned outputs."""
         bucket = self.buckets.bucket_for(call.batch)
         if bucket != call.batch and not self.plan.batch_independent:
             reason = f"batch {call.batch} needs padding or splitting, which this model forbids"
@@ -153,14 +157,15 @@ class GraphRunner:
         entry, reason = self._entry_for(bucket, call)
         if entry is None:
             return self._run_eagerly(reason, args, kwargs)
-        return self._replay(entry, call)
+        return self._replay(entry, call, fresh)
 
     def _serve_split(self, call: CallInputs) -> Any:
+        """Chunks of the largest bucket, each output cloned before the next chunk replays."""
         self._stats.split_calls += 1
         parts = []
         for start, stop in self.buckets.chunks(call.batch):
             chunk = call.sliced(start, stop)
-            parts.append(self._serve(chunk, *chunk.rebuild(chunk.tensors)))
+            parts.append(self._serve(chunk, *chunk.rebuild(chunk.tensors), fresh=True))
         return _concatenate(parts)
 
     def _run_eagerly(
@@ -294,7 +299,7 @@ class GraphRunner:
         self._stats.capture_seconds += time.perf_counter() - started
         return entry
 
-    def _replay(self, entry: GraphEntry, call: CallInputs) -> Any:
+    def _replay(self, entry: GraphEntry, call: CallInputs, fresh: bool) -> Any:
         if self.options.debug:
             self._check_addresses(entry)
         if self.options.static_output and entry.held.any_alive():
@@ -318,7 +323,7 @@ class GraphRunner:
                 leaf[:rows] if batched else leaf
                 for leaf, batched in zip(leaves, entry.batched_outputs)
             ]
-        if self.options.static_output:
+        if self.options.static_output and not fresh:
             leaves = [
                 leaf.view_as(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
             ]

@@ -8,6 +8,7 @@ Tolerance: float32 on the same kernels, 1e-5 absolute.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -219,3 +220,21 @@ def test_any_bucket_list_and_batch_give_eager_results(sizes: list[int], batch: i
     assert stats.eager_total == 0
     assert all(key.batch in sizes for key in graphed.keys)
     assert stats.split_calls == (1 if batch > max(sizes) else 0)
+
+
+def test_static_output_with_a_split_batch_keeps_every_chunk() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[2], static_output=True)
+    x = torch.randn(5, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(graphed(x), model(x), atol=ATOL, rtol=0)
+    assert graphed.stats.split_calls == 1 and graphed.stats.overwritten_outputs == 0
+
+
+def test_reassigned_parameters_before_any_capture_refresh_the_checks() -> None:
+    model = stack()
+    graphed = wrap(model, batch_sizes=[2])
+    model.load_state_dict({k: v.double() for k, v in model.state_dict().items()}, assign=True)
+    check(graphed, model, 2, torch.float64)
+    assert graphed.stats.eager_total == 0 and graphed.stats.invalidations == 0
