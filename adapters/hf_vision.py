@@ -237,6 +237,9 @@ class VisionTowerPlan(CapturePlan):
         """Whether the tower takes images of other sizes in this call."""
         return bool(kwargs.get("interpolate_pos_encoding"))
 
+    def layers(self) -> list[nn.Module]:
+        return list(getattr(self._parent, self._layers_name))
+
     @property
     def capture_module(self) -> nn.Module:
         return self.owner

@@ -87,6 +87,9 @@ class TimmVisionTransformerAdapter(Adapter):
 
 
 class _TimmViTPlan(WholeForward):
+    def layers(self) -> list[nn.Module]:
+        return list(self.owner.blocks)
+
     def sequence_of(self, call: CallInputs) -> Hashable:
         _, height, width = call.tensors[0].shape[1:]
         grid_h, grid_w = self.owner.patch_embed.dynamic_feat_size((height, width))

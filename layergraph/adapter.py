@@ -95,6 +95,10 @@ class CapturePlan:
         """
         yield
 
+    def layers(self) -> list[nn.Module]:
+        """The repeated layers of the region, for ``compile_layers``; empty if not known."""
+        return []
+
     @property
     def capture_module(self) -> nn.Module | None:
         """The module whose call drives ahead-of-time capture; ``None``: the wrapped model.

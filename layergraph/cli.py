@@ -49,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also torch.compile(mode='reduce-overhead'); compiles each batch size for long",
     )
+    bench.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="also layergraph with its layers compiled (wrap(..., compile_layers=True))",
+    )
     bench.add_argument("--json", default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
@@ -175,6 +180,7 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
             dtype=dtype,
             iters=args.iters,
             compile=args.compile,
+            compile_layers=args.compile_layers,
             on_row=lambda partial: live.update(table(partial)),
         )
     if report.capture_seconds is not None:

@@ -31,6 +31,7 @@ def wrap(
     tolerance: float | None = None,
     warmup_runs: int = 2,
     debug: bool = False,
+    compile_layers: bool | dict[str, Any] = False,
     backend: GraphBackend | None = None,
     **adapter_options: Any,
 ) -> GraphedModule:
@@ -43,6 +44,12 @@ def wrap(
     ``"sequential"``, ``attention="triton"`` for ``"internvl"``). The runner options are
     described in :class:`~layergraph.runner.RunnerOptions`; ``backend`` replaces the CUDA
     graph backend (tests use :class:`layergraph.testing.SimulatedGraphs`).
+
+    ``compile_layers`` compiles each of the region's repeated layers with ``torch.compile``
+    (``True``, or a dict of its keyword arguments; ``dynamic=False`` unless given) before they
+    are captured, so that the graph replays fused kernels. The layers are compiled once per
+    shape and the code is shared between them; eager calls use the compiled layers too, and
+    ``unwrap()`` removes the compilation.
 
     The model itself is not copied. A region inside it may be routed to the graphs while
     wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
@@ -80,7 +87,26 @@ def wrap(
     )
     plan = adapter_object.plan(model)
     runner = GraphRunner(plan, options, backend if backend is not None else CudaGraphs())
-    return GraphedModule(model, adapter_object, plan, runner)
+    compiled = _compile_layers(plan, adapter_object, compile_layers)
+    return GraphedModule(model, adapter_object, plan, runner, compiled)
+
+
+def _compile_layers(
+    plan: CapturePlan, adapter: Adapter, setting: bool | dict[str, Any]
+) -> list[nn.Module]:
+    """Compile the plan's layers in place (regional compilation); return them for undoing."""
+    if setting is False:
+        return []
+    layers = plan.layers()
+    if not layers:
+        raise ValueError(
+            f"compile_layers needs the model's repeated layers, which the {adapter.name!r} "
+            f"adapter does not name"
+        )
+    options = {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
+    for layer in layers:
+        layer.compile(**options)
+    return layers
 
 
 def unwrap(graphed: GraphedModule) -> nn.Module:
@@ -98,13 +124,19 @@ class GraphedModule(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, adapter: Adapter, plan: CapturePlan, runner: GraphRunner
+        self,
+        model: nn.Module,
+        adapter: Adapter,
+        plan: CapturePlan,
+        runner: GraphRunner,
+        compiled_layers: list[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.module = model
         self.adapter = adapter
         self._plan = plan
         self._runner = runner
+        self._compiled_layers = compiled_layers or []
         plan.attach(runner)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -183,9 +215,12 @@ class GraphedModule(nn.Module):
             self._plan.attach(self._runner)
 
     def unwrap(self) -> nn.Module:
-        """Release the graphs, undo any routing inside the model, and return the model."""
+        """Release the graphs, undo any routing and compilation, and return the model."""
         self._runner.release()
         self._plan.detach()
+        for layer in self._compiled_layers:
+            layer._compiled_call_impl = None  # what nn.Module.compile() set
+        self._compiled_layers = []
         return self.module
 
     def __getattr__(self, name: str) -> Any:

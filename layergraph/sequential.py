@@ -49,7 +49,7 @@ class SequentialAdapter(Adapter):
                     f"the sequential adapter needs an nn.Sequential model or stack='path' naming "
                     f"one inside it; got {type(model).__name__} and no stack"
                 )
-            return WholeForward(model)
+            return _WholeSequential(model)
         try:
             target = model.get_submodule(self.stack)
         except AttributeError as error:
@@ -81,6 +81,13 @@ class _ScopedRouting(CapturePlan):
             _inside_wrapper.reset(token)
 
 
+class _WholeSequential(WholeForward):
+    """An ``nn.Sequential`` model: its whole forward, its children as the layers."""
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.owner)
+
+
 class _SequentialStack(_ScopedRouting):
     """Routes an inner ``nn.Sequential``'s forward to the graphs (an instance attribute)."""
 
@@ -91,6 +98,9 @@ class _SequentialStack(_ScopedRouting):
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(*args, **kwargs)
+
+    def layers(self) -> list[nn.Module]:
+        return list(self._stack)
 
     def attach(self, serve: Callable[..., Any]) -> None:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -148,6 +158,9 @@ class _LayerList(_ScopedRouting):
                     f"sequential adapter needs layers that return a tensor"
                 )
         return x
+
+    def layers(self) -> list[nn.Module]:
+        return list(nn.ModuleList.__iter__(self._layers))
 
     def attach(self, serve: Callable[..., Any]) -> None:
         self._layers.__class__ = _GraphedLayerList

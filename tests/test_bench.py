@@ -63,8 +63,8 @@ def test_markdown_holds_ratios_rates_and_memory() -> None:
     assert "(1.050x)" in text and "800 TFLOP/s" in text and "0.50 s" in text
     row = next(line for line in text.splitlines() if line.startswith("| 1 |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert cells[6:9] == ["4.286x", "1.014x", "0.875x"]
-    assert cells[9:12] == ["11.7", "50.0", "6 %"]
+    assert cells[7:10] == ["4.286x", "1.014x", "0.875x"]
+    assert cells[10:13] == ["11.7", "50.0", "6 %"]
     row8 = next(line for line in text.splitlines() if line.startswith("| 8 |"))
     assert "| - |" in row8  # no compile measured
 

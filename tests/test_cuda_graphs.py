@@ -164,3 +164,16 @@ def test_generic_adapter_graphs_a_module_list_on_gpu() -> None:
             x = torch.randn(batch, 10, 64, device="cuda", dtype=torch.float16)
             assert relative_error(graphed(x), model(x)) <= DEFAULT_TOLERANCE[torch.float16]
     assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+
+
+def test_compiled_layers_inside_the_graph_equal_eager() -> None:
+    model = build("vit_base_patch16_224", torch.bfloat16)
+    inputs = {batch: images(batch, torch.bfloat16) for batch in (1, 3)}
+    with torch.inference_mode():
+        expected = {batch: model(x) for batch, x in inputs.items()}
+        graphed = layergraph.wrap(model, batch_sizes=[1, 4], compile_layers=True)
+        for batch, x in inputs.items():
+            assert relative_error(graphed(x), expected[batch]) <= DEFAULT_TOLERANCE[torch.bfloat16]
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+    graphed.unwrap()
+    assert model.blocks[0]._compiled_call_impl is None

@@ -313,3 +313,19 @@ def test_wrap_rejects_bad_arguments(mlp_stack: nn.Sequential) -> None:
         layergraph.wrap(mlp_stack, adapter=layergraph.SequentialAdapter(), stack="x")
     with pytest.raises(ValueError, match="max_graphs"):
         layergraph.wrap(mlp_stack, adapter="sequential", max_graphs=0)
+
+
+def test_compile_layers_compiles_in_place_and_unwrap_undoes_it(mlp_stack: nn.Sequential) -> None:
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = mlp_stack(x)
+        graphed = wrap_simulated(mlp_stack, compile_layers={"backend": "aot_eager"})
+        assert all(layer._compiled_call_impl is not None for layer in mlp_stack)
+        torch.testing.assert_close(graphed(x), expected, atol=ATOL, rtol=0)
+    graphed.unwrap()
+    assert all(layer._compiled_call_impl is None for layer in mlp_stack)
+
+
+def test_compile_layers_needs_an_adapter_that_names_its_layers() -> None:
+    with pytest.raises(ValueError, match="does not name"):
+        layergraph.wrap(PairModel().eval(), adapter=_WholeModel(), compile_layers=True)

@@ -331,3 +331,16 @@ def test_register_adapter_fixture_makes_a_local_adapter_available(
     model = built(transformers.CLIPVisionModel, clip_config())
     result = check_adapter(model, "my-tower", lambda batch: ((images(batch),), {}))
     assert isinstance(result.graphed.adapter, Tower)
+
+
+def test_compile_layers_on_a_tower() -> None:
+    model = built(transformers.SiglipVisionModel, siglip_config())
+    x = images(3)
+    with torch.inference_mode():
+        expected = model(pixel_values=x).last_hidden_state
+        graphed = layergraph.wrap(
+            model, backend=SimulatedGraphs(), compile_layers={"backend": "aot_eager"}
+        )
+        got = graphed(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert len(graphed.plan.layers()) == 3

@@ -31,6 +31,7 @@ def run_benchmark(
     dtype: torch.dtype = torch.bfloat16,
     iters: int = 100,
     compile: bool = False,
+    compile_layers: bool = False,
     on_row: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
     """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
@@ -38,9 +39,11 @@ def run_benchmark(
     On a GPU: eager; layergraph with every batch size captured ahead into one pool (capture
     time and pool size recorded, and the largest batch captured alone for comparison); the
     whole forward captured by hand; and, with ``compile=True``, torch.compile with
-    ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time). Without a
-    GPU only eager is measured, in float32. ``on_row`` is called with the report after each
-    batch size, for live display.
+    ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time); with
+    ``compile_layers=True``, layergraph again with its layers compiled (``wrap(...,
+    compile_layers=True)``), measured last since it compiles the model's layers in place until
+    unwrapped. Without a GPU only eager is measured, in float32. ``on_row`` is called with the
+    report after each batch size, for live display.
     """
     example = get_registry().example_model(model_name)
     cuda = torch.cuda.is_available()
@@ -75,7 +78,30 @@ def run_benchmark(
                 on_row(report)
         if graphed is not None:
             graphed.unwrap()
+        if cuda and compile_layers:
+            _measure_compiled_layers(model, example, sizes, dtype, device, iters, report)
+            if on_row is not None:
+                on_row(report)
     return report
+
+
+def _measure_compiled_layers(
+    model: torch.nn.Module,
+    example: Any,
+    sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    iters: int,
+    report: BenchReport,
+) -> None:
+    graphed = wrap(model, adapter=example.adapter, batch_sizes=sizes, compile_layers=True)
+    for row in report.rows:
+        args, kwargs = example.inputs(row.batch, dtype, device)
+        graphed(*args, **kwargs)
+        row.compiled_layers_ms = median_ms(
+            lambda args=args, kwargs=kwargs: graphed(*args, **kwargs), device=device, iters=iters
+        )
+    graphed.unwrap()
 
 
 def _capture_all(
