@@ -132,7 +132,15 @@ class VisionTowerAdapter(Adapter):
         layers = self.feature_layers
         if layers is None and tower is not model:
             layers = vlm_feature_layers(model)
-        return VisionTowerPlan(tower, prefix_tokens=self.prefix_tokens, feature_layers=layers)
+        return self.make_plan(tower, layers)
+
+    def make_plan(
+        self, tower: nn.Module, feature_layers: int | list[int] | None
+    ) -> VisionTowerPlan:
+        """The plan for ``tower``; subclasses return a richer one (routed attention, say)."""
+        return VisionTowerPlan(
+            tower, prefix_tokens=self.prefix_tokens, feature_layers=feature_layers
+        )
 
     def example_models(self) -> list[str]:
         return list(self.example_configs)

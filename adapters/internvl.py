@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, ShapeKey, hookimpl
+from layergraph import AdapterMismatch, ShapeKey, hookimpl
 from layergraph.attention import (
     BACKEND_NAMES,
     AttentionBackend,
@@ -38,13 +37,10 @@ from layergraph.attention import (
 from layergraph.keys import CallInputs
 from layergraph.plugins import get_registry
 from layergraph_adapters.hf_vision import (
+    VisionTowerAdapter,
     VisionTowerPlan,
     build_tower,
-    find_tower,
     pixels_of,
-    tower_example,
-    transformers_classes,
-    vlm_feature_layers,
 )
 
 INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
@@ -78,55 +74,26 @@ def build_internvit(name: str, dtype: torch.dtype, device: str | torch.device) -
     return build_tower("InternVLVisionModel", INTERNVIT_CONFIGS[name], dtype, device)
 
 
-class InternVLAdapter(Adapter):
+class InternVLAdapter(VisionTowerAdapter):
     """Graphs InternViT, alone or as the vision tower of an InternVL model."""
 
     name = "internvl"
+    tower_classes = ("InternVLVisionModel",)
+    prefix_tokens = 1
+    example_configs = INTERNVIT_CONFIGS
 
     def __init__(
         self, attention: str = "auto", feature_layers: int | list[int] | None = None
     ) -> None:
         if attention not in BACKEND_NAMES:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
+        super().__init__(feature_layers)
         self.attention = attention
-        self.feature_layers = feature_layers
 
-    def recognizes(self, model: nn.Module) -> bool:
-        if "transformers" not in sys.modules:
-            return False
-        return _find_tower(model) is not None
-
-    def example_models(self) -> list[str]:
-        return list(INTERNVIT_CONFIGS)
-
-    def example_model(self, name: str) -> ExampleModel | None:
-        settings = INTERNVIT_CONFIGS.get(name)
-        if settings is None:
-            return None
-        return tower_example(name, self.name, "InternVLVisionModel", settings)
-
-    def plan(self, model: nn.Module) -> CapturePlan:
-        try:
-            import transformers  # noqa: F401
-        except ImportError as error:
-            raise ImportError(
-                "the internvl adapter needs transformers: pip install 'layergraph[transformers]'"
-            ) from error
-        tower = _find_tower(model)
-        if tower is None:
-            raise AdapterMismatch(
-                f"the internvl adapter serves transformers' InternVLVisionModel, InternVLModel "
-                f"and InternVLForConditionalGeneration; got {type(model).__module__}."
-                f"{type(model).__name__}"
-            )
-        layers = self.feature_layers
-        if layers is None and tower is not model:
-            layers = vlm_feature_layers(model)
-        return InternViTPlan(tower, self.attention, layers)
-
-
-def _find_tower(model: nn.Module) -> nn.Module | None:
-    return find_tower(model, transformers_classes("InternVLVisionModel"))
+    def make_plan(
+        self, tower: nn.Module, feature_layers: int | list[int] | None
+    ) -> VisionTowerPlan:
+        return InternViTPlan(tower, self.attention, feature_layers)
 
 
 @dataclass(frozen=True)
