@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from layergraph import AdapterMismatch, ShapeKey, hookimpl
@@ -83,17 +84,21 @@ class InternVLAdapter(VisionTowerAdapter):
     example_configs = INTERNVIT_CONFIGS
 
     def __init__(
-        self, attention: str = "auto", feature_layers: int | list[int] | None = None
+        self,
+        attention: str = "auto",
+        feature_layers: int | list[int] | None = None,
+        fuse_qkv: bool = False,
     ) -> None:
         if attention not in BACKEND_NAMES:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
         super().__init__(feature_layers)
         self.attention = attention
+        self.fuse_qkv = fuse_qkv
 
     def make_plan(
         self, tower: nn.Module, feature_layers: int | list[int] | None
     ) -> VisionTowerPlan:
-        return InternViTPlan(tower, self.attention, feature_layers)
+        return InternViTPlan(tower, self.attention, feature_layers, self.fuse_qkv)
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,11 @@ class InternViTPlan(VisionTowerPlan):
     """The tower's whole forward, keyed by (tiles, tokens per tile), with routed attention."""
 
     def __init__(
-        self, tower: nn.Module, attention: str, feature_layers: int | list[int] | None = None
+        self,
+        tower: nn.Module,
+        attention: str,
+        feature_layers: int | list[int] | None = None,
+        fuse_qkv: bool = False,
     ) -> None:
         config = tower.config
         heads = getattr(config, "num_attention_heads", None)
@@ -135,6 +144,7 @@ class InternViTPlan(VisionTowerPlan):
         self.attention_by_key: dict[ShapeKey, str] = {}
         """Which backend, and which implementation of it, serves each captured key."""
         self._attentions = [layer.attention for layer in tower.encoder.layer]
+        self._fused = [FusedQKV(m) if fuse_qkv else None for m in self._attentions]
         self._eager_states: OrderedDict[tuple[Any, ...], AttentionState] = OrderedDict()
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
@@ -165,8 +175,8 @@ class InternViTPlan(VisionTowerPlan):
 
     def attach(self, serve: Callable[..., Any]) -> None:
         super().attach(serve)
-        for module in self._attentions:
-            module.forward = _routed_attention(module)
+        for module, fused in zip(self._attentions, self._fused):
+            module.forward = _routed_attention(module, fused)
 
     def detach(self) -> None:
         super().detach()
@@ -209,9 +219,51 @@ class InternViTPlan(VisionTowerPlan):
         return state
 
 
-def _routed_attention(module: nn.Module) -> Callable[..., Any]:
+class FusedQKV:
+    """One ``[3 * width, width]`` projection whose slices are the q, k and v weights.
+
+    Fusing copies the three weights (and biases) into one tensor once, then makes the
+    module's own ``q_proj``, ``k_proj`` and ``v_proj`` parameters views of it: nothing else is
+    copied, ``state_dict`` keys and the eager path are unchanged, and in-place weight updates
+    reach the fused tensor. If the parameters are re-allocated later (``model.to(...)``),
+    :meth:`current` fuses them again.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._fuse()
+
+    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self._module.q_proj, self._module.k_proj, self._module.v_proj
+
+    def _fuse(self) -> None:
+        projections = self._projections()
+        width = projections[0].out_features
+        with torch.no_grad():
+            self.weight = torch.cat([p.weight for p in projections])
+            has_bias = projections[0].bias is not None
+            self.bias = torch.cat([p.bias for p in projections]) if has_bias else None
+        for index, projection in enumerate(projections):
+            rows = slice(index * width, (index + 1) * width)
+            trainable = projection.weight.requires_grad
+            projection.weight = nn.Parameter(self.weight[rows], requires_grad=trainable)
+            if self.bias is not None:
+                projection.bias = nn.Parameter(self.bias[rows], requires_grad=trainable)
+
+    def current(self) -> FusedQKV:
+        """This fusion, fused again first if the q, k or v weights no longer live in it."""
+        weight = self.weight
+        step = weight.stride(0) * self._projections()[0].out_features * weight.element_size()
+        expected = [weight.data_ptr() + index * step for index in range(3)]
+        if [p.weight.data_ptr() for p in self._projections()] != expected:
+            self._fuse()
+        return self
+
+
+def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[..., Any]:
     """A forward for one ``InternVLVisionAttention`` that hands q, k, v to the bound backend.
 
+    With ``fused``, q, k and v come from one matrix product, as strided views of its output.
     Outside a bound state (attention weights asked for, or the module called on its own) the
     module's own forward runs.
     """
@@ -223,9 +275,17 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
             return original(hidden_states, *args, **kwargs)
         batch, tokens, width = hidden_states.shape
         heads, head_dim = module.num_heads, module.head_dim
-        q = module.q_norm(module.q_proj(hidden_states)).view(batch * tokens, heads, head_dim)
-        k = module.k_norm(module.k_proj(hidden_states)).view(batch * tokens, heads, head_dim)
-        v = module.v_proj(hidden_states).view(batch * tokens, heads, head_dim)
+        if fused is None:
+            q = module.q_proj(hidden_states)
+            k = module.k_proj(hidden_states)
+            v = module.v_proj(hidden_states)
+        else:
+            current = fused.current()
+            q, k, v = F.linear(hidden_states, current.weight, current.bias).split(width, dim=-1)
+        shape = (batch * tokens, heads, head_dim)
+        q, k, v = module.q_norm(q).view(shape), module.k_norm(k).view(shape), v.view(shape)
+        if not state.backend.takes_strided_inputs:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = state.backend(
             q,
             k,

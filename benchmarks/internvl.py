@@ -5,7 +5,8 @@
 The model is transformers' ``InternVLVisionModel`` built from the InternViT-300M configuration
 with random weights, in bf16. Eager is the unmodified model (transformers' SDPA attention);
 the hand-written graph captures that model's whole forward with ``torch.cuda.graph``;
-layergraph wraps it with ``adapter="internvl"`` and each attention backend in turn. Each
+layergraph wraps it with ``adapter="internvl"`` and each attention backend in turn, then with
+fused q/k/v projections and with compiled layers (see ``VARIANTS``). Each
 figure is the median of many calls timed with CUDA events after warm-up.
 """
 
@@ -22,6 +23,17 @@ from layergraph.reference import plain_graph
 from layergraph.timing import median_ms
 from layergraph.validation import relative_error
 from layergraph_adapters.internvl import build_internvit
+
+
+VARIANTS = {
+    "sdpa": {"attention": "sdpa"},
+    "triton": {"attention": "triton"},
+    "fa3": {"attention": "fa3"},
+    "auto": {"attention": "auto"},
+    "triton+fused_qkv": {"attention": "triton", "fuse_qkv": True},
+    "triton+compiled": {"attention": "triton", "compile_layers": True},
+}
+"""The layergraph configurations timed, by label."""
 
 
 def main() -> None:
@@ -47,10 +59,8 @@ def main() -> None:
                 lambda x=x, run=by_hand: run(x), device=x.device, iters=args.iters
             )
             del by_hand
-            for attention in ("sdpa", "triton", "fa3", "auto"):
-                graphed = layergraph.wrap(
-                    model, adapter="internvl", attention=attention, batch_sizes=[batch]
-                )
+            for attention, options in VARIANTS.items():
+                graphed = layergraph.wrap(model, adapter="internvl", batch_sizes=[batch], **options)
                 keys = graphed.capture(pixel_values=x, progress=False)
                 out = graphed(pixel_values=x).last_hidden_state
                 row[f"{attention}_ms"] = median_ms(
@@ -62,14 +72,10 @@ def main() -> None:
                 graphed.unwrap()
             rows.append(row)
             torch.cuda.empty_cache()
-    print(
-        f"{'batch':>5} {'eager':>8} {'by hand':>8} "
-        + " ".join(f"{a:>14}" for a in ("sdpa", "triton", "fa3", "auto"))
-    )
+    print(f"{'batch':>5} {'eager':>8} {'by hand':>8} " + " ".join(f"{a:>14}" for a in VARIANTS))
     for row in rows:
         cells = " ".join(
-            f"{row[f'{a}_ms']:7.3f} {row['eager_ms'] / row[f'{a}_ms']:5.2f}x"
-            for a in ("sdpa", "triton", "fa3", "auto")
+            f"{row[f'{a}_ms']:7.3f} {row['eager_ms'] / row[f'{a}_ms']:5.2f}x" for a in VARIANTS
         )
         print(f"{row['batch']:>5} {row['eager_ms']:8.3f} {row['plain_graph_ms']:8.3f} {cells}")
     for row in rows:

@@ -304,3 +304,67 @@ def test_check_adapter_passes(attention: str) -> None:
     )
     (description,) = set(result.graphed.plan.attention_by_key.values())
     assert description == "sdpa (sdpa)"
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["300M-like", "6B-like qk-norm rmsnorm"])
+def test_fused_qkv_weights_are_views_and_outputs_unchanged(qk_norm: bool) -> None:
+    overrides = {"use_qk_norm": True, "norm_type": "rms_norm"} if qk_norm else {}
+    model = tower(**overrides)
+    keys = set(model.state_dict())
+    inputs = [tiles(1), tiles(3)]
+    with torch.inference_mode():
+        expected = [model(pixel_values=x).last_hidden_state for x in inputs]
+        graphed = layergraph.wrap(
+            model,
+            adapter="internvl",
+            attention="sdpa",
+            fuse_qkv=True,
+            backend=SimulatedGraphs(),
+            batch_sizes=[1, 4],
+        )
+        for x, want in zip(inputs, expected):
+            got = graphed(pixel_values=x).last_hidden_state
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    attention = model.encoder.layer[0].attention
+    fused = graphed.plan._fused[0]
+    step = attention.q_proj.weight.numel() * attention.q_proj.weight.element_size()
+    assert attention.q_proj.weight.data_ptr() == fused.weight.data_ptr()
+    assert attention.v_proj.weight.data_ptr() == fused.weight.data_ptr() + 2 * step
+    assert set(model.state_dict()) == keys
+
+
+def test_fused_qkv_follows_weight_updates_and_reallocation() -> None:
+    model = tower()
+    graphed = layergraph.wrap(
+        model, adapter="internvl", attention="sdpa", fuse_qkv=True, backend=SimulatedGraphs()
+    )
+    x = tiles(2)
+    fresh = {k: torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh)  # in place: reaches the fused tensor
+    with torch.inference_mode():
+        got = graphed(pixel_values=x).last_hidden_state
+        model.double()  # re-allocates every parameter: fused again
+        got_double = graphed(pixel_values=x.double()).last_hidden_state
+    graphed.unwrap()
+    with torch.inference_mode():
+        torch.testing.assert_close(got_double, model(pixel_values=x.double()).last_hidden_state)
+        model.float()
+        torch.testing.assert_close(
+            got, model(pixel_values=x).last_hidden_state, rtol=RTOL, atol=ATOL
+        )
+
+
+def test_fused_qkv_with_the_triton_backend(triton_interpreter: None) -> None:
+    model = tower()
+    x = tiles(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x).last_hidden_state
+        graphed = layergraph.wrap(
+            model,
+            adapter="internvl",
+            attention="triton",
+            fuse_qkv=True,
+            backend=SimulatedGraphs(),
+        )
+        got = graphed(pixel_values=x).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)

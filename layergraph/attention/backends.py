@@ -39,6 +39,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     needs_workspace: ClassVar[bool] = False
     """Whether the output is written into a caller-owned ``[tokens, heads, head_dim]`` buffer."""
+    takes_strided_inputs: ClassVar[bool] = True
+    """Whether q, k and v may be strided views (only the last dimension contiguous)."""
 
     @abstractmethod
     def unavailable_reason(
@@ -157,6 +159,7 @@ class Fa3Attention(AttentionBackend):
     """
 
     name = "fa3"
+    takes_strided_inputs = False
 
     @functools.cached_property
     def _kernel(self) -> tuple[str, Any] | None:
