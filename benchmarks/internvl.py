@@ -24,7 +24,6 @@ from layergraph.timing import median_ms
 from layergraph.validation import relative_error
 from layergraph_adapters.internvl import build_internvit
 
-
 VARIANTS = {
     "sdpa": {"attention": "sdpa"},
     "triton": {"attention": "triton"},
