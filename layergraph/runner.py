@@ -133,7 +133,8 @@ class GraphRunner:
             reason = self._eager_reason(call)
             if reason is None:
                 return self._serve(call, args, kwargs, fresh=False)
-        return self._run_eagerly(reason, args, kwargs, explain_errors=True)
+        explain = reason.startswith("input ")  # the model would fail on such inputs
+        return self._run_eagerly(reason, args, kwargs, explain_errors=explain)
 
     def _after_model_change(self) -> None:
         """Parameters moved or were replaced: no graph may replay against their old memory."""

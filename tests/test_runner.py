@@ -329,3 +329,14 @@ def test_compile_layers_compiles_in_place_and_unwrap_undoes_it(mlp_stack: nn.Seq
 def test_compile_layers_needs_an_adapter_that_names_its_layers() -> None:
     with pytest.raises(ValueError, match="does not name"):
         layergraph.wrap(PairModel().eval(), adapter=_WholeModel(), compile_layers=True)
+
+
+def test_a_model_error_in_training_mode_stays_the_models_own() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyError("from the model")
+
+    graphed = wrap_simulated(nn.Sequential(Fails()))  # a new module is in training mode
+    with pytest.raises(KeyError, match="from the model"):
+        graphed(torch.randn(2, 3))
+    assert graphed.stats.eager_calls == {"model is in training mode": 1}
