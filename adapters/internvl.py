@@ -139,8 +139,9 @@ class InternViTPlan(VisionTowerPlan):
             )
         super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers)
         self.attention = attention
-        self.heads = heads
         self.head_dim = config.hidden_size // heads
+        self.heads = _local_rows(tower.encoder.layer[0].attention.q_proj.weight) // self.head_dim
+        """Heads this process computes: all of them, or its share under tensor parallelism."""
         self.attention_by_key: dict[ShapeKey, str] = {}
         """Which backend, and which implementation of it, serves each captured key."""
         self._attentions = [layer.attention for layer in tower.encoder.layer]
@@ -238,6 +239,8 @@ class FusedQKV:
 
     def _fuse(self) -> None:
         projections = self._projections()
+        if any(hasattr(p.weight, "to_local") for p in projections):
+            raise ValueError("fuse_qkv does not combine with tensor-parallel (DTensor) weights")
         width = projections[0].out_features
         with torch.no_grad():
             self.weight = torch.cat([p.weight for p in projections])
@@ -260,6 +263,40 @@ class FusedQKV:
         return self
 
 
+def _local_rows(weight: torch.Tensor) -> int:
+    """Rows of ``weight`` held here: all of them, or a tensor-parallel shard's."""
+    return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+
+
+def tensor_parallel_plan(tower: nn.Module, world_size: int) -> dict[str, Any]:
+    """A ``parallelize_module`` plan splitting InternViT's heads and MLP across ranks.
+
+    q, k, v and the MLP's first projection are split by columns (each rank computes its share
+    of the heads and hidden units); the attention output and MLP's second projection by rows,
+    summed across ranks. Norms and embeddings stay replicated. Models whose q/k norm spans
+    the full width (InternViT-6B's qk-norm) or whose head count does not divide by the number
+    of ranks are refused.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if tower.config.use_qk_norm:
+        raise NotImplementedError(
+            "tensor parallelism with qk-norm needs a norm across ranks, which is not provided"
+        )
+    heads = tower.config.num_attention_heads
+    if heads % world_size:
+        raise ValueError(f"{heads} heads do not divide among {world_size} ranks")
+    plan: dict[str, Any] = {}
+    for index in range(len(tower.encoder.layer)):
+        prefix = f"encoder.layer.{index}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{prefix}.attention.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.attention.projection_layer"] = RowwiseParallel()
+        plan[f"{prefix}.mlp.fc1"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.fc2"] = RowwiseParallel()
+    return plan
+
+
 def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[..., Any]:
     """A forward for one ``InternVLVisionAttention`` that hands q, k, v to the bound backend.
 
@@ -273,16 +310,18 @@ def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[...
         state = _current_state.get()
         if state is None:
             return original(hidden_states, *args, **kwargs)
-        batch, tokens, width = hidden_states.shape
-        heads, head_dim = module.num_heads, module.head_dim
+        batch, tokens, _ = hidden_states.shape
+        head_dim = module.head_dim
         if fused is None:
             q = module.q_proj(hidden_states)
             k = module.k_proj(hidden_states)
             v = module.v_proj(hidden_states)
         else:
             current = fused.current()
+            width = current.weight.shape[0] // 3
             q, k, v = F.linear(hidden_states, current.weight, current.bias).split(width, dim=-1)
-        shape = (batch * tokens, heads, head_dim)
+        local_width = q.shape[-1]  # all heads, or this rank's share under tensor parallelism
+        shape = (batch * tokens, local_width // head_dim, head_dim)
         q, k, v = module.q_norm(q).view(shape), module.k_norm(k).view(shape), v.view(shape)
         if not state.backend.takes_strided_inputs:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -295,7 +334,7 @@ def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[...
             workspace=state.workspace,
             scale=module.scale,
         )
-        out = module.projection_layer(out.view(batch, tokens, width))
+        out = module.projection_layer(out.view(batch, tokens, local_width))
         return module.projection_dropout(out), None
 
     return forward

@@ -40,8 +40,15 @@ nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
 def addresses(tensors: Iterable[object]) -> tuple[int, ...]:
-    """The data pointers of the tensors among ``tensors`` (other objects are skipped)."""
-    return tuple(t.data_ptr() for t in tensors if isinstance(t, torch.Tensor))
+    """The data pointers of the tensors among ``tensors`` (other objects are skipped).
+
+    A distributed tensor (a tensor-parallel shard's ``DTensor``) counts by its local shard.
+    """
+    return tuple(
+        (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+    )
 
 
 class ParameterWatch:

@@ -1,0 +1,97 @@
+"""InternViT split across 2 processes with tensor parallelism (gloo, on the CPU).
+
+Each rank computes half of the heads and MLP units; the wrapped, split tower must give the
+unsplit tower's output, and each rank's attention workspace must hold its share of the heads.
+Tolerance: float32, sums regrouped across ranks, 1e-4 relative, 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+distributed = pytest.importorskip("torch.distributed")
+
+WORLD = 2
+TILE = 32
+TOKENS = (TILE // 16) ** 2 + 1
+
+
+def _worker(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import layergraph
+    from layergraph.testing import SimulatedGraphs
+    from layergraph_adapters.internvl import tensor_parallel_plan
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        torch.manual_seed(0)
+        config = transformers.InternVLVisionConfig(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=256,
+            image_size=[TILE, TILE],
+            patch_size=[16, 16],
+        )
+        model = transformers.InternVLVisionModel(config).eval()
+        unsplit = copy.deepcopy(model)
+        parallelize_module(model, mesh, tensor_parallel_plan(model, WORLD))
+        x = torch.randn(3, 3, TILE, TILE, generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            expected = unsplit(pixel_values=x).last_hidden_state
+            eager = layergraph.wrap(model, adapter="internvl", attention="sdpa")
+            got = eager(pixel_values=x).last_hidden_state
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            eager.unwrap()
+            graphed = layergraph.wrap(
+                model,
+                adapter="internvl",
+                attention="triton",
+                backend=SimulatedGraphs(),
+                batch_sizes=[4],
+            )
+            got = graphed(pixel_values=x).last_hidden_state
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        (entry,) = graphed._runner._entries
+        assert entry.state.workspace.shape == (4 * TOKENS, 4 // WORLD, 32)
+        assert entry.state.metadata.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
+        assert graphed.plan.heads == 4 // WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPUs run the NCCL recipe")
+def test_split_tower_matches_the_unsplit_one() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    init_file = tempfile.mktemp(prefix="layergraph-tp-")
+    torch.multiprocessing.spawn(_worker, args=(init_file,), nprocs=WORLD, join=True)
+
+
+def test_unsplittable_towers_are_refused() -> None:
+    from layergraph_adapters.internvl import tensor_parallel_plan
+
+    config = transformers.InternVLVisionConfig(
+        hidden_size=96, num_hidden_layers=1, num_attention_heads=3, intermediate_size=64
+    )
+    with pytest.raises(ValueError, match="3 heads do not divide among 2 ranks"):
+        tensor_parallel_plan(transformers.InternVLVisionModel(config), 2)
+    config = transformers.InternVLVisionConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        use_qk_norm=True,
+        norm_type="rms_norm",
+    )
+    with pytest.raises(NotImplementedError, match="qk-norm"):
+        tensor_parallel_plan(transformers.InternVLVisionModel(config), 2)
