@@ -268,35 +268,6 @@ def _local_rows(weight: torch.Tensor) -> int:
     return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
 
-def tensor_parallel_plan(tower: nn.Module, world_size: int) -> dict[str, Any]:
-    """A ``parallelize_module`` plan splitting InternViT's heads and MLP across ranks.
-
-    q, k, v and the MLP's first projection are split by columns (each rank computes its share
-    of the heads and hidden units); the attention output and MLP's second projection by rows,
-    summed across ranks. Norms and embeddings stay replicated. Models whose q/k norm spans
-    the full width (InternViT-6B's qk-norm) or whose head count does not divide by the number
-    of ranks are refused.
-    """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if tower.config.use_qk_norm:
-        raise NotImplementedError(
-            "tensor parallelism with qk-norm needs a norm across ranks, which is not provided"
-        )
-    heads = tower.config.num_attention_heads
-    if heads % world_size:
-        raise ValueError(f"{heads} heads do not divide among {world_size} ranks")
-    plan: dict[str, Any] = {}
-    for index in range(len(tower.encoder.layer)):
-        prefix = f"encoder.layer.{index}"
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{prefix}.attention.{name}"] = ColwiseParallel()
-        plan[f"{prefix}.attention.projection_layer"] = RowwiseParallel()
-        plan[f"{prefix}.mlp.fc1"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.fc2"] = RowwiseParallel()
-    return plan
-
-
 def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[..., Any]:
     """A forward for one ``InternVLVisionAttention`` that hands q, k, v to the bound backend.
 

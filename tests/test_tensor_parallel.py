@@ -2,6 +2,8 @@
 
 Each rank computes half of the heads and MLP units; the wrapped, split tower must give the
 unsplit tower's output, and each rank's attention workspace must hold its share of the heads.
+The second case is InternViT-6B's shape in small: a head count that does not divide among the
+ranks (padded with zero heads) and a qk-norm over the full width (summed across ranks).
 Tolerance: float32, sums regrouped across ranks, 1e-4 relative, 1e-5 absolute.
 """
 
@@ -22,14 +24,21 @@ TILE = 32
 TOKENS = (TILE // 16) ** 2 + 1
 
 
-def _worker(rank: int, init_file: str) -> None:
+CASES = {
+    "4 heads": dict(hidden_size=128, num_attention_heads=4),
+    "3 heads padded to 4, qk-norm (6B-like)": dict(
+        hidden_size=96, num_attention_heads=3, use_qk_norm=True, norm_type="rms_norm"
+    ),
+}
+
+
+def _worker(rank: int, init_file: str, case: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     import layergraph
     from layergraph.testing import SimulatedGraphs
-    from layergraph_adapters.internvl import tensor_parallel_plan
+    from layergraph_adapters.internvl_tp import parallelize_internvit
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -45,7 +54,7 @@ def _worker(rank: int, init_file: str) -> None:
         )
         model = transformers.InternVLVisionModel(config).eval()
         unsplit = copy.deepcopy(model)
-        parallelize_module(model, mesh, tensor_parallel_plan(model, WORLD))
+        parallelize_internvit(model, mesh)
         x = torch.randn(3, 3, TILE, TILE, generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
             expected = unsplit(pixel_values=x).last_hidden_state
@@ -63,35 +72,17 @@ def _worker(rank: int, init_file: str) -> None:
             got = graphed(pixel_values=x).last_hidden_state
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         (entry,) = graphed._runner._entries
-        assert entry.state.workspace.shape == (4 * TOKENS, 4 // WORLD, 32)
+        heads_per_rank = 4 // WORLD  # 3 heads are padded to 4
+        assert entry.state.workspace.shape == (4 * TOKENS, heads_per_rank, 32)
         assert entry.state.metadata.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
-        assert graphed.plan.heads == 4 // WORLD
+        assert graphed.plan.heads == heads_per_rank
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPUs run the NCCL recipe")
-def test_split_tower_matches_the_unsplit_one() -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_tower_matches_the_unsplit_one(case: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     init_file = tempfile.mktemp(prefix="layergraph-tp-")
-    torch.multiprocessing.spawn(_worker, args=(init_file,), nprocs=WORLD, join=True)
-
-
-def test_unsplittable_towers_are_refused() -> None:
-    from layergraph_adapters.internvl import tensor_parallel_plan
-
-    config = transformers.InternVLVisionConfig(
-        hidden_size=96, num_hidden_layers=1, num_attention_heads=3, intermediate_size=64
-    )
-    with pytest.raises(ValueError, match="3 heads do not divide among 2 ranks"):
-        tensor_parallel_plan(transformers.InternVLVisionModel(config), 2)
-    config = transformers.InternVLVisionConfig(
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        use_qk_norm=True,
-        norm_type="rms_norm",
-    )
-    with pytest.raises(NotImplementedError, match="qk-norm"):
-        tensor_parallel_plan(transformers.InternVLVisionModel(config), 2)
+    torch.multiprocessing.spawn(_worker, args=(init_file, case), nprocs=WORLD, join=True)
