@@ -31,6 +31,7 @@ PAGES = [
     "tutorials/llava-towers/",
     "tutorials/batch-sizes-and-memory/",
     "tutorials/attention-backends/",
+    "tutorials/tensor-parallel/",
     "tutorials/writing-an-adapter/",
     "troubleshooting/",
     "benchmarks/",
