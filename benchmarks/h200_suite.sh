@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run: versions, the CUDA-marked tests, the rest of the suite, the demo in fp16,
 # the attention-kernel, InternViT and SigLIP/CLIP benchmarks, and `layergraph bench` for the
-# three benchmark models (with compiled layers, and against torch.compile at batch 1 to 4).
+# three benchmark models (with compiled layers, and against torch.compile at batch 1 to 4), and
+# InternViT-6B split across every GPU of the machine (a world of one on a single GPU).
 # Everything is written under $OUT (or ./gpu-results when OUT is unset); log.txt holds the
 # console output of every step. At most 8 files come back from the device: keep it so.
 set -uo pipefail
@@ -32,4 +33,7 @@ for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
   step layergraph bench --model "$model" --batch-sizes 1,2,4 --compile --iters 50 \
     --json "$out/bench-$model-compile.json" || status=1
 done
+gpus=$(nvidia-smi -L | wc -l)
+step torchrun --nproc-per-node "$gpus" benchmarks/tp_internvit.py --model internvit-6b \
+  --json "$out/tp-internvit-6b.json" || status=1
 exit $status

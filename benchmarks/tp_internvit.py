@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import layergraph
 from layergraph.timing import median_ms
-from layergraph.validation import relative_error
+from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 from layergraph_adapters.internvl import build_internvit
 from layergraph_adapters.internvl_tp import parallelize_internvit
 
@@ -67,6 +67,9 @@ def main() -> None:
                     ),
                 }
             )
+    worst = max(row["relative_error"] for row in rows)
+    if not worst <= DEFAULT_TOLERANCE[torch.bfloat16]:
+        raise SystemExit(f"rank {rank}: graph differs from tensor-parallel eager by {worst:.3g}")
     if rank == 0:
         record = {
             "model": args.model,
