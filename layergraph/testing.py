@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import torch
 from torch.utils import _pytree as pytree
 
@@ -161,31 +160,37 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
-@pytest.fixture
-def layergraph_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A fresh plugin registry, loaded from the installed entry points, used by ``wrap``.
+try:
+    import pytest
+except ImportError:  # the fixtures exist only where pytest does; the rest works without it
+    pytest = None
 
-    Changes made through it (plugins added or removed) end with the test.
-    """
-    from . import plugins
+if pytest is not None:
 
-    registry = plugins.AdapterRegistry()
-    registry.load_entry_points()
-    monkeypatch.setattr(plugins, "_registry", registry)
-    yield registry
+    @pytest.fixture
+    def layergraph_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+        """A fresh plugin registry, loaded from the installed entry points, used by ``wrap``.
 
+        Changes made through it (plugins added or removed) end with the test.
+        """
+        from . import plugins
 
-@pytest.fixture
-def register_adapter(layergraph_registry: Any) -> Callable[[Any], None]:
-    """``register_adapter(AdapterClass)``: available by its name to ``wrap`` for this test."""
-    from .hookspecs import hookimpl
+        registry = plugins.AdapterRegistry()
+        registry.load_entry_points()
+        monkeypatch.setattr(plugins, "_registry", registry)
+        yield registry
 
-    def register(factory: Any) -> None:
-        class _TestPlugin:
-            @hookimpl
-            def register_adapters(self, register: Callable[[Any], Any]) -> None:
-                register(factory)
+    @pytest.fixture
+    def register_adapter(layergraph_registry: Any) -> Callable[[Any], None]:
+        """``register_adapter(AdapterClass)``: available by its name to ``wrap`` for this test."""
+        from .hookspecs import hookimpl
 
-        layergraph_registry.add_plugin(_TestPlugin(), f"test:{factory.name}")
+        def register(factory: Any) -> None:
+            class _TestPlugin:
+                @hookimpl
+                def register_adapters(self, register: Callable[[Any], Any]) -> None:
+                    register(factory)
 
-    return register
+            layergraph_registry.add_plugin(_TestPlugin(), f"test:{factory.name}")
+
+        return register
