@@ -1,39 +1,86 @@
 #!/usr/bin/env bash
-# The GPU run: versions, the CUDA-marked tests, the rest of the suite, the demo in fp16,
-# the attention-kernel, InternViT and SigLIP/CLIP benchmarks, and `layergraph bench` for the
-# three benchmark models (with compiled layers, and against torch.compile at batch 1 to 4), and
-# InternViT-6B split across every GPU of the machine (a world of one on a single GPU).
-# Everything is written under $OUT (or ./gpu-results when OUT is unset); log.txt holds the
-# console output of every step. At most 8 files come back from the device: keep it so.
+# The GPU run, in three parts:
+#   checks:  versions, the CUDA-marked tests, the demo in fp16, the attention-kernel, InternViT
+#            and SigLIP/CLIP benchmarks, and the replay profile of the three benchmark models;
+#   bench:   `layergraph bench` for the three benchmark models, with compiled layers, and
+#            against torch.compile at batch 1 to 4;
+#   tp:      InternViT-6B split across every GPU of the machine (a world of one on one GPU).
+# On a machine with two or more GPUs, checks run on GPU 1 while bench runs on GPU 0; tp runs
+# last, on every GPU, and is stopped if it runs past 4 minutes. Pass part names to run only those (default: all three).
+# Under $OUT (or ./gpu-results when OUT is unset): log-<part>.txt with each part's console
+# output, and results.tgz with every JSON written. At most 8 files come back: keep it so.
 set -uo pipefail
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
-log="$out/log.txt"
+out=$(cd "$out" && pwd)
+results=$(mktemp -d)
+parts=("${@:-checks bench tp}")
+read -r -a parts <<<"${parts[*]}"
 export PYTHONUNBUFFERED=1 COLUMNS=160
-step() { echo "\$ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1 \
-  || { cat "$log"; exit 1; }
-{
+gpus=$(nvidia-smi -L | wc -l)
+
+# step LOG COMMAND...: run COMMAND, appending the command line and its output to LOG.
+step() { local log=$1; shift; echo "\$ $*" >>"$log"; "$@" >>"$log" 2>&1; }
+pack() { tar -C "$results" -czf "$out/results.tgz" .; }
+
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$out/log-install.txt" 2>&1 \
+  || { cat "$out/log-install.txt"; exit 1; }
+rm -f "$out/log-install.txt"
+
+versions() {
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import platform, torch, timm, transformers, triton, pluggy
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| timm", timm.__version__, "| transformers", transformers.__version__,
       "| triton", triton.__version__, "| pluggy", pluggy.__version__)'
-} 2>&1 | tee -a "$log"
+}
+
+checks() {
+  local log="$out/log-checks.txt" status=0
+  versions >>"$log" 2>&1
+  step "$log" python3 -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$results/cuda-tests.xml" || status=1
+  step "$log" layergraph demo --dtype float16 || status=1
+  step "$log" python3 benchmarks/attention_kernel.py || status=1
+  step "$log" python3 benchmarks/internvl.py --json "$results/internvl.json" || status=1
+  step "$log" python3 benchmarks/towers.py || status=1
+  step "$log" python3 benchmarks/profile_replay.py --json "$results/profile-b1.json" || status=1
+  pack
+  return $status
+}
+
+bench() {
+  local log="$out/log-bench.txt" status=0
+  versions >>"$log" 2>&1
+  for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
+    step "$log" layergraph bench --model "$model" --compile-layers --iters 50 \
+      --json "$results/bench-$model.json" || status=1
+    step "$log" layergraph bench --model "$model" --batch-sizes 1,2,4 --compile --iters 50 \
+      --json "$results/bench-$model-compile.json" || status=1
+    pack
+  done
+  return $status
+}
+
+tp() {
+  local log="$out/log-tp.txt"
+  step "$log" timeout -k 10 240 torchrun --nproc-per-node "$gpus" benchmarks/tp_internvit.py --model internvit-6b \
+    --batch-sizes 1,8 --json "$results/tp-internvit-6b.json"
+  local status=$?
+  pack
+  return $status
+}
+
+has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 status=0
-step python3 -m pytest -q -m cuda tests -p no:cacheprovider || status=1
-step layergraph demo --dtype float16 || status=1
-step python3 benchmarks/attention_kernel.py || status=1
-step python3 benchmarks/internvl.py || status=1
-step python3 benchmarks/towers.py || status=1
-for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
-  step layergraph bench --model "$model" --compile-layers --iters 50 \
-    --json "$out/bench-$model.json" || status=1
-  step layergraph bench --model "$model" --batch-sizes 1,2,4 --compile --iters 50 \
-    --json "$out/bench-$model-compile.json" || status=1
-done
-gpus=$(nvidia-smi -L | wc -l)
-step torchrun --nproc-per-node "$gpus" benchmarks/tp_internvit.py --model internvit-6b \
-  --json "$out/tp-internvit-6b.json" || status=1
+if has checks && has bench && ((gpus > 1)); then
+  (CUDA_VISIBLE_DEVICES=1 checks) & checks_pid=$!
+  (CUDA_VISIBLE_DEVICES=0 bench) || status=1
+  wait "$checks_pid" || status=1
+else
+  if has checks; then checks || status=1; fi
+  if has bench; then bench || status=1; fi
+fi
+if has tp; then tp || status=1; fi
+tail -n 5 "$out"/log-*.txt
 exit $status

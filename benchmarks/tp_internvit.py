@@ -13,6 +13,7 @@ the graphs (medians of CUDA-event timings), and writes them as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -83,6 +84,11 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(record, handle, indent=2)
+    # NCCL cannot tear down a communicator that a live graph still holds: drop the graphs first.
+    graphed.unwrap()
+    gc.collect()
+    torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
 
 

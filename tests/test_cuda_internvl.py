@@ -159,3 +159,26 @@ def test_whole_vlm_image_features_run_through_the_graph() -> None:
     assert generated.shape == (1, prompt.shape[1] + 2)
     assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
+
+
+def test_fused_qkv_and_compiled_layers_equal_eager(internvit_300m: torch.nn.Module) -> None:
+    model = internvit_300m
+    inputs = {batch: tiles(batch) for batch in (1, 3)}
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        reference = {b: model(pixel_values=x).last_hidden_state for b, x in inputs.items()}
+        graphed = layergraph.wrap(
+            model,
+            adapter="internvl",
+            attention="triton",
+            fuse_qkv=True,
+            compile_layers=True,
+            batch_sizes=[1, 4],
+        )
+        try:
+            for batch, x in inputs.items():
+                got = graphed(pixel_values=x).last_hidden_state
+                assert relative_error(got, reference[batch]) <= TO_TRANSFORMERS
+        finally:
+            graphed.unwrap()
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0

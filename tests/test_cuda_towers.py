@@ -83,3 +83,32 @@ def test_timm_eva02() -> None:
             assert relative_error(graphed(x), want) <= TOLERANCE
     assert graphed.adapter.name == "timm"
     assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
+
+
+def test_graphs_stay_right_beside_torch_compile_reduce_overhead() -> None:
+    """torch.compile's own CUDA graphs of the same model, in the same process, leave ours intact."""
+    torch.manual_seed(0)
+    model = build_tower(
+        "SiglipVisionModel", SIGLIP_CONFIGS["siglip-so400m-384"], torch.bfloat16, "cuda"
+    )
+    sizes = (1, 2, 4)
+    inputs = {batch: pixels(batch, 384) for batch in sizes}
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = {b: model(pixel_values=x).pooler_output for b, x in inputs.items()}
+        graphed = layergraph.wrap(model, adapter="siglip", batch_sizes=list(sizes))
+        graphed.capture(pixel_values=inputs[1], progress=False)
+        try:
+            with graphed.original() as original:
+                compiled = torch.compile(original, mode="reduce-overhead", dynamic=False)
+                for x in inputs.values():
+                    for _ in range(3):
+                        compiled(pixel_values=x)
+            torch.cuda.synchronize()
+            for batch, x in inputs.items():
+                got = graphed(pixel_values=x).pooler_output
+                torch.cuda.synchronize()
+                assert relative_error(got, expected[batch]) <= TOLERANCE
+        finally:
+            graphed.unwrap()
+    assert graphed.stats.eager_total == 0

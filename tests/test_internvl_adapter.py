@@ -368,3 +368,29 @@ def test_fused_qkv_with_the_triton_backend(triton_interpreter: None) -> None:
         )
         got = graphed(pixel_values=x).last_hidden_state
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_compiled_layers_keep_the_triton_kernel_as_one_operator(triton_interpreter: None) -> None:
+    model = tower()
+    x = tiles(2)
+    traced: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = model(pixel_values=x).last_hidden_state
+        graphed = layergraph.wrap(
+            model,
+            adapter="internvl",
+            attention="triton",
+            compile_layers={"backend": recording_backend},
+            backend=SimulatedGraphs(),
+        )
+        got = graphed(pixel_values=x).last_hidden_state
+        graphed.unwrap()
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert "layergraph.varlen_attention" in traced
+    assert not any("triton_kernel_wrapper" in target for target in traced)

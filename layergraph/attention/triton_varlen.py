@@ -299,7 +299,45 @@ def varlen_attention(
             f"sequences * heads = {batch * heads} exceeds the grid limit of {_MAX_GRID_Y}"
         )
     cfg = config or default_config(head_dim)
-    grid = (triton.cdiv(max_seqlen, cfg.block_m), batch * heads)
+    torch.ops.layergraph.varlen_attention(
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens,
+        seq_lens,
+        max_seqlen,
+        scale,
+        cfg.block_m,
+        cfg.block_n,
+        cfg.num_warps,
+        cfg.num_stages,
+    )
+    return out
+
+
+@torch.library.custom_op("layergraph::varlen_attention", mutates_args=("out",))
+def _varlen_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """The kernel launch as a PyTorch operator, opaque to ``torch.compile``.
+
+    Compiling a layer that calls :func:`varlen_attention` (``wrap(..., compile_layers=True)``)
+    then keeps this launch as it is instead of re-generating the kernel through Inductor.
+    """
+    heads, head_dim = q.shape[1], q.shape[2]
+    grid = (triton.cdiv(max_seqlen, block_m), seq_lens.numel() * heads)
     _varlen_fwd_kernel[grid](
         q,
         k,
@@ -316,13 +354,17 @@ def varlen_attention(
         out.stride(0),
         out.stride(1),
         heads,
-        float(scale) * _LOG2_E,
+        scale * _LOG2_E,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
-    return out
+
+
+@_varlen_attention_op.register_fake
+def _(*_args: object) -> None:
+    return None

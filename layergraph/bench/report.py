@@ -21,7 +21,11 @@ METHODS = {
 
 @dataclass
 class BenchRow:
-    """One batch size: median latencies in milliseconds (``None``: not measured) and FLOPs."""
+    """One batch size: median latencies in milliseconds (``None``: not measured) and FLOPs.
+
+    ``relative_error`` and ``compiled_layers_error`` compare layergraph's output, without and
+    with compiled layers, to eager's.
+    """
 
     batch: int
     eager_ms: float
@@ -32,6 +36,7 @@ class BenchRow:
     compile_seconds: float | None = None
     compiled_layers_ms: float | None = None
     relative_error: float | None = None
+    compiled_layers_error: float | None = None
 
     def ratio(self, numerator: str, denominator: str) -> float | None:
         """``numerator / denominator`` of two latency fields, if both were measured."""

@@ -42,7 +42,8 @@ def run_benchmark(
     ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time); with
     ``compile_layers=True``, layergraph again with its layers compiled (``wrap(...,
     compile_layers=True)``), measured last since it compiles the model's layers in place until
-    unwrapped. Without a GPU only eager is measured, in float32. ``on_row`` is called with the
+    unwrapped; with ``compile=True``, torch.compile last of all, once layergraph's graphs are
+    released. Without a GPU only eager is measured, in float32. ``on_row`` is called with the
     report after each batch size, for live display.
     """
     example = get_registry().example_model(model_name)
@@ -71,15 +72,17 @@ def run_benchmark(
             graphed = _capture_all(model, example, sizes, dtype, device, report)
         for batch in sizes:
             args, kwargs = example.inputs(batch, dtype, device)
-            report.rows.append(
-                _measure(model, graphed, args, kwargs, batch, device, iters, compile)
-            )
+            report.rows.append(_measure(model, graphed, args, kwargs, batch, device, iters))
             if on_row is not None:
                 on_row(report)
         if graphed is not None:
             graphed.unwrap()
         if cuda and compile_layers:
             _measure_compiled_layers(model, example, sizes, dtype, device, iters, report)
+            if on_row is not None:
+                on_row(report)
+        if cuda and compile:
+            _measure_torch_compile(model, example, dtype, device, iters, report)
             if on_row is not None:
                 on_row(report)
     return report
@@ -97,11 +100,37 @@ def _measure_compiled_layers(
     graphed = wrap(model, adapter=example.adapter, batch_sizes=sizes, compile_layers=True)
     for row in report.rows:
         args, kwargs = example.inputs(row.batch, dtype, device)
-        graphed(*args, **kwargs)
+        with graphed.original() as original:
+            expected = original(*args, **kwargs)
+        got = graphed(*args, **kwargs)
+        row.compiled_layers_error = relative_error(_first_tensor(got), _first_tensor(expected))
         row.compiled_layers_ms = median_ms(
             lambda args=args, kwargs=kwargs: graphed(*args, **kwargs), device=device, iters=iters
         )
     graphed.unwrap()
+
+
+def _measure_torch_compile(
+    model: torch.nn.Module,
+    example: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    iters: int,
+    report: BenchReport,
+) -> None:
+    """torch.compile(mode="reduce-overhead") of the unwrapped model at every batch size."""
+    torch._dynamo.reset()
+    compiled = compiled_reduce_overhead(model)
+    for row in report.rows:
+        args, kwargs = example.inputs(row.batch, dtype, device)
+        started = time.perf_counter()
+        for _ in range(3):
+            compiled(*args, **kwargs)
+        torch.cuda.synchronize()
+        row.compile_seconds = time.perf_counter() - started
+        row.compile_ms = median_ms(
+            lambda args=args, kwargs=kwargs: compiled(*args, **kwargs), device=device, iters=iters
+        )
 
 
 def _capture_all(
@@ -150,7 +179,6 @@ def _measure(
     batch: int,
     device: torch.device,
     iters: int,
-    compile: bool,
 ) -> BenchRow:
     """One batch size. Eager and the references run on the model as it was before wrapping."""
     with graphed.original() if graphed is not None else contextlib.nullcontext(model) as original:
@@ -165,16 +193,6 @@ def _measure(
             return row
         by_hand = plain_graph(original, *args, **kwargs)
         row.plain_graph_ms = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
-        if compile:
-            compiled = compiled_reduce_overhead(original)
-            started = time.perf_counter()
-            for _ in range(3):
-                compiled(*args, **kwargs)
-            torch.cuda.synchronize()
-            row.compile_seconds = time.perf_counter() - started
-            row.compile_ms = median_ms(
-                lambda: compiled(*args, **kwargs), device=device, iters=iters
-            )
     got = graphed(*args, **kwargs)
     row.relative_error = relative_error(_first_tensor(got), _first_tensor(expected))
     row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)

@@ -1,0 +1,169 @@
+"""Where a replay's time goes: kernels per replay and the time they take, per method.
+
+    python3 benchmarks/profile_replay.py --batch 1 --json profile.json
+
+For each benchmark model (random weights, bf16) at one batch size: the hand-written graph of
+the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` (compiled
+layers, Inductor's GEMM templates, fused q/k/v for InternVL). Each is checked against eager,
+timed (median of CUDA-event timings), and profiled over a number of replays with
+``torch.profiler``: kernels per replay, the sum of their durations (GPU busy time) and the
+kernels that take the most time. Latency minus busy time is the time the GPU waits between
+kernels inside the graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import layergraph
+from layergraph.plugins import get_registry
+from layergraph.reference import plain_graph
+from layergraph.timing import median_ms
+from layergraph.validation import relative_error
+
+MODELS = ("vit_base_patch16_224", "siglip-so400m-384", "internvit-300m")
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "layergraph": {},
+    "compiled layers": {"compile_layers": True},
+}
+"""layergraph options timed for every model, by label."""
+
+MAX_AUTOTUNE: dict[str, dict[str, Any]] = {
+    "compiled layers, max-autotune": {"compile_layers": {"mode": "max-autotune-no-cudagraphs"}},
+}
+"""With ``--max-autotune``: Inductor's GEMM templates too (compiles for minutes per model)."""
+
+INTERNVL_VARIANTS: dict[str, dict[str, Any]] = {
+    "triton": {"attention": "triton"},
+    "triton, fused qkv": {"attention": "triton", "fuse_qkv": True},
+    "triton, fused qkv, compiled layers": {
+        "attention": "triton",
+        "fuse_qkv": True,
+        "compile_layers": True,
+    },
+}
+"""Further options timed for InternViT, whose adapter takes them."""
+
+
+def profile_replays(fn: Callable[[], Any], replays: int) -> dict[str, Any]:
+    """Kernels per call of ``fn``, their summed duration, and the five longest kernels."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [
+        event
+        for event in prof.key_averages()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and not event.key.startswith(("Memcpy", "Memset"))
+    ]
+    busy_us = sum(event.device_time_total for event in kernels) / replays
+    top = sorted(kernels, key=lambda event: event.device_time_total, reverse=True)[:5]
+    return {
+        "kernels_per_call": sum(event.count for event in kernels) / replays,
+        "busy_ms": busy_us / 1e3,
+        "top": [
+            {
+                "kernel": event.key[:120],
+                "calls": event.count / replays,
+                "ms": event.device_time_total / replays / 1e3,
+            }
+            for event in top
+        ],
+    }
+
+
+def measure_model(
+    name: str, batch: int, iters: int, replays: int, max_autotune: bool
+) -> list[dict[str, Any]]:
+    """Every method for one model at one batch size, as rows."""
+    example = get_registry().example_model(name)
+    model = example.build(torch.bfloat16, torch.device("cuda"))
+    args, kwargs = example.inputs(batch, torch.bfloat16, torch.device("cuda"))
+    device = torch.device("cuda")
+    rows = []
+    with torch.inference_mode():
+        expected = _first(model(*args, **kwargs))
+        by_hand = plain_graph(model, *args, **kwargs)
+        row = {"model": name, "method": "hand-written graph", "batch": batch}
+        row["ms"] = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
+        row.update(profile_replays(lambda: by_hand(*args, **kwargs), replays))
+        rows.append(row)
+        print(_line(row), flush=True)
+        variants = {**VARIANTS, **(MAX_AUTOTUNE if max_autotune else {})}
+        if example.adapter == "internvl":
+            variants.update(INTERNVL_VARIANTS)
+        for label, options in variants.items():
+            torch._dynamo.reset()
+            started = time.perf_counter()
+            graphed = layergraph.wrap(
+                model, adapter=example.adapter, batch_sizes=[batch], **options
+            )
+            graphed.capture(*args, progress=False, **kwargs)
+            torch.cuda.synchronize()
+            row = {"model": name, "method": label, "batch": batch}
+            row["setup_s"] = time.perf_counter() - started
+            row["relative_error"] = relative_error(_first(graphed(*args, **kwargs)), expected)
+            row["ms"] = median_ms(lambda g=graphed: g(*args, **kwargs), device=device, iters=iters)
+            row.update(profile_replays(lambda g=graphed: g(*args, **kwargs), replays))
+            if graphed.stats.eager_total:
+                row["eager_calls"] = graphed.stats.eager_total
+            graphed.unwrap()
+            rows.append(row)
+            print(_line(row), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _first(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    return next(
+        leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)
+    )
+
+
+def _line(row: dict[str, Any]) -> str:
+    error = row.get("relative_error")
+    return (
+        f"{row['model']:>22} {row['method']:>36} {row['ms']:8.3f} ms "
+        f"{row['kernels_per_call']:6.0f} kernels {row['busy_ms']:8.3f} ms busy"
+        + ("" if error is None else f"  err {error:.2e}  setup {row['setup_s']:.1f} s")
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--max-autotune", action="store_true", help="also time MAX_AUTOTUNE")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        rows += measure_model(name, args.batch, args.iters, args.replays, args.max_autotune)
+    for row in rows:
+        print(_line(row))
+        for kernel in row["top"]:
+            print(f"{'':>24} {kernel['ms']:8.3f} ms x{kernel['calls']:<4.0f} {kernel['kernel']}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
