@@ -55,9 +55,12 @@ class GraphBackend(Protocol):
 class CudaGraphs:
     """Graph backend on ``torch.cuda.CUDAGraph``.
 
-    Warm-up runs on a side stream (so lazy initialisation inside the model, such as cuBLAS
-    workspaces, happens outside the capture), capture runs on PyTorch's default capture stream
-    with the shared pool, and replay is launched on whichever stream is current for the caller.
+    Warm-up runs on a side stream, so that lazy initialisation inside the model (cuBLAS
+    workspaces and the like) happens outside the capture. It is one stream per device for the
+    whole process: cuBLAS keeps a workspace of tens of MiB for every stream it has run on, so a
+    new stream per capture would leave a workspace behind each time. Capture runs on PyTorch's
+    default capture stream with the shared pool, and replay is launched on whichever stream is
+    current for the caller.
     Calls from different streams are ordered through events (:meth:`mark_done`,
     :meth:`wait_for`), since their replays share static buffers.
     """
@@ -76,7 +79,7 @@ class CudaGraphs:
         return torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
-        side = torch.cuda.Stream()
+        side = _warmup_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup_runs):
@@ -112,3 +115,13 @@ class CudaGraphs:
             for segment in torch.cuda.memory_snapshot()
             if tuple(segment.get("segment_pool_id", ())) == pool_id
         )
+
+
+_warmup_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: int) -> torch.cuda.Stream:
+    """The side stream that every capture on ``device`` warms up on."""
+    if device not in _warmup_streams:
+        _warmup_streams[device] = torch.cuda.Stream(device)
+    return _warmup_streams[device]

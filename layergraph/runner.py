@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -248,6 +249,9 @@ class GraphRunner:
             return self._capture_entry(key, lookup, call), ""
         except Exception as error:
             if not self.backend.is_out_of_memory(error):
+                # The failed capture's frames hold its half-built graph and the tensors of its
+                # private pool; clear them, so that the error held by the caller keeps no memory.
+                traceback.clear_frames(error.__traceback__)
                 raise
         reason = f"capture of {key} ran out of device memory"
         self._entries.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -115,21 +116,27 @@ def test_out_of_memory_at_capture_leaves_the_model_working() -> None:
 
 
 def test_an_error_inside_a_layer_during_capture_ends_cleanly() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
     class Flaky(nn.Module):
         calls = 0
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             Flaky.calls += 1
+            doubled = x * 2
             if Flaky.calls == 2:
+                made.append(weakref.ref(doubled))
                 raise RuntimeError("layer failed")
-            return x * 2
+            return doubled
 
     model = nn.Sequential(Flaky()).eval()
     graphed = wrap(model, batch_sizes=[2])
     with torch.no_grad():
-        with pytest.raises(RuntimeError, match="layer failed"):
+        with pytest.raises(RuntimeError, match="layer failed") as failure:
             graphed(torch.randn(2, 3))
         assert graphed.stats.graphs == 0
+        assert failure.value.__traceback__ is not None
+        assert made[0]() is None, "the error kept a tensor of the failed capture alive"
         x = torch.randn(2, 3)
         torch.testing.assert_close(graphed(x), x * 2)
     assert graphed.stats.graphs == 1
