@@ -8,6 +8,10 @@ ample; a padded batch (3 on the graph of 4) may pick other matrix kernels.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,30 +89,22 @@ def test_timm_eva02() -> None:
     assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="replaying after torch.compile(mode='reduce-overhead') ran the same model hit an "
+    "illegal memory access on the H200 (docs/troubleshooting.md)",
+)
 def test_graphs_stay_right_beside_torch_compile_reduce_overhead() -> None:
-    """torch.compile's own CUDA graphs of the same model, in the same process, leave ours intact."""
-    torch.manual_seed(0)
-    model = build_tower(
-        "SiglipVisionModel", SIGLIP_CONFIGS["siglip-so400m-384"], torch.bfloat16, "cuda"
+    """torch.compile's own CUDA graphs of the same model leave layergraph's intact.
+
+    Runs benchmarks/compile_coexistence.py in a child process, since a memory fault there
+    would leave this process's CUDA context unusable for the tests after it.
+    """
+    script = Path(__file__).parents[1] / "benchmarks" / "compile_coexistence.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", "siglip-so400m-384", "--batch-sizes", "1,2,4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    sizes = (1, 2, 4)
-    inputs = {batch: pixels(batch, 384) for batch in sizes}
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        expected = {b: model(pixel_values=x).pooler_output for b, x in inputs.items()}
-        graphed = layergraph.wrap(model, adapter="siglip", batch_sizes=list(sizes))
-        graphed.capture(pixel_values=inputs[1], progress=False)
-        try:
-            with graphed.original() as original:
-                compiled = torch.compile(original, mode="reduce-overhead", dynamic=False)
-                for x in inputs.values():
-                    for _ in range(3):
-                        compiled(pixel_values=x)
-            torch.cuda.synchronize()
-            for batch, x in inputs.items():
-                got = graphed(pixel_values=x).pooler_output
-                torch.cuda.synchronize()
-                assert relative_error(got, expected[batch]) <= TOLERANCE
-        finally:
-            graphed.unwrap()
-    assert graphed.stats.eager_total == 0
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
