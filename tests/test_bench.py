@@ -76,6 +76,7 @@ def test_json_and_plot_are_written(tmp_path: Path) -> None:
     assert record["pool_ratio"] == pytest.approx(1.05) and len(record["rows"]) == 2
     report.plot(tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert BenchReport.read_json(tmp_path / "r.json") == report
 
 
 def test_bench_command_lists_models_and_writes_outputs(tmp_path: Path) -> None:

@@ -83,6 +83,14 @@ class BenchReport:
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
+    @classmethod
+    def read_json(cls, path: str | Path) -> BenchReport:
+        """A report written by :meth:`write_json`, to render its table or plot again."""
+        record = json.loads(Path(path).read_text())
+        record.pop("pool_ratio", None)
+        rows = [BenchRow(**row) for row in record.pop("rows")]
+        return cls(**record, rows=rows)
+
     def to_markdown(self) -> str:
         """A Markdown section: the setting, then one table row per batch size."""
         lines = [
