@@ -27,6 +27,7 @@ from torch import nn
 from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
+from layergraph_adapters.fused_qkv import FusedQKV, fused_attention_forward
 
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
 
@@ -97,6 +98,8 @@ class VisionTowerAdapter(Adapter):
 
     ``feature_layers`` (an index into ``hidden_states``, or a list of them) lets the graphs stop
     at the deepest layer needed; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
+    ``fuse_qkv=True`` computes each layer's q, k and v in one matrix product, whose weight the
+    three projections' weights become views of (see :mod:`layergraph_adapters.fused_qkv`).
     """
 
     tower_classes: ClassVar[tuple[str, ...]] = ()
@@ -106,8 +109,11 @@ class VisionTowerAdapter(Adapter):
     example_configs: ClassVar[dict[str, dict[str, Any]]] = {}
     """Configurations of well-known towers of the family, by name, for example models."""
 
-    def __init__(self, feature_layers: int | list[int] | None = None) -> None:
+    def __init__(
+        self, feature_layers: int | list[int] | None = None, fuse_qkv: bool = False
+    ) -> None:
         self.feature_layers = feature_layers
+        self.fuse_qkv = fuse_qkv
 
     def recognizes(self, model: nn.Module) -> bool:
         if "transformers" not in sys.modules:
@@ -139,7 +145,10 @@ class VisionTowerAdapter(Adapter):
     ) -> VisionTowerPlan:
         """The plan for ``tower``; subclasses return a richer one (routed attention, say)."""
         return VisionTowerPlan(
-            tower, prefix_tokens=self.prefix_tokens, feature_layers=feature_layers
+            tower,
+            prefix_tokens=self.prefix_tokens,
+            feature_layers=feature_layers,
+            fuse_qkv=self.fuse_qkv,
         )
 
     def example_models(self) -> list[str]:
@@ -161,6 +170,7 @@ class VisionTowerPlan(CapturePlan):
         *,
         prefix_tokens: int,
         feature_layers: int | Sequence[int] | None = None,
+        fuse_qkv: bool = False,
     ) -> None:
         config = tower.config
         self.owner = tower
@@ -175,6 +185,9 @@ class VisionTowerPlan(CapturePlan):
         """Indices into ``hidden_states`` (0: embeddings, i: after layer i) the feature graphs
         return, or ``None`` when graphs run the whole tower."""
         self._truncation = threading.Lock()
+        self._attentions = self.attention_modules()
+        self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
+        """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:
@@ -190,9 +203,21 @@ class VisionTowerPlan(CapturePlan):
         held = tuple(sorted({i % count for i in indices}))
         return None if held[-1] == self.depth else held
 
+    def attention_modules(self) -> list[nn.Module]:
+        """The layers' attention modules, in order (``self_attn`` of CLIP-style layers)."""
+        return [layer.self_attn for layer in self.layers()]
+
+    def routed_attention(self, index: int, module: nn.Module) -> Callable[..., Any] | None:
+        """The forward attention module ``index`` runs while wrapped; ``None``: its own."""
+        if not self.fusions:
+            return None
+        return fused_attention_forward(module, self.fusions[index])
+
     # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
+        for fusion in self.fusions:
+            fusion.refresh()
         if self.feature_layers is not None and kwargs.get("output_hidden_states"):
             return self._feature_region(args, kwargs)
         return self._forward(*args, **kwargs)
@@ -254,9 +279,15 @@ class VisionTowerPlan(CapturePlan):
 
     def attach(self, serve: Callable[..., Any]) -> None:
         self.owner.forward = serve
+        for index, module in enumerate(self._attentions):
+            routed = self.routed_attention(index, module)
+            if routed is not None:
+                module.forward = routed
 
     def detach(self) -> None:
         self.owner.__dict__.pop("forward", None)
+        for module in self._attentions:
+            module.__dict__.pop("forward", None)
 
     # ---- feature layers ----------------------------------------------------------------------
 

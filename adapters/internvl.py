@@ -37,6 +37,7 @@ from layergraph.attention import (
 )
 from layergraph.keys import CallInputs
 from layergraph.plugins import get_registry
+from layergraph_adapters.fused_qkv import FusedQKV
 from layergraph_adapters.hf_vision import (
     VisionTowerAdapter,
     VisionTowerPlan,
@@ -91,9 +92,8 @@ class InternVLAdapter(VisionTowerAdapter):
     ) -> None:
         if attention not in BACKEND_NAMES:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
-        super().__init__(feature_layers)
+        super().__init__(feature_layers, fuse_qkv)
         self.attention = attention
-        self.fuse_qkv = fuse_qkv
 
     def make_plan(
         self, tower: nn.Module, feature_layers: int | list[int] | None
@@ -137,15 +137,13 @@ class InternViTPlan(VisionTowerPlan):
             raise AdapterMismatch(
                 f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
             )
-        super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers)
+        super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers, fuse_qkv=fuse_qkv)
         self.attention = attention
         self.head_dim = config.hidden_size // heads
         self.heads = _local_rows(tower.encoder.layer[0].attention.q_proj.weight) // self.head_dim
         """Heads this process computes: all of them, or its share under tensor parallelism."""
         self.attention_by_key: dict[ShapeKey, str] = {}
         """Which backend, and which implementation of it, serves each captured key."""
-        self._attentions = [layer.attention for layer in tower.encoder.layer]
-        self._fused = [FusedQKV(m) if fuse_qkv else None for m in self._attentions]
         self._eager_states: OrderedDict[tuple[Any, ...], AttentionState] = OrderedDict()
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
@@ -174,15 +172,11 @@ class InternViTPlan(VisionTowerPlan):
         finally:
             _current_state.reset(token)
 
-    def attach(self, serve: Callable[..., Any]) -> None:
-        super().attach(serve)
-        for module, fused in zip(self._attentions, self._fused):
-            module.forward = _routed_attention(module, fused)
+    def attention_modules(self) -> list[nn.Module]:
+        return [layer.attention for layer in self.layers()]
 
-    def detach(self) -> None:
-        super().detach()
-        for module in self._attentions:
-            module.__dict__.pop("forward", None)
+    def routed_attention(self, index: int, module: nn.Module) -> Callable[..., Any]:
+        return _routed_attention(module, self.fusions[index] if self.fusions else None)
 
     # ---- attention state ---------------------------------------------------------------------
 
@@ -220,49 +214,6 @@ class InternViTPlan(VisionTowerPlan):
         return state
 
 
-class FusedQKV:
-    """One ``[3 * width, width]`` projection whose slices are the q, k and v weights.
-
-    Fusing copies the three weights (and biases) into one tensor once, then makes the
-    module's own ``q_proj``, ``k_proj`` and ``v_proj`` parameters views of it: nothing else is
-    copied, ``state_dict`` keys and the eager path are unchanged, and in-place weight updates
-    reach the fused tensor. If the parameters are re-allocated later (``model.to(...)``),
-    :meth:`current` fuses them again.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self._module = module
-        self._fuse()
-
-    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        return self._module.q_proj, self._module.k_proj, self._module.v_proj
-
-    def _fuse(self) -> None:
-        projections = self._projections()
-        if any(hasattr(p.weight, "to_local") for p in projections):
-            raise ValueError("fuse_qkv does not combine with tensor-parallel (DTensor) weights")
-        width = projections[0].out_features
-        with torch.no_grad():
-            self.weight = torch.cat([p.weight for p in projections])
-            has_bias = projections[0].bias is not None
-            self.bias = torch.cat([p.bias for p in projections]) if has_bias else None
-        for index, projection in enumerate(projections):
-            rows = slice(index * width, (index + 1) * width)
-            trainable = projection.weight.requires_grad
-            projection.weight = nn.Parameter(self.weight[rows], requires_grad=trainable)
-            if self.bias is not None:
-                projection.bias = nn.Parameter(self.bias[rows], requires_grad=trainable)
-
-    def current(self) -> FusedQKV:
-        """This fusion, fused again first if the q, k or v weights no longer live in it."""
-        weight = self.weight
-        step = weight.stride(0) * self._projections()[0].out_features * weight.element_size()
-        expected = [weight.data_ptr() + index * step for index in range(3)]
-        if [p.weight.data_ptr() for p in self._projections()] != expected:
-            self._fuse()
-        return self
-
-
 def _local_rows(weight: torch.Tensor) -> int:
     """Rows of ``weight`` held here: all of them, or a tensor-parallel shard's."""
     return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
@@ -288,9 +239,8 @@ def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[...
             k = module.k_proj(hidden_states)
             v = module.v_proj(hidden_states)
         else:
-            current = fused.current()
-            width = current.weight.shape[0] // 3
-            q, k, v = F.linear(hidden_states, current.weight, current.bias).split(width, dim=-1)
+            width = fused.weight.shape[0] // 3
+            q, k, v = F.linear(hidden_states, fused.weight, fused.bias).split(width, dim=-1)
         local_width = q.shape[-1]  # all heads, or this rank's share under tensor parallelism
         shape = (batch * tokens, local_width // head_dim, head_dim)
         q, k, v = module.q_norm(q).view(shape), module.k_norm(k).view(shape), v.view(shape)

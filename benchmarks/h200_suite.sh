@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run, in three parts:
 #   checks:  versions, the CUDA-marked tests, the demo in fp16, the attention-kernel, InternViT
-#            and SigLIP/CLIP benchmarks, and the replay profile of the three benchmark models;
+#            and SigLIP/CLIP benchmarks, and the replay profile of each benchmark model at
+#            batch 1 (every speed option, and torch.compile);
 #   bench:   `layergraph bench` for the three benchmark models, with compiled layers, and
 #            against torch.compile at batch 1 to 4;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
@@ -44,7 +45,10 @@ checks() {
   step "$log" python3 benchmarks/attention_kernel.py || status=1
   step "$log" python3 benchmarks/internvl.py --json "$results/internvl.json" || status=1
   step "$log" python3 benchmarks/towers.py || status=1
-  step "$log" python3 benchmarks/profile_replay.py --json "$results/profile-b1.json" || status=1
+  for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
+    step "$log" python3 benchmarks/profile_replay.py --models "$model" --compile \
+      --json "$results/profile-b1-$model.json" || status=1
+  done
   pack
   return $status
 }

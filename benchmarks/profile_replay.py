@@ -3,12 +3,16 @@
     python3 benchmarks/profile_replay.py --batch 1 --json profile.json
 
 For each benchmark model (random weights, bf16) at one batch size: the hand-written graph of
-the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` (compiled
-layers, Inductor's GEMM templates, fused q/k/v for InternVL). Each is checked against eager,
+the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` and
+``ADAPTER_VARIANTS`` (compiled layers, fused q/k/v, the attention backend; Inductor's GEMM
+templates with ``--max-autotune``). Each is checked against eager,
 timed (median of CUDA-event timings), and profiled over a number of replays with
-``torch.profiler``: kernels per replay, the sum of their durations (GPU busy time) and the
-kernels that take the most time. Latency minus busy time is the time the GPU waits between
-kernels inside the graph.
+``torch.profiler``: kernels per replay, the sum of their durations (GPU busy time) and every
+kernel with its calls and time per replay (the JSON holds them all; the console, the five
+longest). With ``--compile``, torch.compile(mode="reduce-overhead") of the model is measured
+the same way, after layergraph's graphs are released; since those two do not yet share a
+process reliably (docs/troubleshooting.md), give it one model per run. Latency minus busy time
+is the time the GPU waits between kernels inside the graph.
 """
 
 from __future__ import annotations
@@ -41,20 +45,28 @@ MAX_AUTOTUNE: dict[str, dict[str, Any]] = {
 }
 """With ``--max-autotune``: Inductor's GEMM templates too (compiles for minutes per model)."""
 
-INTERNVL_VARIANTS: dict[str, dict[str, Any]] = {
-    "triton": {"attention": "triton"},
-    "triton, fused qkv": {"attention": "triton", "fuse_qkv": True},
-    "triton, fused qkv, compiled layers": {
-        "attention": "triton",
-        "fuse_qkv": True,
-        "compile_layers": True,
-    },
+_FUSED = {
+    "fused qkv": {"fuse_qkv": True},
+    "fused qkv, compiled layers": {"fuse_qkv": True, "compile_layers": True},
 }
-"""Further options timed for InternViT, whose adapter takes them."""
+ADAPTER_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "internvl": {
+        "triton": {"attention": "triton"},
+        "triton, fused qkv": {"attention": "triton", "fuse_qkv": True},
+        "triton, fused qkv, compiled layers": {
+            "attention": "triton",
+            "fuse_qkv": True,
+            "compile_layers": True,
+        },
+    },
+    "siglip": _FUSED,
+    "clip": _FUSED,
+}
+"""Further options timed for the models of the adapters that take them."""
 
 
 def profile_replays(fn: Callable[[], Any], replays: int) -> dict[str, Any]:
-    """Kernels per call of ``fn``, their summed duration, and the five longest kernels."""
+    """Kernels per call of ``fn``, their summed duration, and every kernel, longest first."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -69,23 +81,23 @@ def profile_replays(fn: Callable[[], Any], replays: int) -> dict[str, Any]:
         and not event.key.startswith(("Memcpy", "Memset"))
     ]
     busy_us = sum(event.device_time_total for event in kernels) / replays
-    top = sorted(kernels, key=lambda event: event.device_time_total, reverse=True)[:5]
+    by_time = [
+        {
+            "kernel": event.key[:160],
+            "calls": event.count / replays,
+            "ms": event.device_time_total / replays / 1e3,
+        }
+        for event in sorted(kernels, key=lambda event: event.device_time_total, reverse=True)
+    ]
     return {
         "kernels_per_call": sum(event.count for event in kernels) / replays,
         "busy_ms": busy_us / 1e3,
-        "top": [
-            {
-                "kernel": event.key[:120],
-                "calls": event.count / replays,
-                "ms": event.device_time_total / replays / 1e3,
-            }
-            for event in top
-        ],
+        "kernels": by_time,
     }
 
 
 def measure_model(
-    name: str, batch: int, iters: int, replays: int, max_autotune: bool
+    name: str, batch: int, iters: int, replays: int, max_autotune: bool, compile: bool
 ) -> list[dict[str, Any]]:
     """Every method for one model at one batch size, as rows."""
     example = get_registry().example_model(name)
@@ -101,9 +113,11 @@ def measure_model(
         row.update(profile_replays(lambda: by_hand(*args, **kwargs), replays))
         rows.append(row)
         print(_line(row), flush=True)
-        variants = {**VARIANTS, **(MAX_AUTOTUNE if max_autotune else {})}
-        if example.adapter == "internvl":
-            variants.update(INTERNVL_VARIANTS)
+        variants = {
+            **VARIANTS,
+            **(MAX_AUTOTUNE if max_autotune else {}),
+            **ADAPTER_VARIANTS.get(example.adapter, {}),
+        }
         for label, options in variants.items():
             torch._dynamo.reset()
             started = time.perf_counter()
@@ -122,9 +136,39 @@ def measure_model(
             graphed.unwrap()
             rows.append(row)
             print(_line(row), flush=True)
+        if compile:
+            rows.append(
+                _torch_compile_row(model, name, batch, args, kwargs, expected, iters, replays)
+            )
+            print(_line(rows[-1]), flush=True)
     del model
     torch.cuda.empty_cache()
     return rows
+
+
+def _torch_compile_row(
+    model: torch.nn.Module,
+    name: str,
+    batch: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    expected: torch.Tensor,
+    iters: int,
+    replays: int,
+) -> dict[str, Any]:
+    """torch.compile(mode="reduce-overhead") of the unwrapped model, measured last."""
+    torch._dynamo.reset()
+    started = time.perf_counter()
+    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    for _ in range(3):
+        got = _first(compiled(*args, **kwargs))
+    torch.cuda.synchronize()
+    row = {"model": name, "method": "torch.compile reduce-overhead", "batch": batch}
+    row["setup_s"] = time.perf_counter() - started
+    row["relative_error"] = relative_error(got, expected)
+    row["ms"] = median_ms(lambda: compiled(*args, **kwargs), device=got.device, iters=iters)
+    row.update(profile_replays(lambda: compiled(*args, **kwargs), replays))
+    return row
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -151,14 +195,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--max-autotune", action="store_true", help="also time MAX_AUTOTUNE")
+    parser.add_argument(
+        "--compile", action="store_true", help="also torch.compile reduce-overhead, last"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for name in args.models.split(","):
-        rows += measure_model(name, args.batch, args.iters, args.replays, args.max_autotune)
+        rows += measure_model(
+            name, args.batch, args.iters, args.replays, args.max_autotune, args.compile
+        )
     for row in rows:
         print(_line(row))
-        for kernel in row["top"]:
+        for kernel in row["kernels"][:5]:
             print(f"{'':>24} {kernel['ms']:8.3f} ms x{kernel['calls']:<4.0f} {kernel['kernel']}")
     if args.json:
         with open(args.json, "w") as file:

@@ -326,7 +326,7 @@ def test_fused_qkv_weights_are_views_and_outputs_unchanged(qk_norm: bool) -> Non
             got = graphed(pixel_values=x).last_hidden_state
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     attention = model.encoder.layer[0].attention
-    fused = graphed.plan._fused[0]
+    fused = graphed.plan.fusions[0]
     step = attention.q_proj.weight.numel() * attention.q_proj.weight.element_size()
     assert attention.q_proj.weight.data_ptr() == fused.weight.data_ptr()
     assert attention.v_proj.weight.data_ptr() == fused.weight.data_ptr() + 2 * step

@@ -344,3 +344,98 @@ def test_compile_layers_on_a_tower() -> None:
         got = graphed(pixel_values=x).last_hidden_state
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
     assert len(graphed.plan.layers()) == 3
+
+
+@pytest.mark.parametrize("name", list(TOWERS))
+def test_fused_qkv_weights_are_views_and_outputs_unchanged(name: str) -> None:
+    adapter, make, _ = TOWERS[name]
+    model = make()
+    keys = set(model.state_dict())
+    inputs = [images(1), images(3)]
+    with torch.inference_mode():
+        expected = [model(pixel_values=x) for x in inputs]
+        graphed = layergraph.wrap(
+            model, adapter=adapter, fuse_qkv=True, backend=SimulatedGraphs(), batch_sizes=[1, 4]
+        )
+        for x, want in zip(inputs, expected):
+            got = graphed(pixel_values=x)
+            torch.testing.assert_close(
+                got.last_hidden_state, want.last_hidden_state, rtol=RTOL, atol=ATOL
+            )
+    attention = graphed.plan.attention_modules()[1]
+    fused = graphed.plan.fusions[1]
+    step = attention.q_proj.weight.numel() * attention.q_proj.weight.element_size()
+    assert attention.q_proj.weight.data_ptr() == fused.weight.data_ptr()
+    assert attention.v_proj.weight.data_ptr() == fused.weight.data_ptr() + 2 * step
+    assert set(model.state_dict()) == keys
+    assert graphed.stats.replays == 2
+
+
+def test_fused_qkv_follows_in_place_updates_and_reallocation() -> None:
+    model = built(transformers.SiglipVisionModel, siglip_config())
+    graphed = layergraph.wrap(model, fuse_qkv=True, backend=SimulatedGraphs())
+    x = images(2)
+    model.load_state_dict({k: torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()})
+    with torch.inference_mode():
+        got = graphed(pixel_values=x).last_hidden_state
+        model.double()  # re-allocates every parameter: fused again before the next capture
+        got_double = graphed(pixel_values=x.double()).last_hidden_state
+        with graphed.original() as original:
+            torch.testing.assert_close(
+                got_double, original(pixel_values=x.double()).last_hidden_state
+            )
+            original.float()
+            torch.testing.assert_close(
+                got, original(pixel_values=x).last_hidden_state, rtol=RTOL, atol=ATOL
+            )
+
+
+def test_fused_qkv_attention_weights_still_come_back() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    model.set_attn_implementation("eager")
+    x = images(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x, output_attentions=True)
+        graphed = layergraph.wrap(model, fuse_qkv=True, backend=SimulatedGraphs())
+        got = graphed(pixel_values=x, output_attentions=True)
+    assert len(got.attentions) == 3
+    for mine, theirs in zip(got.attentions, expected.attentions):
+        torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("adapter", ["siglip", "internvl"])
+def test_compiled_layers_with_fused_qkv_are_one_graph_per_layer_shape(adapter: str) -> None:
+    if adapter == "siglip":
+        model = built(transformers.SiglipVisionModel, siglip_config())
+        call = {"pixel_values": images(2)}
+    else:
+        config = transformers.InternVLVisionConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            image_size=[32, 32],
+            patch_size=[16, 16],
+        )
+        model = built(transformers.InternVLVisionModel, config)
+        call = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = model(**call).last_hidden_state
+        graphed = layergraph.wrap(
+            model,
+            adapter=adapter,
+            fuse_qkv=True,
+            compile_layers={"backend": counting_backend},
+            backend=SimulatedGraphs(),
+        )
+        got = graphed(**call).last_hidden_state
+        graphed.unwrap()
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert len(graphs) == 1, "a graph break inside the compiled layer"
