@@ -186,6 +186,11 @@ class VisionTowerPlan(CapturePlan):
         return, or ``None`` when graphs run the whole tower."""
         self._truncation = threading.Lock()
         self._attentions = self.attention_modules()
+        if fuse_qkv and len(self._attentions) != self.depth:
+            raise AdapterMismatch(
+                f"fuse_qkv needs an attention module in every layer; {type(tower).__name__}'s "
+                f"layers have no self_attn"
+            )
         self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
         """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
 
@@ -205,7 +210,7 @@ class VisionTowerPlan(CapturePlan):
 
     def attention_modules(self) -> list[nn.Module]:
         """The layers' attention modules, in order (``self_attn`` of CLIP-style layers)."""
-        return [layer.self_attn for layer in self.layers()]
+        return [layer.self_attn for layer in self.layers() if hasattr(layer, "self_attn")]
 
     def routed_attention(self, index: int, module: nn.Module) -> Callable[..., Any] | None:
         """The forward attention module ``index`` runs while wrapped; ``None``: its own."""

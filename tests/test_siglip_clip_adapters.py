@@ -439,3 +439,12 @@ def test_compiled_layers_with_fused_qkv_are_one_graph_per_layer_shape(adapter: s
         graphed.unwrap()
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
     assert len(graphs) == 1, "a graph break inside the compiled layer"
+
+
+def test_fuse_qkv_refuses_attention_without_separate_projections() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    attention = next(m for n, m in model.named_modules() if n.endswith("layers.1.self_attn"))
+    attention.qkv = torch.nn.Linear(64, 192)
+    del attention.q_proj
+    with pytest.raises(ValueError, match=r"q_proj, k_proj and v_proj.*CLIPAttention"):
+        layergraph.wrap(model, fuse_qkv=True, backend=SimulatedGraphs())
