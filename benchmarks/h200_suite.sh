@@ -3,8 +3,9 @@
 #   checks:  versions, the CUDA-marked tests, the demo in fp16, the attention-kernel, InternViT
 #            and SigLIP/CLIP benchmarks, and the replay profile of each benchmark model at
 #            batch 1 (every speed option, and torch.compile);
-#   bench:   `layergraph bench` for the three benchmark models, with compiled layers, and
-#            against torch.compile at batch 1 to 4;
+#   bench:   `layergraph bench` for the three benchmark models, with compiled layers (and
+#            fused q/k/v for the transformers towers), and against torch.compile at batch 1
+#            to 4;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
 # On a machine with two or more GPUs, checks run on GPU 1 while bench runs on GPU 0; tp runs
 # last, on every GPU, and is stopped if it runs past 4 minutes. Pass part names to run only those (default: all three).
@@ -57,7 +58,9 @@ bench() {
   local log="$out/log-bench.txt" status=0
   versions >>"$log" 2>&1
   for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
-    step "$log" layergraph bench --model "$model" --compile-layers --iters 50 \
+    local fuse=()
+    [[ $model == vit_base_patch16_224 ]] || fuse=(--fuse-qkv)  # timm's ViT has fused q/k/v
+    step "$log" layergraph bench --model "$model" --compile-layers "${fuse[@]}" --iters 50 \
       --json "$results/bench-$model.json" || status=1
     step "$log" layergraph bench --model "$model" --batch-sizes 1,2,4 --compile --iters 50 \
       --json "$results/bench-$model-compile.json" || status=1

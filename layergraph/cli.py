@@ -54,10 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also layergraph with its layers compiled (wrap(..., compile_layers=True))",
     )
+    bench.add_argument(
+        "--fuse-qkv",
+        action="store_true",
+        help="with --compile-layers: fused q/k/v too (InternVL, SigLIP and CLIP towers)",
+    )
     bench.add_argument("--json", default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.fuse_qkv and not args.compile_layers:
+        parser.error("--fuse-qkv applies to the compiled-layers measurement: add --compile-layers")
     try:
         from rich.console import Console
     except ImportError:
@@ -181,6 +188,7 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
             iters=args.iters,
             compile=args.compile,
             compile_layers=args.compile_layers,
+            layer_options={"fuse_qkv": True} if args.fuse_qkv else None,
             on_row=lambda partial: live.update(table(partial)),
         )
     if report.capture_seconds is not None:

@@ -124,3 +124,20 @@ def test_unknown_model_name_lists_the_built_in_ones() -> None:
 
     with pytest.raises(UnknownAdapterError, match=r"internvit-300m.*timm:NAME"):
         run_benchmark("no-such-model", [1])
+
+
+def test_compiled_layer_options_are_recorded_and_shown(tmp_path: Path) -> None:
+    report = sample_report()
+    report.compiled_layers_options = {"fuse_qkv": True}
+    assert "- compiled layers measured with fuse_qkv=True" in report.to_markdown()
+    report.write_json(tmp_path / "r.json")
+    assert BenchReport.read_json(tmp_path / "r.json").compiled_layers_options == {"fuse_qkv": True}
+
+
+def test_fuse_qkv_without_compiled_layers_is_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", "bench", "--fuse-qkv"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "add --compile-layers" in done.stderr

@@ -66,6 +66,9 @@ class BenchReport:
     capture_wall_seconds: float | None = None
     pool_bytes: int | None = None
     largest_alone_pool_bytes: int | None = None
+    compiled_layers_options: dict[str, Any] = field(default_factory=dict)
+    """Adapter options the compiled-layers measurement was wrapped with, besides
+    ``compile_layers=True``."""
     rows: list[BenchRow] = field(default_factory=list)
 
     @property
@@ -113,6 +116,9 @@ class BenchReport:
                 f"- shared pool {self.pool_bytes / 2**20:.0f} MiB; largest batch alone "
                 f"{self.largest_alone_pool_bytes / 2**20:.0f} MiB ({self.pool_ratio:.3f}x)"
             )
+        if self.compiled_layers_options:
+            options = ", ".join(f"{k}={v!r}" for k, v in self.compiled_layers_options.items())
+            lines.append(f"- compiled layers measured with {options}")
         lines += [
             "",
             "speedup is eager over layergraph; the next two columns are layergraph's latency "

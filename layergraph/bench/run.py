@@ -8,7 +8,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ def run_benchmark(
     iters: int = 100,
     compile: bool = False,
     compile_layers: bool = False,
+    layer_options: Mapping[str, Any] | None = None,
     on_row: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
     """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
@@ -64,6 +65,7 @@ def run_benchmark(
         if sys.argv[0].endswith("layergraph")
         else f"run_benchmark({model_name!r}, {sizes})",
         iters=iters,
+        compiled_layers_options=dict(layer_options or {}),
     )
     with torch.inference_mode():
         graphed = None
@@ -97,7 +99,13 @@ def _measure_compiled_layers(
     iters: int,
     report: BenchReport,
 ) -> None:
-    graphed = wrap(model, adapter=example.adapter, batch_sizes=sizes, compile_layers=True)
+    graphed = wrap(
+        model,
+        adapter=example.adapter,
+        batch_sizes=sizes,
+        compile_layers=True,
+        **report.compiled_layers_options,
+    )
     for row in report.rows:
         args, kwargs = example.inputs(row.batch, dtype, device)
         with graphed.original() as original:
