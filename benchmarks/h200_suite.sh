@@ -42,6 +42,10 @@ checks() {
   local log="$out/log-checks.txt" status=0
   versions >>"$log" 2>&1
   step "$log" python3 -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$results/cuda-tests.xml" || status=1
+  for disturb in clear-cublas compile-without-trees; do  # beside the test's --disturb compile
+    step "$log" timeout 300 python3 benchmarks/compile_coexistence.py --disturb "$disturb" \
+      || status=1
+  done
   step "$log" layergraph demo --dtype float16 || status=1
   step "$log" python3 benchmarks/attention_kernel.py || status=1
   step "$log" python3 benchmarks/internvl.py --json "$results/internvl.json" || status=1
