@@ -68,8 +68,13 @@ class FusedQKV:
             if self.bias is not None:
                 projection.bias = nn.Parameter(self.bias[rows], requires_grad=trainable)
 
+    @torch.compiler.disable
     def refresh(self) -> None:
-        """Fuse again if the q, k or v weights no longer live in the fused tensor."""
+        """Fuse again if the q, k or v weights no longer live in the fused tensor.
+
+        Never traced by ``torch.compile`` (it reads data pointers): a compiled region runs it
+        as it is.
+        """
         weight = self.weight
         step = weight.stride(0) * self._projections()[0].out_features * weight.element_size()
         expected = [weight.data_ptr() + index * step for index in range(3)]

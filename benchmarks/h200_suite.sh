@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The GPU run, in three parts:
-#   checks:  versions, the CUDA-marked tests, the demo in fp16, the attention-kernel, InternViT
-#            and SigLIP/CLIP benchmarks, and the replay profile of each benchmark model at
-#            batch 1 (every speed option, and torch.compile);
+# The GPU run, in parts:
+#   checks:  versions, the CUDA-marked tests, the torch.compile coexistence diagnostics, the demo
+#            in fp16, the attention-kernel, InternViT and SigLIP/CLIP benchmarks;
+#   profile: where a replay's time goes, per benchmark model: every speed option and
+#            torch.compile at batch 1, every speed option at batch 32;
 #   bench:   `layergraph bench` for the three benchmark models, with compiled layers (and
 #            fused q/k/v for the transformers towers), and against torch.compile at batch 1
 #            to 4;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
-# On a machine with two or more GPUs, checks run on GPU 1 while bench runs on GPU 0; tp runs
-# last, on every GPU, and is stopped if it runs past 4 minutes. Pass part names to run only those (default: all three).
+# Pass part names to run only those (default: all). Parts other than tp run side by side, one
+# per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
+# is stopped if it runs past 4 minutes. All of them take longer than one 10-minute device
+# call: on two GPUs, run `checks bench` in one call and `profile tp` in the next.
 # Under $OUT (or ./gpu-results when OUT is unset): log-<part>.txt with each part's console
 # output, and results.tgz with every JSON written. At most 8 files come back: keep it so.
 set -uo pipefail
@@ -16,14 +19,14 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 results=$(mktemp -d)
-parts=("${@:-checks bench tp}")
+parts=("${@:-checks profile bench tp}")
 read -r -a parts <<<"${parts[*]}"
 export PYTHONUNBUFFERED=1 COLUMNS=160
 gpus=$(nvidia-smi -L | wc -l)
 
 # step LOG COMMAND...: run COMMAND, appending the command line and its output to LOG.
 step() { local log=$1; shift; echo "\$ $*" >>"$log"; "$@" >>"$log" 2>&1; }
-pack() { tar -C "$results" -czf "$out/results.tgz" .; }
+pack() { flock "$results/.lock" tar -C "$results" --exclude=.lock -czf "$out/results.tgz" .; }
 
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$out/log-install.txt" 2>&1 \
   || { cat "$out/log-install.txt"; exit 1; }
@@ -50,11 +53,20 @@ checks() {
   step "$log" python3 benchmarks/attention_kernel.py || status=1
   step "$log" python3 benchmarks/internvl.py --json "$results/internvl.json" || status=1
   step "$log" python3 benchmarks/towers.py || status=1
+  pack
+  return $status
+}
+
+profile() {
+  local log="$out/log-profile.txt" status=0
+  versions >>"$log" 2>&1
   for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
     step "$log" python3 benchmarks/profile_replay.py --models "$model" --compile \
       --json "$results/profile-b1-$model.json" || status=1
+    step "$log" python3 benchmarks/profile_replay.py --models "$model" --batch 32 --iters 50 \
+      --json "$results/profile-b32-$model.json" || status=1
+    pack
   done
-  pack
   return $status
 }
 
@@ -86,16 +98,26 @@ tp() {
   return $status
 }
 
-has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+for part in "${parts[@]}"; do
+  case $part in checks | profile | bench | tp) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+done
 status=0
-if has checks && has bench && ((gpus > 1)); then
-  (CUDA_VISIBLE_DEVICES=1 checks) & checks_pid=$!
-  (CUDA_VISIBLE_DEVICES=0 bench) || status=1
-  wait "$checks_pid" || status=1
-else
-  if has checks; then checks || status=1; fi
-  if has bench; then bench || status=1; fi
-fi
-if has tp; then tp || status=1; fi
+wave=()
+run_wave() {  # the parts in $wave side by side, part i on GPU i
+  local pids=() index=0 part
+  for part in "${wave[@]}"; do
+    (CUDA_VISIBLE_DEVICES=$index "$part") & pids+=($!)
+    index=$((index + 1))
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  wave=()
+}
+for part in "${parts[@]}"; do
+  [[ $part == tp ]] && continue
+  wave+=("$part")
+  if ((${#wave[@]} == gpus)); then run_wave; fi
+done
+if ((${#wave[@]})); then run_wave; fi
+if [[ " ${parts[*]} " == *" tp "* ]]; then tp || status=1; fi
 tail -n 5 "$out"/log-*.txt
 exit $status

@@ -4,8 +4,8 @@
 
 For each benchmark model (random weights, bf16) at one batch size: the hand-written graph of
 the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` and
-``ADAPTER_VARIANTS`` (compiled layers, fused q/k/v, the attention backend; Inductor's GEMM
-templates with ``--max-autotune``). Each is checked against eager,
+``ADAPTER_VARIANTS`` (compiled layers or the compiled region, fused q/k/v, the attention
+backend; Inductor's GEMM templates with ``--max-autotune``). Each is checked against eager,
 timed (median of CUDA-event timings), and profiled over a number of replays with
 ``torch.profiler``: kernels per replay, the sum of their durations (GPU busy time) and every
 kernel with its calls and time per replay (the JSON holds them all; the console, the five
@@ -37,6 +37,7 @@ MODELS = ("vit_base_patch16_224", "siglip-so400m-384", "internvit-300m")
 VARIANTS: dict[str, dict[str, Any]] = {
     "layergraph": {},
     "compiled layers": {"compile_layers": True},
+    "compiled region": {"compile_region": True},
 }
 """layergraph options timed for every model, by label."""
 
@@ -48,6 +49,7 @@ MAX_AUTOTUNE: dict[str, dict[str, Any]] = {
 _FUSED = {
     "fused qkv": {"fuse_qkv": True},
     "fused qkv, compiled layers": {"fuse_qkv": True, "compile_layers": True},
+    "fused qkv, compiled region": {"fuse_qkv": True, "compile_region": True},
 }
 ADAPTER_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "internvl": {
@@ -57,6 +59,11 @@ ADAPTER_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
             "attention": "triton",
             "fuse_qkv": True,
             "compile_layers": True,
+        },
+        "triton, fused qkv, compiled region": {
+            "attention": "triton",
+            "fuse_qkv": True,
+            "compile_region": True,
         },
     },
     "siglip": _FUSED,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from .adapter import Adapter, CapturePlan
@@ -32,6 +33,7 @@ def wrap(
     warmup_runs: int = 2,
     debug: bool = False,
     compile_layers: bool | dict[str, Any] = False,
+    compile_region: bool | dict[str, Any] = False,
     backend: GraphBackend | None = None,
     **adapter_options: Any,
 ) -> GraphedModule:
@@ -50,6 +52,14 @@ def wrap(
     are captured, so that the graph replays fused kernels. The layers are compiled once per
     shape and the code is shared between them; eager calls use the compiled layers too, and
     ``unwrap()`` removes the compilation.
+
+    ``compile_region`` instead compiles the whole region a graph holds (embeddings, every layer,
+    final norm and head) with ``torch.compile`` (``True``, or a dict of its keyword arguments;
+    ``dynamic=False`` unless given), so that kernels fuse across layer boundaries too. It is
+    used for warm-up and capture only: eager calls run the model as it is. It compiles once per
+    shape, for longer than ``compile_layers`` (seconds to tens of seconds); after
+    ``torch._dynamo.config.cache_size_limit`` shapes, further captures use the region
+    uncompiled.
 
     The model itself is not copied. A region inside it may be routed to the graphs while
     wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
@@ -85,8 +95,15 @@ def wrap(
         warmup_runs=warmup_runs,
         debug=debug,
     )
+    if compile_layers is not False and compile_region is not False:
+        raise ValueError("compile_layers and compile_region exclude each other: choose one")
     plan = adapter_object.plan(model)
-    runner = GraphRunner(plan, options, backend if backend is not None else CudaGraphs())
+    runner = GraphRunner(
+        plan,
+        options,
+        backend if backend is not None else CudaGraphs(),
+        captured_region=_compiled_region(plan, compile_region),
+    )
     compiled = _compile_layers(plan, adapter_object, compile_layers)
     return GraphedModule(model, adapter_object, plan, runner, compiled)
 
@@ -107,6 +124,16 @@ def _compile_layers(
     for layer in layers:
         layer.compile(**options)
     return layers
+
+
+def _compiled_region(
+    plan: CapturePlan, setting: bool | dict[str, Any]
+) -> Callable[..., Any] | None:
+    """``plan.region`` compiled with torch.compile, or ``None`` to capture it as it is."""
+    if setting is False:
+        return None
+    options = {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
+    return torch.compile(plan.region, **options)
 
 
 def unwrap(graphed: GraphedModule) -> nn.Module:

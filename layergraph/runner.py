@@ -7,7 +7,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -96,8 +96,16 @@ class GraphRunner:
     a call on another CUDA stream waits, through an event, for the previous call's work.
     """
 
-    def __init__(self, plan: CapturePlan, options: RunnerOptions, backend: GraphBackend) -> None:
+    def __init__(
+        self,
+        plan: CapturePlan,
+        options: RunnerOptions,
+        backend: GraphBackend,
+        captured_region: Callable[..., Any] | None = None,
+    ) -> None:
         self.plan = plan
+        self._captured_region = captured_region or plan.region
+        """What warm-up and capture run: the plan's region, or a compiled version of it."""
         self.options = options
         self.backend = backend
         self.buckets = BatchBuckets(options.batch_sizes)
@@ -279,7 +287,7 @@ class GraphRunner:
 
         def region() -> Any:
             with self.plan.bound(state):
-                return self.plan.region(*args, **kwargs)
+                return self._captured_region(*args, **kwargs)
 
         if self._done is not None:
             self.backend.wait_for(self._done)

@@ -177,3 +177,15 @@ def test_compiled_layers_inside_the_graph_equal_eager() -> None:
     assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
     graphed.unwrap()
     assert model.blocks[0]._compiled_call_impl is None
+
+
+def test_compiled_region_inside_the_graph_equals_eager() -> None:
+    model = build("vit_base_patch16_224", torch.bfloat16)
+    inputs = {batch: images(batch, torch.bfloat16) for batch in (1, 3)}
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = {batch: model(x) for batch, x in inputs.items()}
+        graphed = layergraph.wrap(model, batch_sizes=[1, 4], compile_region=True)
+        for batch, x in inputs.items():
+            assert relative_error(graphed(x), expected[batch]) <= DEFAULT_TOLERANCE[torch.bfloat16]
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0

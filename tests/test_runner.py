@@ -326,6 +326,38 @@ def test_compile_layers_compiles_in_place_and_unwrap_undoes_it(mlp_stack: nn.Seq
     assert all(layer._compiled_call_impl is None for layer in mlp_stack)
 
 
+def test_compile_region_serves_captures_and_leaves_eager_calls_alone(
+    mlp_stack: nn.Sequential,
+) -> None:
+    compiled: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    graphed = wrap_simulated(
+        mlp_stack, batch_sizes=[4], compile_region={"backend": counting_backend}
+    )
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = mlp_stack(x)
+        graphed.capture(x, progress=False)
+        assert len(compiled) == 1  # the whole stack, one graph, for the one shape
+        torch.testing.assert_close(graphed(x), expected, atol=ATOL, rtol=0)
+        before_eager = len(compiled)
+        mlp_stack.train()
+        torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
+        mlp_stack.eval()
+    assert len(compiled) == before_eager and graphed.stats.eager_calls
+    assert all(layer._compiled_call_impl is None for layer in mlp_stack)
+
+
+def test_compile_region_and_compile_layers_exclude_each_other(mlp_stack: nn.Sequential) -> None:
+    with pytest.raises(ValueError, match="choose one"):
+        wrap_simulated(mlp_stack, compile_layers=True, compile_region=True)
+
+
 def test_compile_layers_needs_an_adapter_that_names_its_layers() -> None:
     with pytest.raises(ValueError, match="does not name"):
         layergraph.wrap(PairModel().eval(), adapter=_WholeModel(), compile_layers=True)

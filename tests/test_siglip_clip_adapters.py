@@ -448,3 +448,29 @@ def test_fuse_qkv_refuses_attention_without_separate_projections() -> None:
     del attention.q_proj
     with pytest.raises(ValueError, match=r"q_proj, k_proj and v_proj.*CLIPAttention"):
         layergraph.wrap(model, fuse_qkv=True, backend=SimulatedGraphs())
+
+
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_compiled_region_of_a_tower_is_one_graph(fuse_qkv: bool) -> None:
+    model = built(transformers.SiglipVisionModel, siglip_config())
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = images(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x).pooler_output
+        graphed = layergraph.wrap(
+            model,
+            fuse_qkv=fuse_qkv,
+            compile_region={"backend": counting_backend},
+            backend=SimulatedGraphs(),
+        )
+        got = graphed(pixel_values=x).pooler_output
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    # Every layer, the head and the norms in one graph; the fusion check runs outside it.
+    assert len(graphs) == 1
+    assert sum(node.op == "call_function" for node in graphs[0].graph.nodes) > 3 * 10
