@@ -8,6 +8,8 @@ attention: float32 accumulation, ``exp2`` with ``log2(e)`` folded into the scale
 nothing, so it can be captured inside a CUDA graph; the grid is fixed by ``max_seqlen`` and the
 number of sequences, and programs whose query block starts past their sequence's end exit at
 once. Compile before capturing: the first call with a new dtype, head dim or config compiles.
+The launch is the PyTorch operator ``torch.ops.layergraph.varlen_attention``, so that
+``torch.compile`` keeps it as one opaque call inside a compiled layer.
 
 What it does not do: no causal or other masks, no dropout, no attention bias, no grouped or
 multi-query heads (q, k and v have the same number of heads), no backward pass, no returned
