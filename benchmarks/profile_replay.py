@@ -2,8 +2,8 @@
 
     python3 benchmarks/profile_replay.py --batch 1 --json profile.json
 
-For each benchmark model (random weights, bf16) at one batch size: the hand-written graph of
-the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` and
+For each benchmark model (random weights, bf16) at one batch size: eager, the hand-written
+graph of the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` and
 ``ADAPTER_VARIANTS`` (compiled layers or the compiled region, fused q/k/v, the attention
 backend; Inductor's GEMM templates with ``--max-autotune``). Each is checked against eager,
 timed (median of CUDA-event timings), and profiled over a number of replays with
@@ -114,6 +114,11 @@ def measure_model(
     rows = []
     with torch.inference_mode():
         expected = _first(model(*args, **kwargs))
+        row = {"model": name, "method": "eager", "batch": batch}
+        row["ms"] = median_ms(lambda: model(*args, **kwargs), device=device, iters=iters)
+        row.update(profile_replays(lambda: model(*args, **kwargs), replays))
+        rows.append(row)
+        print(_line(row), flush=True)
         by_hand = plain_graph(model, *args, **kwargs)
         row = {"model": name, "method": "hand-written graph", "batch": batch}
         row["ms"] = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
@@ -148,8 +153,6 @@ def measure_model(
                 _torch_compile_row(model, name, batch, args, kwargs, expected, iters, replays)
             )
             print(_line(rows[-1]), flush=True)
-    del model
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -212,6 +215,7 @@ def main() -> None:
         rows += measure_model(
             name, args.batch, args.iters, args.replays, args.max_autotune, args.compile
         )
+        torch.cuda.empty_cache()  # the model of the last run is gone
     for row in rows:
         print(_line(row))
         for kernel in row["kernels"][:5]:
