@@ -20,20 +20,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 import torch
 
 import layergraph
 from layergraph.plugins import get_registry
-from layergraph.validation import DEFAULT_TOLERANCE, relative_error
-
-
-def first_tensor(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    leaves = torch.utils._pytree.tree_leaves(output)
-    return next(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
 
 
 def main() -> int:

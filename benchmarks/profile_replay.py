@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import layergraph
 from layergraph.plugins import get_registry
-from layergraph.reference import plain_graph
+from layergraph.reference import compiled_reduce_overhead, plain_graph
 from layergraph.timing import median_ms
-from layergraph.validation import relative_error
+from layergraph.validation import first_tensor, relative_error
 
 MODELS = ("vit_base_patch16_224", "siglip-so400m-384", "internvit-300m")
 
@@ -113,7 +113,7 @@ def measure_model(
     device = torch.device("cuda")
     rows = []
     with torch.inference_mode():
-        expected = _first(model(*args, **kwargs))
+        expected = first_tensor(model(*args, **kwargs))
         row = {"model": name, "method": "eager", "batch": batch}
         row["ms"] = median_ms(lambda: model(*args, **kwargs), device=device, iters=iters)
         row.update(profile_replays(lambda: model(*args, **kwargs), replays))
@@ -140,7 +140,7 @@ def measure_model(
             torch.cuda.synchronize()
             row = {"model": name, "method": label, "batch": batch}
             row["setup_s"] = time.perf_counter() - started
-            row["relative_error"] = relative_error(_first(graphed(*args, **kwargs)), expected)
+            row["relative_error"] = relative_error(first_tensor(graphed(*args, **kwargs)), expected)
             row["ms"] = median_ms(lambda g=graphed: g(*args, **kwargs), device=device, iters=iters)
             row.update(profile_replays(lambda g=graphed: g(*args, **kwargs), replays))
             if graphed.stats.eager_total:
@@ -169,9 +169,9 @@ def _torch_compile_row(
     """torch.compile(mode="reduce-overhead") of the unwrapped model, measured last."""
     torch._dynamo.reset()
     started = time.perf_counter()
-    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    compiled = compiled_reduce_overhead(model)
     for _ in range(3):
-        got = _first(compiled(*args, **kwargs))
+        got = first_tensor(compiled(*args, **kwargs))
     torch.cuda.synchronize()
     row = {"model": name, "method": "torch.compile reduce-overhead", "batch": batch}
     row["setup_s"] = time.perf_counter() - started
@@ -179,14 +179,6 @@ def _torch_compile_row(
     row["ms"] = median_ms(lambda: compiled(*args, **kwargs), device=got.device, iters=iters)
     row.update(profile_replays(lambda: compiled(*args, **kwargs), replays))
     return row
-
-
-def _first(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    return next(
-        leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)
-    )
 
 
 def _line(row: dict[str, Any]) -> str:

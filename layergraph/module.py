@@ -120,9 +120,8 @@ def _compile_layers(
             f"compile_layers needs the model's repeated layers, which the {adapter.name!r} "
             f"adapter does not name"
         )
-    options = {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
     for layer in layers:
-        layer.compile(**options)
+        layer.compile(**_compile_options(setting))
     return layers
 
 
@@ -132,8 +131,12 @@ def _compiled_region(
     """``plan.region`` compiled with torch.compile, or ``None`` to capture it as it is."""
     if setting is False:
         return None
-    options = {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
-    return torch.compile(plan.region, **options)
+    return torch.compile(plan.region, **_compile_options(setting))
+
+
+def _compile_options(setting: bool | dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments for ``compile_layers`` or ``compile_region``."""
+    return {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
 
 
 def unwrap(graphed: GraphedModule) -> nn.Module:

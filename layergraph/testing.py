@@ -126,7 +126,7 @@ def check_adapter(
     ``None`` takes :data:`~layergraph.validation.DEFAULT_TOLERANCE` for the output dtype).
     """
     from .module import wrap
-    from .validation import DEFAULT_TOLERANCE, relative_error
+    from .validation import DEFAULT_TOLERANCE, first_tensor, relative_error
 
     cuda = torch.cuda.is_available() and any(
         p.is_cuda for p in itertools.chain(model.parameters(), model.buffers())
@@ -134,17 +134,17 @@ def check_adapter(
     buckets = sorted({1 << (b - 1).bit_length() for b in batch_sizes})
     calls = [make_inputs(batch) for batch in batch_sizes]
     with torch.inference_mode():
-        expected = [_first_tensor(model(*args, **kwargs)) for args, kwargs in calls]
+        expected = [first_tensor(model(*args, **kwargs)) for args, kwargs in calls]
         eager = wrap(model, adapter, batch_sizes=buckets, lazy=False, **options)
         eager_error = max(
-            relative_error(_first_tensor(eager(*args, **kwargs)), want)
+            relative_error(first_tensor(eager(*args, **kwargs)), want)
             for (args, kwargs), want in zip(calls, expected)
         )
         eager.unwrap()
         backend = None if cuda else SimulatedGraphs()
         graphed = wrap(model, adapter, batch_sizes=buckets, backend=backend, **options)
         graph_errors = [
-            relative_error(_first_tensor(graphed(*args, **kwargs)), want)
+            relative_error(first_tensor(graphed(*args, **kwargs)), want)
             for (args, kwargs), want in zip(calls, expected)
         ]
     limit = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(expected[0].dtype, 1e-4)
@@ -154,10 +154,6 @@ def check_adapter(
     stats = graphed.stats
     assert stats.eager_total == 0, f"calls ran eagerly: {dict(stats.eager_calls)}"
     return AdapterCheck(graphed, eager_error, max(graph_errors))
-
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
 try:

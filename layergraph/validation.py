@@ -7,7 +7,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["DEFAULT_TOLERANCE", "GraphMismatchError", "compare_outputs", "relative_error"]
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "GraphMismatchError",
+    "compare_outputs",
+    "first_tensor",
+    "relative_error",
+]
 
 DEFAULT_TOLERANCE: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
@@ -24,6 +30,11 @@ covers a padded batch, where the matrix products see more rows and may pick othe
 
 class GraphMismatchError(RuntimeError):
     """A graph's output differed from eager output beyond the tolerance."""
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The first tensor of a model's output (a tensor, tuple, dict or model-output object)."""
+    return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ from ..module import wrap
 from ..plugins import get_registry
 from ..reference import compiled_reduce_overhead, plain_graph
 from ..timing import median_ms
-from ..validation import relative_error
+from ..validation import first_tensor, relative_error
 from .report import BenchReport, BenchRow
 
 __all__ = ["run_benchmark"]
@@ -111,7 +111,7 @@ def _measure_compiled_layers(
         with graphed.original() as original:
             expected = original(*args, **kwargs)
         got = graphed(*args, **kwargs)
-        row.compiled_layers_error = relative_error(_first_tensor(got), _first_tensor(expected))
+        row.compiled_layers_error = relative_error(first_tensor(got), first_tensor(expected))
         row.compiled_layers_ms = median_ms(
             lambda args=args, kwargs=kwargs: graphed(*args, **kwargs), device=device, iters=iters
         )
@@ -202,19 +202,11 @@ def _measure(
         by_hand = plain_graph(original, *args, **kwargs)
         row.plain_graph_ms = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
     got = graphed(*args, **kwargs)
-    row.relative_error = relative_error(_first_tensor(got), _first_tensor(expected))
+    row.relative_error = relative_error(first_tensor(got), first_tensor(expected))
     row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
     if graphed.stats.eager_total:
         raise RuntimeError(f"layergraph ran eagerly during the benchmark: {graphed.stats}")
     return row
-
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    return next(
-        leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)
-    )
 
 
 def _matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
