@@ -1,40 +1,53 @@
-"""layergraph's graphs replayed after torch.compile(mode="reduce-overhead") ran the same model.
+"""layergraph's graphs replayed after other CUDA-graph users in the process did their work.
 
     python3 benchmarks/compile_coexistence.py --model siglip-so400m-384 --batch-sizes 1,2,4
-    python3 benchmarks/compile_coexistence.py --disturb clear-cublas
+    python3 benchmarks/compile_coexistence.py --disturb foreign-graph
     compute-sanitizer --tool memcheck python3 benchmarks/compile_coexistence.py
 
 Builds an adapter's example model (random weights, bf16), wraps it and captures every batch
-size, then disturbs the process and finally replays layergraph's graphs and compares them with
-eager outputs computed at the start. ``--disturb compile`` (the default) compiles the unwrapped
-model with ``mode="reduce-overhead"`` and runs it three times per batch size (Inductor records
-its own CUDA graphs, in CUDA-graph trees, and clears cuBLAS's workspaces around each
-recording); ``--disturb clear-cublas`` only clears cuBLAS's workspaces and empties PyTorch's
-cache, which is what would fault if a graph's workspace lived outside its pool;
-``--disturb compile-without-trees`` compiles with ``triton.cudagraph_trees`` off. Prints one line
-per batch size and exits non-zero if a replay fails or differs from eager. The CUDA test
-``test_graphs_stay_right_beside_torch_compile_reduce_overhead`` runs it in a child process.
+size, disturbs the process, and finally replays layergraph's graphs and compares them with
+eager outputs computed at the start. The disturbances (``--disturb``):
+
+- ``compile`` (the default): compiles the unwrapped model with ``mode="reduce-overhead"`` and
+  runs it three times per batch size (Inductor records its own CUDA graphs, in CUDA-graph
+  trees, and clears cuBLAS's workspaces around each recording);
+- ``compile-without-trees``: the same with ``triton.cudagraph_trees`` off;
+- ``clear-cublas``: only clears cuBLAS's workspaces and empties PyTorch's cache, which is what
+  would fault if a graph's workspace lived outside its pool;
+- ``foreign-graph``: before wrapping, a hand-written graph of the model is captured on
+  PyTorch's default capture stream; after layergraph's captures it is released, cuBLAS's
+  workspaces are cleared (as torch.compile does) and the cache emptied: a graph that had
+  borrowed the foreign graph's cuBLAS workspace, in the foreign graph's pool, would fault;
+- ``other-model``: the same with a second wrapped copy of the model, unwrapped after the
+  first one's captures.
+
+Prints one line per batch size and exits non-zero if a replay fails or differs from eager. The
+CUDA tests ``test_graphs_stay_right_beside_*`` run it in a child process.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import sys
+from collections.abc import Callable
 
 import torch
 
 import layergraph
 from layergraph.plugins import get_registry
+from layergraph.reference import plain_graph
 from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
+
+DISTURBANCES = ("compile", "compile-without-trees", "clear-cublas", "foreign-graph", "other-model")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="siglip-so400m-384")
     parser.add_argument("--batch-sizes", default="1,2,4")
-    parser.add_argument(
-        "--disturb", default="compile", choices=["compile", "clear-cublas", "compile-without-trees"]
-    )
+    parser.add_argument("--disturb", default="compile", choices=DISTURBANCES)
     args = parser.parse_args()
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     device = torch.device("cuda")
@@ -42,12 +55,16 @@ def main() -> int:
     torch.manual_seed(0)
     model = example.build(torch.bfloat16, device)
     inputs = {batch: example.inputs(batch, torch.bfloat16, device) for batch in sizes}
+    first_args, first_kwargs = inputs[sizes[0]]
     failures = 0
     with torch.inference_mode():
         expected = {b: first_tensor(model(*a, **k)) for b, (a, k) in inputs.items()}
+        release_neighbour = _neighbour(args.disturb, model, example.adapter, sizes, inputs)
         graphed = layergraph.wrap(model, adapter=example.adapter, batch_sizes=sizes)
-        graphed.capture(*inputs[sizes[0]][0], progress=False, **inputs[sizes[0]][1])
-        if args.disturb == "clear-cublas":
+        graphed.capture(*first_args, progress=False, **first_kwargs)
+        if release_neighbour is not None:
+            release_neighbour()
+        elif args.disturb == "clear-cublas":
             torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
         else:
@@ -69,6 +86,37 @@ def main() -> int:
             )
         graphed.unwrap()
     return 1 if failures else 0
+
+
+def _neighbour(
+    disturb: str,
+    model: torch.nn.Module,
+    adapter: str,
+    sizes: list[int],
+    inputs: dict[int, tuple[tuple, dict]],
+) -> Callable[[], None] | None:
+    """Start the graphs of ``foreign-graph`` or ``other-model``; return what releases them."""
+    first_args, first_kwargs = inputs[sizes[0]]
+    if disturb == "foreign-graph":
+        holder = [plain_graph(model, *first_args, **first_kwargs)]
+        holder[0](*first_args, **first_kwargs)
+    elif disturb == "other-model":
+        other = layergraph.wrap(copy.deepcopy(model), adapter=adapter, batch_sizes=sizes)
+        other.capture(*first_args, progress=False, **first_kwargs)
+        holder = [other]
+    else:
+        return None
+
+    def release() -> None:
+        if isinstance(holder[0], layergraph.GraphedModule):
+            holder[0].unwrap()
+        holder.clear()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+
+    return release
 
 
 if __name__ == "__main__":

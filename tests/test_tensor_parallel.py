@@ -45,9 +45,8 @@ def _worker(rank: int, init_file: str, case: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         torch.manual_seed(0)
         config = transformers.InternVLVisionConfig(
-            hidden_size=128,
+            **CASES[case],
             num_hidden_layers=2,
-            num_attention_heads=4,
             intermediate_size=256,
             image_size=[TILE, TILE],
             patch_size=[16, 16],
