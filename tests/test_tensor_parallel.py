@@ -75,8 +75,13 @@ def _worker(rank: int, init_file: str, case: str) -> None:
         assert entry.state.workspace.shape == (4 * TOKENS, heads_per_rank, 32)
         assert entry.state.metadata.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
         assert graphed.plan.heads == heads_per_rank
+        graphed.unwrap()
+        dist.barrier()  # no rank tears down its connections while another still uses them
     finally:
         dist.destroy_process_group()
+    # Passed. Leave without the interpreter's teardown, whose destructors of gloo's threads
+    # now and then abort the process after a run that passed.
+    os._exit(0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPUs run the NCCL recipe")
