@@ -7,8 +7,7 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -56,12 +55,11 @@ class GraphBackend(Protocol):
 class CudaGraphs:
     """Graph backend on ``torch.cuda.CUDAGraph``.
 
-    Warm-up runs on a side stream, so that lazy initialisation inside the model happens outside
-    the capture. It is one stream per device for the whole process: cuBLAS keeps a workspace of
-    tens of MiB for every stream it has run on, so a new stream per capture would leave a
-    workspace behind each time. Capture runs on PyTorch's default capture stream with the
-    shared pool, between two clearings of cuBLAS's cached workspaces
-    (:func:`_workspaces_inside_the_pool`), and replay is launched on whichever stream is
+    Warm-up runs on a side stream, so that lazy initialisation inside the model (cuBLAS
+    workspaces and the like) happens outside the capture. It is one stream per device for the
+    whole process: cuBLAS keeps a workspace of tens of MiB for every stream it has run on, so a
+    new stream per capture would leave a workspace behind each time. Capture runs on PyTorch's
+    default capture stream with the shared pool, and replay is launched on whichever stream is
     current for the caller.
     Calls from different streams are ordered through events (:meth:`mark_done`,
     :meth:`wait_for`), since their replays share static buffers.
@@ -88,7 +86,7 @@ class CudaGraphs:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with _workspaces_inside_the_pool(), torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool):
             output = fn()
         return graph, output
 
@@ -127,24 +125,3 @@ def _warmup_stream(device: int) -> torch.cuda.Stream:
     if device not in _warmup_streams:
         _warmup_streams[device] = torch.cuda.Stream(device)
     return _warmup_streams[device]
-
-
-@contextlib.contextmanager
-def _workspaces_inside_the_pool() -> Iterator[None]:
-    """Clear cuBLAS's cached workspaces before and after a capture.
-
-    cuBLAS and cuBLASLt get one workspace per (handle, stream) from PyTorch, allocated on first
-    use and cached; a captured matrix product keeps that workspace's address. Left cached, a
-    capture would reuse whatever workspace an earlier graph on the same stream allocated, in
-    that graph's pool: another wrapped model's, a hand-written graph's. Releasing that graph
-    (recent PyTorch also drops its capture stream's workspaces on reset) then frees memory this
-    graph still writes, and the next replay faults. Cleared before, the capture allocates its
-    workspace inside its own pool, which lives as long as its graphs; cleared after, no later
-    capture borrows it. torch.compile's CUDA-graph trees clear around each recording the same
-    way. Other streams' cached workspaces are dropped too and reallocated on their next use.
-    """
-    torch._C._cuda_clearCublasWorkspaces()
-    try:
-        yield
-    finally:
-        torch._C._cuda_clearCublasWorkspaces()

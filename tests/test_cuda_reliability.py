@@ -79,7 +79,7 @@ def test_an_exception_inside_a_layer_during_capture(
             raise RuntimeError("layer failed during capture")
 
     with torch.inference_mode():
-        # One capture first, for the process's one-time allocations (handles, kernels).
+        # The process's one-time allocations (the warm-up stream's cuBLAS workspace) first.
         layergraph.wrap(model, batch_sizes=[2])(images(2))
     handle = model.blocks[3].register_forward_hook(fail_while_capturing)
     graphed = layergraph.wrap(model, batch_sizes=[2])
