@@ -148,11 +148,16 @@ class GraphRunner:
     def _after_model_change(self) -> None:
         """Parameters moved or were replaced: no graph may replay against their old memory."""
         if len(self._entries):
-            self._entries.clear()
-            self._validated.clear()
+            self._drop_graphs()
             self._failed.clear()
             self._stats.invalidations += 1
         self._refresh_parameters()
+
+    def _drop_graphs(self) -> None:
+        """Drop every graph and the pool; the next capture starts a new pool."""
+        self._entries.clear()
+        self._validated.clear()
+        self._pool = None
 
     def _serve(
         self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any], fresh: bool
@@ -262,9 +267,7 @@ class GraphRunner:
                 traceback.clear_frames(error.__traceback__)
                 raise
         reason = f"capture of {key} ran out of device memory"
-        self._entries.clear()
-        self._validated.clear()
-        self._pool = None
+        self._drop_graphs()
         self.backend.release_memory()
         self._failed[lookup] = reason
         self._stats.failed_captures += 1
@@ -273,7 +276,10 @@ class GraphRunner:
     def _capture_entry(
         self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
     ) -> GraphEntry:
-        if self._pool is None:
+        if self._pool is None or not len(self._entries):
+            # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
+            # to capture into a pool whose graphs were all released if any of its memory is
+            # still held (an output kept by the caller, a cached cuBLAS workspace).
             self._pool = self.backend.new_pool()
         with torch.inference_mode(False):
             static = tuple(
@@ -445,10 +451,8 @@ class GraphRunner:
     def release(self) -> None:
         """Drop every graph and the pool; the next call captures afresh."""
         with self._lock:
-            self._entries.clear()
-            self._validated.clear()
+            self._drop_graphs()
             self._failed.clear()
-            self._pool = None
 
 
 def _state_tensors(state: Any) -> list[Any]:

@@ -8,12 +8,14 @@ the fixtures ``layergraph_registry`` and ``register_adapter`` in any test, and c
 graph: a replay recomputes the captured function from the *static* input buffers and writes
 the result into the *static* output buffers captured the first time. A runner that forgot to
 copy an input, or returned a buffer it should have cloned, gives wrong answers here as it would
-on a GPU. It does not simulate kernels, streams or memory pools.
+on a GPU. Its pools keep PyTorch's one rule for sharing: a capture may join a pool only while
+one of the pool's graphs lives. It does not simulate kernels, streams or memory.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +32,18 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(eq=False)
 class _SimulatedGraph:
     fn: Callable[[], Any]
     output: Any
-    pool: list[Any] = field(repr=False)
+
+
+@dataclass(eq=False)
+class _SimulatedPool:
+    outputs: list[Any] = field(default_factory=list)
+    """Every output captured into the pool, for :meth:`SimulatedGraphs.pool_bytes`."""
+    graphs: weakref.WeakSet[_SimulatedGraph] = field(default_factory=weakref.WeakSet)
+    used: bool = False
 
 
 class SimulatedGraphs:
@@ -53,16 +62,28 @@ class SimulatedGraphs:
     def is_capturing(self) -> bool:
         return False
 
-    def new_pool(self) -> list[Any]:
-        return []
+    def new_pool(self) -> _SimulatedPool:
+        return _SimulatedPool()
 
-    def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+    def capture(
+        self, fn: Callable[[], Any], pool: _SimulatedPool, warmup_runs: int
+    ) -> tuple[Any, Any]:
+        """Warm up, then "capture" ``fn``.
+
+        Raises if ``pool`` was used and none of its graphs lives any more: PyTorch's allocator
+        refuses that capture whenever memory of the pool is still held.
+        """
         for _ in range(warmup_runs):
             fn()
+        if pool.used and not pool.graphs:
+            raise RuntimeError("capture into a pool whose graphs were all released")
+        pool.used = True
         output = fn()
-        pool.append(output)
+        graph = _SimulatedGraph(fn, output)
+        pool.outputs.append(output)
+        pool.graphs.add(graph)
         self.captures += 1
-        return _SimulatedGraph(fn, output, pool), output
+        return graph, output
 
     def replay(self, graph: _SimulatedGraph) -> None:
         with torch.inference_mode():  # a real replay writes its buffers in any grad mode
@@ -84,10 +105,10 @@ class SimulatedGraphs:
     def wait_for(self, marker: Any) -> None:
         return None
 
-    def pool_bytes(self, pool: list[Any]) -> int:
+    def pool_bytes(self, pool: _SimulatedPool) -> int:
         return sum(
             leaf.untyped_storage().nbytes()
-            for output in pool
+            for output in pool.outputs
             for leaf in pytree.tree_leaves(output)
             if isinstance(leaf, torch.Tensor)
         )

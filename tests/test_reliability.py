@@ -115,7 +115,9 @@ def test_out_of_memory_at_capture_leaves_the_model_working() -> None:
     assert graphed.stats.graphs == 1 and graphed.stats.replays == 2
 
 
-def test_an_error_inside_a_layer_during_capture_ends_cleanly() -> None:
+@pytest.mark.parametrize("failing_call", [2, 3], ids=["in-warm-up", "in-capture"])
+def test_an_error_inside_a_layer_during_capture_ends_cleanly(failing_call: int) -> None:
+    """Two warm-up runs come first, then the capture; the layer fails in one of them."""
     made: list[weakref.ref[torch.Tensor]] = []
 
     class Flaky(nn.Module):
@@ -124,7 +126,7 @@ def test_an_error_inside_a_layer_during_capture_ends_cleanly() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             Flaky.calls += 1
             doubled = x * 2
-            if Flaky.calls == 2:
+            if Flaky.calls == failing_call:
                 made.append(weakref.ref(doubled))
                 raise RuntimeError("layer failed")
             return doubled
