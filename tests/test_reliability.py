@@ -247,3 +247,53 @@ def test_reassigned_parameters_before_any_capture_refresh_the_checks() -> None:
     model.load_state_dict({k: v.double() for k, v in model.state_dict().items()}, assign=True)
     check(graphed, model, 2, torch.float64)
     assert graphed.stats.eager_total == 0 and graphed.stats.invalidations == 0
+
+
+EVENTS = st.one_of(
+    st.tuples(st.just("call"), st.integers(1, 9)),
+    st.tuples(st.sampled_from(["move weights", "release", "fail next capture"]), st.just(0)),
+)
+
+
+class FailOnRequest(SimulatedGraphs):
+    """Fails the next capture, inside the captured function, when asked to."""
+
+    fail_next = False
+
+    def capture(self, fn: Any, pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        if not self.fail_next:
+            return super().capture(fn, pool, warmup_runs)
+        self.fail_next = False
+
+        def failing() -> Any:
+            raise RuntimeError("layer failed during capture")
+
+        return super().capture(failing, pool, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(events=st.lists(EVENTS, min_size=1, max_size=12))
+def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
+    events: list[tuple[str, int]],
+) -> None:
+    """Calls between model changes, releases and failed captures all match eager.
+
+    The backend keeps PyTorch's pool rule, so a runner that captured into a pool drained by
+    one of these events would fail here.
+    """
+    model = stack()
+    backend = FailOnRequest()
+    graphed = wrap(model, backend=backend, batch_sizes=[2, 4, 8], max_graphs=2)
+    for event, batch in events:
+        if event == "call":
+            check(graphed, model, batch)
+        elif event == "move weights":
+            for parameter in model.parameters():
+                parameter.data = parameter.data.clone()
+        elif event == "release":
+            graphed.release()
+        elif 8 not in [key.batch for key in graphed.keys]:
+            backend.fail_next = True
+            with torch.no_grad(), pytest.raises(RuntimeError, match="layer failed"):
+                graphed(torch.randn(8, 8))
+    assert graphed.stats.eager_total == 0
