@@ -276,7 +276,7 @@ class GraphRunner:
     def _capture_entry(
         self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
     ) -> GraphEntry:
-        if self._pool is None or not len(self._entries):
+        if not len(self._entries):
             # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
             # to capture into a pool whose graphs were all released if any of its memory is
             # still held (an output kept by the caller, a cached cuBLAS workspace).
