@@ -7,12 +7,14 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaGraphs", "GraphBackend"]
+__all__ = ["CudaGraphs", "CudaPool", "GraphBackend"]
 
 
 class GraphBackend(Protocol):
@@ -52,15 +54,33 @@ class GraphBackend(Protocol):
         """Make the caller's stream wait for ``marker`` before its next work."""
 
 
+@dataclass(eq=False)
+class CudaPool:
+    """A memory pool that graphs share, and the stream they are captured on.
+
+    PyTorch gives cuBLAS one workspace per cuBLAS handle and stream, allocated at first use and
+    cached; a captured matrix product keeps its address. On a stream of its own, the pool's
+    first capture allocates that workspace inside the pool, and only the pool's graphs use it.
+    On a stream shared with other captures (PyTorch's default capture stream), a graph would
+    use the workspace of whichever pool was captured there first, and fault once that pool is
+    gone and the workspace cache is cleared (torch.compile clears it when it records its own
+    graphs). The stream is made at the pool's first capture. A pool that is dropped leaves its
+    workspace (about 32 MiB on Hopper) allocated until the cache is next cleared.
+    """
+
+    handle: Any
+    """The pool's id, from ``torch.cuda.graph_pool_handle()``."""
+    stream: torch.cuda.Stream | None = None
+
+
 class CudaGraphs:
     """Graph backend on ``torch.cuda.CUDAGraph``.
 
-    Warm-up runs on a side stream, so that lazy initialisation inside the model (cuBLAS
-    workspaces and the like) happens outside the capture. It is one stream per device for the
-    whole process: cuBLAS keeps a workspace of tens of MiB for every stream it has run on, so a
-    new stream per capture would leave a workspace behind each time. Capture runs on PyTorch's
-    default capture stream with the shared pool, and replay is launched on whichever stream is
-    current for the caller.
+    Warm-up runs on a side stream, so that lazy initialisation inside the model happens outside
+    the capture. It is one stream per device for the whole process: cuBLAS keeps a workspace of
+    tens of MiB for every stream it has run on, so a new stream per capture would leave a
+    workspace behind each time. Capture runs on the pool's own stream (:class:`CudaPool`), and
+    replay is launched on whichever stream is current for the caller.
     Calls from different streams are ordered through events (:meth:`mark_done`,
     :meth:`wait_for`), since their replays share static buffers.
     """
@@ -75,18 +95,21 @@ class CudaGraphs:
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
-    def new_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
+    def new_pool(self) -> CudaPool:
+        return CudaPool(torch.cuda.graph_pool_handle())
 
-    def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
-        side = _warmup_stream(torch.cuda.current_device())
+    def capture(self, fn: Callable[[], Any], pool: CudaPool, warmup_runs: int) -> tuple[Any, Any]:
+        device = torch.cuda.current_device()
+        side = _warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup_runs):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
+        if pool.stream is None:
+            pool.stream = _new_stream(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool.handle, stream=pool.stream):
             output = fn()
         return graph, output
 
@@ -108,8 +131,8 @@ class CudaGraphs:
     def wait_for(self, marker: Any) -> None:
         torch.cuda.current_stream().wait_event(marker)
 
-    def pool_bytes(self, pool: Any) -> int:
-        pool_id = tuple(pool)
+    def pool_bytes(self, pool: CudaPool) -> int:
+        pool_id = tuple(pool.handle)
         return sum(
             segment["total_size"]
             for segment in torch.cuda.memory_snapshot()
@@ -125,3 +148,22 @@ def _warmup_stream(device: int) -> torch.cuda.Stream:
     if device not in _warmup_streams:
         _warmup_streams[device] = torch.cuda.Stream(device)
     return _warmup_streams[device]
+
+
+_CU_STREAM_NON_BLOCKING = 1
+
+
+def _new_stream(device: int) -> torch.cuda.ExternalStream:
+    """A non-blocking CUDA stream on ``device`` that no other code has, made by the driver.
+
+    ``torch.cuda.Stream()`` hands out streams from a small shared ring, which other code may
+    also capture or compute on. The stream is never destroyed: cuBLAS's workspace cache keys on
+    its address, and a new stream given the same address would find the old pool's workspace.
+    """
+    driver = ctypes.CDLL("libcuda.so.1")
+    stream = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        status = driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
+    if status != 0:
+        raise RuntimeError(f"cuStreamCreate failed with CUDA driver error {status}")
+    return torch.cuda.ExternalStream(stream.value, device=device)

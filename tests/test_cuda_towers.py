@@ -105,12 +105,6 @@ def beside(disturb: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="graphs captured on PyTorch's default capture stream share the cuBLAS workspace of "
-    "the first pool captured there, which a released pool and a cleared workspace cache free "
-    "(docs/troubleshooting.md)",
-)
 @pytest.mark.parametrize("disturb", ["foreign-graph", "other-model"])
 def test_graphs_stay_right_beside_other_graphs_released(disturb: str) -> None:
     """A hand-written graph or another wrapped model, captured first and released after
