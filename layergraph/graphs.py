@@ -8,6 +8,7 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -160,7 +161,7 @@ def _new_stream(device: int) -> torch.cuda.ExternalStream:
     also capture or compute on. The stream is never destroyed: cuBLAS's workspace cache keys on
     its address, and a new stream given the same address would find the old pool's workspace.
     """
-    driver = ctypes.CDLL("libcuda.so.1")
+    driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
     stream = ctypes.c_void_p()
     with torch.cuda.device(device):
         status = driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
