@@ -7,15 +7,15 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaGraphs", "CudaPool", "GraphBackend"]
+from .capture_lanes import CaptureLane, take_lane
+
+__all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend"]
 
 
 class GraphBackend(Protocol):
@@ -57,21 +57,23 @@ class GraphBackend(Protocol):
 
 @dataclass(eq=False)
 class CudaPool:
-    """A memory pool that graphs share, and the stream they are captured on.
+    """A memory pool that graphs share, and the capture lane they are captured on.
 
-    PyTorch gives cuBLAS one workspace per cuBLAS handle and stream, allocated at first use and
-    cached; a captured matrix product keeps its address. On a stream of its own, the pool's
-    first capture allocates that workspace inside the pool, and only the pool's graphs use it.
-    On a stream shared with other captures (PyTorch's default capture stream), a graph would
-    use the workspace of whichever pool was captured there first, and fault once that pool is
-    gone and the workspace cache is cleared (torch.compile clears it when it records its own
-    graphs). The stream is made at the pool's first capture. A pool that is dropped leaves its
-    workspace (about 32 MiB on Hopper) allocated until the cache is next cleared.
+    The lane (:class:`~layergraph.capture_lanes.CaptureLane`) is taken at the pool's first
+    capture and goes back to the free list once the pool and all its graphs are collected.
     """
 
     handle: Any
     """The pool's id, from ``torch.cuda.graph_pool_handle()``."""
-    stream: torch.cuda.Stream | None = None
+    lane: CaptureLane | None = None
+
+
+@dataclass(eq=False)
+class CudaGraph:
+    """A captured graph, holding its pool (and so the pool's lane) for as long as it lives."""
+
+    graph: torch.cuda.CUDAGraph
+    pool: CudaPool
 
 
 class CudaGraphs:
@@ -80,7 +82,8 @@ class CudaGraphs:
     Warm-up runs on a side stream, so that lazy initialisation inside the model happens outside
     the capture. It is one stream per device for the whole process: cuBLAS keeps a workspace of
     tens of MiB for every stream it has run on, so a new stream per capture would leave a
-    workspace behind each time. Capture runs on the pool's own stream (:class:`CudaPool`), and
+    workspace behind each time. Capture runs on the stream of the pool's capture lane
+    (:mod:`layergraph.capture_lanes`), whose cuBLAS workspaces outlive the pool's graphs, and
     replay is launched on whichever stream is current for the caller.
     Calls from different streams are ordered through events (:meth:`mark_done`,
     :meth:`wait_for`), since their replays share static buffers.
@@ -99,7 +102,9 @@ class CudaGraphs:
     def new_pool(self) -> CudaPool:
         return CudaPool(torch.cuda.graph_pool_handle())
 
-    def capture(self, fn: Callable[[], Any], pool: CudaPool, warmup_runs: int) -> tuple[Any, Any]:
+    def capture(
+        self, fn: Callable[[], Any], pool: CudaPool, warmup_runs: int
+    ) -> tuple[CudaGraph, Any]:
         device = torch.cuda.current_device()
         side = _warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream())
@@ -107,15 +112,16 @@ class CudaGraphs:
             for _ in range(warmup_runs):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
-        if pool.stream is None:
-            pool.stream = _new_stream(device)
+        if pool.lane is None:
+            pool.lane = take_lane(device, pool)
+        pool.lane.pin()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool.handle, stream=pool.stream):
+        with torch.cuda.graph(graph, pool=pool.handle, stream=pool.lane.stream):
             output = fn()
-        return graph, output
+        return CudaGraph(graph, pool), output
 
-    def replay(self, graph: Any) -> None:
-        graph.replay()
+    def replay(self, graph: CudaGraph) -> None:
+        graph.graph.replay()
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
@@ -149,22 +155,3 @@ def _warmup_stream(device: int) -> torch.cuda.Stream:
     if device not in _warmup_streams:
         _warmup_streams[device] = torch.cuda.Stream(device)
     return _warmup_streams[device]
-
-
-_CU_STREAM_NON_BLOCKING = 1
-
-
-def _new_stream(device: int) -> torch.cuda.ExternalStream:
-    """A non-blocking CUDA stream on ``device`` that no other code has, made by the driver.
-
-    ``torch.cuda.Stream()`` hands out streams from a small shared ring, which other code may
-    also capture or compute on. The stream is never destroyed: cuBLAS's workspace cache keys on
-    its address, and a new stream given the same address would find the old pool's workspace.
-    """
-    driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-    stream = ctypes.c_void_p()
-    with torch.cuda.device(device):
-        status = driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING)
-    if status != 0:
-        raise RuntimeError(f"cuStreamCreate failed with CUDA driver error {status}")
-    return torch.cuda.ExternalStream(stream.value, device=device)

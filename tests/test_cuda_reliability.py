@@ -98,6 +98,36 @@ def test_an_exception_inside_a_layer_during_capture(
     assert graphed.stats.graphs == 1
 
 
+def test_pools_made_and_dropped_again_and_again_keep_memory_level(
+    model: torch.nn.Module, record_property: Callable[[str, object], None]
+) -> None:
+    """Every pool takes a capture lane and gives it back when it goes: memory after each round
+    of wrap, capture, release and recapture is back at its level, and graphs captured on a
+    reused lane stay right after cuBLAS's workspace cache is cleared and the cache emptied."""
+    with torch.inference_mode():
+        layergraph.wrap(model, batch_sizes=[2])(images(2))  # one-time allocations
+        before = settled_memory()
+        levels = []
+        for _ in range(4):
+            graphed = layergraph.wrap(model, batch_sizes=[2])
+            for _ in range(2):  # capture, release, capture again into a new pool
+                x = images(2)
+                assert relative_error(graphed(x), model(x)) <= TOLERANCE
+                graphed.release()
+            del graphed
+            levels.append(settled_memory())
+        record_property("memory_before_bytes", before)
+        record_property("memory_after_rounds_bytes", levels)
+        assert all(level[0] <= before[0] for level in levels)
+        graphed = layergraph.wrap(model, batch_sizes=[2])
+        graphed(images(2))
+        torch._C._cuda_clearCublasWorkspaces()
+        settled_memory()
+        x = images(2)
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+    assert graphed.stats.replays == 2 and graphed.stats.captures == 1
+
+
 def test_moved_and_reassigned_weights_are_never_replayed(model: torch.nn.Module) -> None:
     graphed = layergraph.wrap(model, batch_sizes=[4])
     with torch.inference_mode():
