@@ -25,6 +25,7 @@ products allocates per stream is allocated in the capturing pool, as it would be
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 import threading
 import weakref
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CaptureLane", "take_lane"]
+__all__ = ["CaptureLane", "free_lanes", "take_lane"]
 
 _CU_STREAM_NON_BLOCKING = 1
 
@@ -76,13 +77,26 @@ _lock = threading.Lock()
 def take_lane(device: int, owner: object) -> CaptureLane:
     """A lane on ``device`` for ``owner`` (a graph pool) alone, back on the free list once
     ``owner`` is garbage collected."""
-    with _lock:
-        free = _free_lanes.setdefault(device, [])
-        lane = free.pop() if free else None
+    lane = _pop_free(device)
+    if lane is None:
+        gc.collect()  # a pool that is garbage in a reference cycle still holds its lane
+        lane = _pop_free(device)
     if lane is None:
         lane = CaptureLane(device, _new_stream(device), torch.cuda.graph_pool_handle())
     weakref.finalize(owner, _give_back, lane)
     return lane
+
+
+def _pop_free(device: int) -> CaptureLane | None:
+    with _lock:
+        free = _free_lanes.setdefault(device, [])
+        return free.pop() if free else None
+
+
+def free_lanes(device: int) -> int:
+    """How many lanes on ``device`` are free now (all of them once no pool is alive)."""
+    with _lock:
+        return len(_free_lanes.get(device, []))
 
 
 def _give_back(lane: CaptureLane) -> None:

@@ -57,8 +57,10 @@ def wrap(
     final norm and head) with ``torch.compile`` (``True``, or a dict of its keyword arguments;
     ``dynamic=False`` unless given), so that kernels fuse across layer boundaries too. It is
     used for warm-up and capture only: eager calls run the model as it is. It compiles once per
-    shape, for longer than ``compile_layers`` (seconds to tens of seconds); after
-    ``torch._dynamo.config.cache_size_limit`` shapes, further captures use the region
+    shape, for longer than ``compile_layers`` (seconds to tens of seconds).
+
+    While capturing, Dynamo may keep up to :data:`RECOMPILE_LIMIT` compiled versions of the
+    layers or the region (PyTorch's default limit is 8); past that, further shapes are captured
     uncompiled.
 
     The model itself is not copied. A region inside it may be routed to the graphs while
@@ -98,11 +100,14 @@ def wrap(
     if compile_layers is not False and compile_region is not False:
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
     plan = adapter_object.plan(model)
+    captured_region = _compiled_region(plan, compile_region)
+    if compile_layers is not False or compile_region is not False:
+        captured_region = _with_recompile_room(captured_region or plan.region)
     runner = GraphRunner(
         plan,
         options,
         backend if backend is not None else CudaGraphs(),
-        captured_region=_compiled_region(plan, compile_region),
+        captured_region=captured_region,
     )
     compiled = _compile_layers(plan, adapter_object, compile_layers)
     return GraphedModule(model, adapter_object, plan, runner, compiled)
@@ -132,6 +137,30 @@ def _compiled_region(
     if setting is False:
         return None
     return torch.compile(plan.region, **_compile_options(setting))
+
+
+RECOMPILE_LIMIT = 64
+"""How many compiled versions of one code object Dynamo may keep while layergraph captures.
+
+PyTorch's default (8) is soon reached: every layer of a tower shares one forward, each batch
+size is a shape, and a call under another grad mode is another version. Past the limit, Dynamo
+runs the code uncompiled, and the graph would hold the slow kernels without saying so.
+"""
+
+
+def _with_recompile_room(region: Callable[..., Any]) -> Callable[..., Any]:
+    """``region`` run with Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`.
+
+    Only warm-up and capture run it; the limit is put back after each call.
+    """
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with config.patch({name: max(getattr(config, name), RECOMPILE_LIMIT)}):
+            return region(*args, **kwargs)
+
+    return run
 
 
 def _compile_options(setting: bool | dict[str, Any]) -> dict[str, Any]:

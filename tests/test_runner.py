@@ -353,6 +353,32 @@ def test_compile_region_serves_captures_and_leaves_eager_calls_alone(
     assert all(layer._compiled_call_impl is None for layer in mlp_stack)
 
 
+@pytest.mark.parametrize("setting", ["compile_layers", "compile_region"])
+def test_every_captured_batch_size_gets_compiled_code(
+    mlp_stack: nn.Sequential, setting: str
+) -> None:
+    """More shapes than Dynamo's default recompile limit (8) are all captured compiled."""
+    batches: set[int] = set()
+
+    def recording_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            batches.add(node.meta["example_value"].shape[0])
+        return gm.forward
+
+    torch._dynamo.reset()
+    sizes = list(range(1, 13))
+    graphed = wrap_simulated(
+        mlp_stack, batch_sizes=sizes, **{setting: {"backend": recording_backend}}
+    )
+    with torch.no_grad():
+        graphed.capture(torch.randn(1, 16), progress=False)
+        x = torch.randn(12, 16)
+        torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
+    assert set(sizes) <= batches
+    assert graphed.stats.graphs == len(sizes)
+    assert torch._dynamo.config.recompile_limit == 8  # PyTorch's default, put back
+
+
 def test_compile_region_and_compile_layers_exclude_each_other(mlp_stack: nn.Sequential) -> None:
     with pytest.raises(ValueError, match="choose one"):
         wrap_simulated(mlp_stack, compile_layers=True, compile_region=True)
