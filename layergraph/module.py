@@ -59,9 +59,9 @@ def wrap(
     used for warm-up and capture only: eager calls run the model as it is. It compiles once per
     shape, for longer than ``compile_layers`` (seconds to tens of seconds).
 
-    While capturing, Dynamo may keep up to :data:`RECOMPILE_LIMIT` compiled versions of the
-    layers or the region (PyTorch's default limit is 8); past that, further shapes are captured
-    uncompiled.
+    Dynamo may keep up to :data:`RECOMPILE_LIMIT` compiled versions of the compiled layers or
+    region (PyTorch's default limit is 8, a global setting left as it is); past that, further
+    shapes run uncompiled.
 
     The model itself is not copied. A region inside it may be routed to the graphs while
     wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
@@ -100,14 +100,11 @@ def wrap(
     if compile_layers is not False and compile_region is not False:
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
     plan = adapter_object.plan(model)
-    captured_region = _compiled_region(plan, compile_region)
-    if compile_layers is not False or compile_region is not False:
-        captured_region = _with_recompile_room(captured_region or plan.region)
     runner = GraphRunner(
         plan,
         options,
         backend if backend is not None else CudaGraphs(),
-        captured_region=captured_region,
+        captured_region=_compiled_region(plan, compile_region),
     )
     compiled = _compile_layers(plan, adapter_object, compile_layers)
     return GraphedModule(model, adapter_object, plan, runner, compiled)
@@ -127,6 +124,7 @@ def _compile_layers(
         )
     for layer in layers:
         layer.compile(**_compile_options(setting))
+        layer._compiled_call_impl = _with_recompile_room(layer._compiled_call_impl)
     return layers
 
 
@@ -136,29 +134,31 @@ def _compiled_region(
     """``plan.region`` compiled with torch.compile, or ``None`` to capture it as it is."""
     if setting is False:
         return None
-    return torch.compile(plan.region, **_compile_options(setting))
+    return _with_recompile_room(torch.compile(plan.region, **_compile_options(setting)))
 
 
 RECOMPILE_LIMIT = 64
-"""How many compiled versions of one code object Dynamo may keep while layergraph captures.
+"""How many compiled versions of one code object Dynamo may keep for compiled layers or a
+compiled region.
 
 PyTorch's default (8) is soon reached: every layer of a tower shares one forward, each batch
-size is a shape, and a call under another grad mode is another version. Past the limit, Dynamo
-runs the code uncompiled, and the graph would hold the slow kernels without saying so.
+size is a shape, and a capture (on static buffers) and an eager call under inference mode are
+two versions of one shape. Past the limit Dynamo stops compiling that code for good, and later
+graphs would hold the slow kernels without saying so.
 """
 
 
-def _with_recompile_room(region: Callable[..., Any]) -> Callable[..., Any]:
-    """``region`` run with Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`.
+def _with_recompile_room(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` called with Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`.
 
-    Only warm-up and capture run it; the limit is put back after each call.
+    The limit is raised for the duration of each call only, and never lowered.
     """
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
     def run(*args: Any, **kwargs: Any) -> Any:
         with config.patch({name: max(getattr(config, name), RECOMPILE_LIMIT)}):
-            return region(*args, **kwargs)
+            return compiled(*args, **kwargs)
 
     return run
 

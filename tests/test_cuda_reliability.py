@@ -117,7 +117,7 @@ def test_pools_made_and_dropped_again_and_again_keep_memory_level(
                 x = images(2)
                 assert relative_error(graphed(x), model(x)) <= TOLERANCE
                 graphed.release()
-            del graphed
+            del graphed, x
             levels.append(settled_memory())
         record_property("memory_before_bytes", before)
         record_property("memory_after_rounds_bytes", levels)

@@ -152,7 +152,8 @@ def _capture_all(
     """Wrap and capture every size; record capture time and pool sizes on ``report``.
 
     First the largest size alone, released; then every size into the shared pool that the
-    benchmark uses. Each pool holds its own cuBLAS workspace, so the two compare like for like.
+    benchmark uses. Neither pool holds a cuBLAS workspace (those live in the capture lane's
+    anchor pool, :mod:`layergraph.capture_lanes`), so the two compare like for like.
     """
     args, kwargs = example.inputs(1, dtype, device)
     report.largest_alone_pool_bytes = _pool_alone(model, example.adapter, sizes[-1], args, kwargs)
