@@ -113,11 +113,6 @@ def test_graphs_stay_right_beside_other_graphs_released(disturb: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replaying after torch.compile(mode='reduce-overhead') ran the same model hit an "
-    "illegal memory access on the H200 (docs/troubleshooting.md)",
-)
 def test_graphs_stay_right_beside_torch_compile_reduce_overhead() -> None:
     """torch.compile's own CUDA graphs of the same model leave layergraph's intact."""
     done = beside("compile")
