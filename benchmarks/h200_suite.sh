@@ -4,9 +4,9 @@
 #            in fp16, the attention-kernel, InternViT and SigLIP/CLIP benchmarks;
 #   profile: where a replay's time goes, per benchmark model: every speed option and
 #            torch.compile at batch 1, every speed option at batch 32;
-#   bench:   `layergraph bench` for the three benchmark models, with compiled layers (and
-#            fused q/k/v for the transformers towers), and against torch.compile at batch 1
-#            to 4;
+#   bench:   `layergraph bench` for the three benchmark models at six batch sizes: eager,
+#            layergraph, the hand-written graph, layergraph tuned (compiled region, and fused
+#            q/k/v for the transformers towers) and torch.compile reduce-overhead;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
 # Pass part names to run only those (default: all). Parts other than tp run side by side, one
 # per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
@@ -76,10 +76,9 @@ bench() {
   for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
     local fuse=()
     [[ $model == vit_base_patch16_224 ]] || fuse=(--fuse-qkv)  # timm's ViT has fused q/k/v
-    step "$log" layergraph bench --model "$model" --compile-layers "${fuse[@]}" --iters 50 \
-      --json "$results/bench-$model.json" || status=1
-    step "$log" layergraph bench --model "$model" --batch-sizes 1,2,4 --compile --iters 50 \
-      --json "$results/bench-$model-compile.json" || status=1
+    step "$log" layergraph bench --model "$model" --compile-region "${fuse[@]}" --compile \
+      --iters 50 --json "$results/bench-$model.json" --plot "$results/bench-$model.png" \
+      || status=1
     pack
   done
   return $status

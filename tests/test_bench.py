@@ -59,12 +59,14 @@ def sample_report() -> BenchReport:
 
 
 def test_markdown_holds_ratios_rates_and_memory() -> None:
-    text = sample_report().to_markdown()
+    report = sample_report()
+    report.rows[0].tuned_ms = 0.6
+    text = report.to_markdown()
     assert "(1.050x)" in text and "800 TFLOP/s" in text and "0.50 s" in text
     row = next(line for line in text.splitlines() if line.startswith("| 1 |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[7:10] == ["4.286x", "1.014x", "0.875x"]
-    assert cells[10:13] == ["11.7", "50.0", "6 %"]
+    assert cells[10:15] == ["0.870x", "0.750x", "11.7", "50.0", "6 %"]
     row8 = next(line for line in text.splitlines() if line.startswith("| 8 |"))
     assert "| - |" in row8  # no compile measured
 
@@ -126,18 +128,35 @@ def test_unknown_model_name_lists_the_built_in_ones() -> None:
         run_benchmark("no-such-model", [1])
 
 
-def test_compiled_layer_options_are_recorded_and_shown(tmp_path: Path) -> None:
+def test_tuned_options_are_recorded_named_and_shown(tmp_path: Path) -> None:
     report = sample_report()
-    report.compiled_layers_options = {"fuse_qkv": True}
-    assert "- compiled layers measured with fuse_qkv=True" in report.to_markdown()
+    report.tuned_options = {"compile_region": True, "fuse_qkv": True}
+    assert report.labels()["tuned_ms"] == "layergraph, compiled region, fused qkv"
+    markdown = report.to_markdown()
+    assert "- tuned: layergraph wrapped with compile_region=True, fuse_qkv=True" in markdown
     report.write_json(tmp_path / "r.json")
-    assert BenchReport.read_json(tmp_path / "r.json").compiled_layers_options == {"fuse_qkv": True}
+    assert BenchReport.read_json(tmp_path / "r.json").tuned_options == report.tuned_options
 
 
-def test_fuse_qkv_without_compiled_layers_is_refused() -> None:
+def test_reports_written_before_the_tuned_measurement_still_read(tmp_path: Path) -> None:
+    report = sample_report()
+    report.rows[0].tuned_ms = 0.6
+    record = report.to_dict()
+    record.pop("tuned_options")
+    record["compiled_layers_options"] = {"fuse_qkv": True}
+    for row in record["rows"]:
+        row["compiled_layers_ms"] = row.pop("tuned_ms")
+        row["compiled_layers_error"] = row.pop("tuned_error")
+    (tmp_path / "old.json").write_text(json.dumps(record))
+    report = BenchReport.read_json(tmp_path / "old.json")
+    assert report.tuned_options == {"compile_layers": True, "fuse_qkv": True}
+    assert [row.tuned_ms for row in report.rows] == [0.6, None]
+
+
+def test_compile_layers_and_compile_region_are_refused_together() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "layergraph.cli", "bench", "--fuse-qkv"],
+        [sys.executable, "-m", "layergraph.cli", "bench", "--compile-layers", "--compile-region"],
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 2 and "add --compile-layers" in done.stderr
+    assert done.returncode == 2 and "not allowed with argument" in done.stderr

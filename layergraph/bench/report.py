@@ -7,24 +7,40 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METHODS", "BenchReport", "BenchRow"]
+__all__ = ["METHODS", "BenchReport", "BenchRow", "describe_options"]
 
 METHODS = {
     "eager_ms": "eager",
     "layergraph_ms": "layergraph",
-    "compiled_layers_ms": "layergraph, compiled layers",
+    "tuned_ms": "layergraph, tuned",
     "plain_graph_ms": "hand-written graph",
     "compile_ms": "torch.compile reduce-overhead",
 }
-"""The timed methods: the row field holding each one's median latency, and its label."""
+"""The timed methods: the row field holding each one's median latency, and its label
+(:meth:`BenchReport.labels` names the tuned options)."""
+
+_OPTION_NAMES = {
+    "compile_layers": "compiled layers",
+    "compile_region": "compiled region",
+    "fuse_qkv": "fused qkv",
+}
+
+
+def describe_options(options: dict[str, Any]) -> str:
+    """``wrap`` speed options in words: ``{"compile_region": True, "fuse_qkv": True}`` is
+    ``"compiled region, fused qkv"``."""
+    return ", ".join(
+        _OPTION_NAMES.get(name, name) if value is True else f"{name}={value!r}"
+        for name, value in options.items()
+    )
 
 
 @dataclass
 class BenchRow:
     """One batch size: median latencies in milliseconds (``None``: not measured) and FLOPs.
 
-    ``relative_error`` and ``compiled_layers_error`` compare layergraph's output, without and
-    with compiled layers, to eager's.
+    ``relative_error`` and ``tuned_error`` compare layergraph's output, without and with the
+    report's speed options (:attr:`BenchReport.tuned_options`), to eager's.
     """
 
     batch: int
@@ -34,9 +50,9 @@ class BenchRow:
     plain_graph_ms: float | None = None
     compile_ms: float | None = None
     compile_seconds: float | None = None
-    compiled_layers_ms: float | None = None
+    tuned_ms: float | None = None
     relative_error: float | None = None
-    compiled_layers_error: float | None = None
+    tuned_error: float | None = None
 
     def ratio(self, numerator: str, denominator: str) -> float | None:
         """``numerator / denominator`` of two latency fields, if both were measured."""
@@ -66,9 +82,9 @@ class BenchReport:
     capture_wall_seconds: float | None = None
     pool_bytes: int | None = None
     largest_alone_pool_bytes: int | None = None
-    compiled_layers_options: dict[str, Any] = field(default_factory=dict)
-    """Adapter options the compiled-layers measurement was wrapped with, besides
-    ``compile_layers=True``."""
+    tuned_options: dict[str, Any] = field(default_factory=dict)
+    """The ``wrap`` options of the tuned measurement (``compile_region=True``, say); empty if
+    it was not measured."""
     rows: list[BenchRow] = field(default_factory=list)
 
     @property
@@ -77,6 +93,16 @@ class BenchReport:
         if not self.pool_bytes or not self.largest_alone_pool_bytes:
             return None
         return self.pool_bytes / self.largest_alone_pool_bytes
+
+    def labels(self) -> dict[str, str]:
+        """:data:`METHODS`, with the tuned method named by its options."""
+        tuned = (
+            f"layergraph, {describe_options(self.tuned_options)}" if self.tuned_options else None
+        )
+        return {
+            method: tuned if method == "tuned_ms" and tuned else label
+            for method, label in METHODS.items()
+        }
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -91,7 +117,15 @@ class BenchReport:
         """A report written by :meth:`write_json`, to render its table or plot again."""
         record = json.loads(Path(path).read_text())
         record.pop("pool_ratio", None)
-        rows = [BenchRow(**row) for row in record.pop("rows")]
+        if "compiled_layers_options" in record:  # written before the tuned measurement
+            record["tuned_options"] = {
+                "compile_layers": True,
+                **record.pop("compiled_layers_options"),
+            }
+        rows = [
+            BenchRow(**{_LEGACY_FIELDS.get(name, name): value for name, value in row.items()})
+            for row in record.pop("rows")
+        ]
         return cls(**record, rows=rows)
 
     def to_markdown(self) -> str:
@@ -116,18 +150,20 @@ class BenchReport:
                 f"- shared pool {self.pool_bytes / 2**20:.0f} MiB; largest batch alone "
                 f"{self.largest_alone_pool_bytes / 2**20:.0f} MiB ({self.pool_ratio:.3f}x)"
             )
-        if self.compiled_layers_options:
-            options = ", ".join(f"{k}={v!r}" for k, v in self.compiled_layers_options.items())
-            lines.append(f"- compiled layers measured with {options}")
+        if self.tuned_options:
+            options = ", ".join(f"{k}={v!r}" for k, v in self.tuned_options.items())
+            lines.append(f"- tuned: layergraph wrapped with {options}")
         lines += [
             "",
             "speedup is eager over layergraph; the next two columns are layergraph's latency "
-            "over the hand-written graph's and over torch.compile reduce-overhead's.",
+            "over the hand-written graph's and over torch.compile reduce-overhead's, then the "
+            "same two for tuned layergraph.",
             "",
             "| batch | GFLOP | eager ms | layergraph ms | hand-written ms | compile-ro ms | "
-            "compiled layers ms | speedup | vs hand-written | vs compile-ro | eager TFLOP/s | "
-            "layergraph TFLOP/s | of matmul rate |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "tuned ms | speedup | vs hand-written | vs compile-ro | tuned vs hand-written | "
+            "tuned vs compile-ro | eager TFLOP/s | layergraph TFLOP/s | of matmul rate |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+            "| --- |",
         ]
         for row in self.rows:
             achieved = row.tflops("layergraph_ms")
@@ -141,10 +177,12 @@ class BenchReport:
                 f"| {row.batch} | {row.gflop:.1f} | {_ms(row.eager_ms)} | "
                 f"{_ms(row.layergraph_ms)} | "
                 f"{_ms(row.plain_graph_ms)} | {_ms(row.compile_ms)} | "
-                f"{_ms(row.compiled_layers_ms)} | "
+                f"{_ms(row.tuned_ms)} | "
                 f"{_x(row.ratio('eager_ms', 'layergraph_ms'))} | "
                 f"{_x(row.ratio('layergraph_ms', 'plain_graph_ms'))} | "
-                f"{_x(row.ratio('layergraph_ms', 'compile_ms'))} | {eager:.1f} | "
+                f"{_x(row.ratio('layergraph_ms', 'compile_ms'))} | "
+                f"{_x(row.ratio('tuned_ms', 'plain_graph_ms'))} | "
+                f"{_x(row.ratio('tuned_ms', 'compile_ms'))} | {eager:.1f} | "
                 f"{'-' if achieved is None else f'{achieved:.1f}'} | {share} |"
             )
         return "\n".join(lines) + "\n"
@@ -159,7 +197,7 @@ class BenchReport:
 
         figure, axes = plt.subplots(figsize=(7, 4.5))
         batches = [row.batch for row in self.rows]
-        for method, label in METHODS.items():
+        for method, label in self.labels().items():
             values = [getattr(row, method) for row in self.rows]
             if any(value is not None for value in values):
                 axes.plot(batches, values, marker="o", label=label)
@@ -175,6 +213,10 @@ class BenchReport:
         figure.tight_layout()
         figure.savefig(path, dpi=120)
         plt.close(figure)
+
+
+_LEGACY_FIELDS = {"compiled_layers_ms": "tuned_ms", "compiled_layers_error": "tuned_error"}
+"""Row fields of reports written before the tuned measurement, and their names now."""
 
 
 def _ms(value: float | None) -> str:

@@ -31,20 +31,19 @@ def run_benchmark(
     dtype: torch.dtype = torch.bfloat16,
     iters: int = 100,
     compile: bool = False,
-    compile_layers: bool = False,
-    layer_options: Mapping[str, Any] | None = None,
+    tuned: Mapping[str, Any] | None = None,
     on_row: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
     """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
 
     On a GPU: eager; layergraph with every batch size captured ahead into one pool (capture
     time and pool size recorded, and the largest batch captured alone for comparison); the
-    whole forward captured by hand; and, with ``compile=True``, torch.compile with
-    ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time); with
-    ``compile_layers=True``, layergraph again with its layers compiled (``wrap(...,
-    compile_layers=True)``), measured last since it compiles the model's layers in place until
-    unwrapped; with ``compile=True``, torch.compile last of all, once layergraph's graphs are
-    released. Without a GPU only eager is measured, in float32. ``on_row`` is called with the
+    whole forward captured by hand; with ``tuned`` (``wrap`` options such as
+    ``{"compile_region": True, "fuse_qkv": True}``), layergraph again with those speed
+    options, after the plain measurements since some of them change the model in place until
+    unwrapped; and, with ``compile=True``, torch.compile with ``mode="reduce-overhead"``
+    (which compiles once per batch size, for a long time) last of all, once layergraph's graphs
+    are released. Without a GPU only eager is measured, in float32. ``on_row`` is called with the
     report after each batch size, for live display.
     """
     example = get_registry().example_model(model_name)
@@ -65,7 +64,7 @@ def run_benchmark(
         if sys.argv[0].endswith("layergraph")
         else f"run_benchmark({model_name!r}, {sizes})",
         iters=iters,
-        compiled_layers_options=dict(layer_options or {}),
+        tuned_options=dict(tuned or {}),
     )
     with torch.inference_mode():
         graphed = None
@@ -79,8 +78,8 @@ def run_benchmark(
                 on_row(report)
         if graphed is not None:
             graphed.unwrap()
-        if cuda and compile_layers:
-            _measure_compiled_layers(model, example, sizes, dtype, device, iters, report)
+        if cuda and report.tuned_options:
+            _measure_tuned(model, example, dtype, device, iters, report)
             if on_row is not None:
                 on_row(report)
         if cuda and compile:
@@ -90,29 +89,28 @@ def run_benchmark(
     return report
 
 
-def _measure_compiled_layers(
+def _measure_tuned(
     model: torch.nn.Module,
     example: Any,
-    sizes: list[int],
     dtype: torch.dtype,
     device: torch.device,
     iters: int,
     report: BenchReport,
 ) -> None:
+    """layergraph with ``report.tuned_options``, each batch size captured at its first call."""
     graphed = wrap(
         model,
         adapter=example.adapter,
-        batch_sizes=sizes,
-        compile_layers=True,
-        **report.compiled_layers_options,
+        batch_sizes=[row.batch for row in report.rows],
+        **report.tuned_options,
     )
     for row in report.rows:
         args, kwargs = example.inputs(row.batch, dtype, device)
         with graphed.original() as original:
             expected = original(*args, **kwargs)
         got = graphed(*args, **kwargs)
-        row.compiled_layers_error = relative_error(first_tensor(got), first_tensor(expected))
-        row.compiled_layers_ms = median_ms(
+        row.tuned_error = relative_error(first_tensor(got), first_tensor(expected))
+        row.tuned_ms = median_ms(
             lambda args=args, kwargs=kwargs: graphed(*args, **kwargs), device=device, iters=iters
         )
     graphed.unwrap()
