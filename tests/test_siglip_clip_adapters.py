@@ -81,6 +81,26 @@ def test_tower_graph_equals_eager(name: str) -> None:
     assert graphed.stats.replays == 3 and graphed.stats.padded_calls == 1
 
 
+def test_siglip_layers_get_row_major_hidden_states_while_wrapped() -> None:
+    """SigLIP's embeddings come out column-major; wrapped, the layers see them row-major,
+    with the outputs unchanged, and unwrapping restores the model."""
+    model = built(transformers.SiglipVisionModel, siglip_config())
+    seen: list[bool] = []
+    first_layer = next(m for n, m in model.named_modules() if n.endswith("encoder.layers.0"))
+    first_layer.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+    x = images(2)
+    with torch.inference_mode():
+        expected = model(pixel_values=x).last_hidden_state
+        graphed = layergraph.wrap(model, adapter="siglip", backend=SimulatedGraphs())
+        got = graphed(pixel_values=x).last_hidden_state
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+        graphed.unwrap()
+        model(pixel_values=x)
+    assert seen[0] is False  # the model's own layout
+    assert set(seen[1:-1]) == {True}  # warm-up, capture and replay, wrapped
+    assert seen[-1] is False  # unwrapped again
+
+
 def test_siglip_attention_pooling_head_is_captured() -> None:
     model = built(transformers.SiglipVisionModel, siglip_config(vision_use_head=True))
     x = images(2)
