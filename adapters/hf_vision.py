@@ -290,7 +290,7 @@ class VisionTowerPlan(CapturePlan):
             routed = self.routed_attention(index, module)
             if routed is not None:
                 module.forward = routed
-        if self._embeddings is not None:
+        if self._embeddings is not None and self._contiguous_hook is None:
             self._contiguous_hook = self._embeddings.register_forward_hook(_contiguous_output)
 
     def detach(self) -> None:

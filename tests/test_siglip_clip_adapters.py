@@ -92,13 +92,20 @@ def test_siglip_layers_get_row_major_hidden_states_while_wrapped() -> None:
     with torch.inference_mode():
         expected = model(pixel_values=x).last_hidden_state
         graphed = layergraph.wrap(model, adapter="siglip", backend=SimulatedGraphs())
+        graphed.capture(pixel_values=images(1), progress=False)
         got = graphed(pixel_values=x).last_hidden_state
         torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+        wrapped = len(seen)
+        for _ in range(2):
+            with graphed.original() as original:
+                original(pixel_values=x)
+        graphed(pixel_values=x)
         graphed.unwrap()
         model(pixel_values=x)
     assert seen[0] is False  # the model's own layout
-    assert set(seen[1:-1]) == {True}  # warm-up, capture and replay, wrapped
-    assert seen[-1] is False  # unwrapped again
+    assert set(seen[1:wrapped]) == {True}  # warm-up, capture and replay, wrapped
+    assert seen[wrapped : wrapped + 2] == [False, False]  # original(), each time
+    assert seen[-2:] == [True, False]  # wrapped again; then unwrapped
 
 
 def test_siglip_attention_pooling_head_is_captured() -> None:
