@@ -337,7 +337,7 @@ def _contiguous_output(_: nn.Module, __: Any, output: Any) -> Any:
 
     SigLIP adds its position embedding to the transposed patch grid, so the sum keeps the
     patch grid's column-major order, and so does every residual add after it: each layer norm
-    and each projection of every layer would first copy its input (two to three copy kernels
+    and each projection of every layer would first copy its input (about two copy kernels
     per layer, 15 % of SigLIP so400m's time at batch 32 on an H200). One copy here makes the
     whole stack row-major; the values are unchanged. CLIP's embeddings (a concatenation) are
     row-major already, and ``contiguous()`` returns them as they are.
