@@ -101,7 +101,7 @@ def free_lanes(device: int) -> int:
 
 def _give_back(lane: CaptureLane) -> None:
     with _lock:
-        _free_lanes[lane.device].append(lane)
+        _free_lanes.setdefault(lane.device, []).append(lane)
 
 
 def _new_stream(device: int) -> torch.cuda.ExternalStream:
