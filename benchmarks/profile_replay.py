@@ -10,8 +10,8 @@ timed (median of CUDA-event timings), and profiled over a number of replays with
 ``torch.profiler``: kernels per replay, the sum of their durations (GPU busy time) and every
 kernel with its calls and time per replay (the JSON holds them all; the console, the five
 longest). With ``--compile``, torch.compile(mode="reduce-overhead") of the model is measured
-the same way, after layergraph's graphs are released; since those two do not yet share a
-process reliably (docs/troubleshooting.md), give it one model per run. Latency minus busy time
+the same way, after layergraph's graphs are released; it compiles for long, so the GPU suite
+gives it one model per run. Latency minus busy time
 is the time the GPU waits between kernels inside the graph.
 """
 
