@@ -11,8 +11,8 @@ timed (median of CUDA-event timings), and profiled over a number of replays with
 kernel with its calls and time per replay (the JSON holds them all; the console, the five
 longest). With ``--compile``, torch.compile(mode="reduce-overhead") of the model is measured
 the same way, after layergraph's graphs are released; it compiles for long, so the GPU suite
-gives it one model per run. Latency minus busy time
-is the time the GPU waits between kernels inside the graph.
+gives it one model per run. Latency minus busy time is the time the GPU waits between kernels
+inside the graph.
 """
 
 from __future__ import annotations
