@@ -28,6 +28,7 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph_adapters.fused_qkv import FusedQKV, fused_attention_forward
+from layergraph_adapters.layout import RowMajorOutput
 
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
 
@@ -193,8 +194,10 @@ class VisionTowerPlan(CapturePlan):
             )
         self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
         """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
-        self._embeddings = _embeddings(tower)
-        self._contiguous_hook: torch.utils.hooks.RemovableHandle | None = None
+        embeddings = _embeddings(tower)
+        self._row_major = RowMajorOutput(embeddings) if embeddings is not None else None
+        """SigLIP's embeddings come out column-major (:mod:`layergraph_adapters.layout`);
+        CLIP's are row-major already."""
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:
@@ -290,16 +293,15 @@ class VisionTowerPlan(CapturePlan):
             routed = self.routed_attention(index, module)
             if routed is not None:
                 module.forward = routed
-        if self._embeddings is not None and self._contiguous_hook is None:
-            self._contiguous_hook = self._embeddings.register_forward_hook(_contiguous_output)
+        if self._row_major is not None:
+            self._row_major.attach()
 
     def detach(self) -> None:
         self.owner.__dict__.pop("forward", None)
         for module in self._attentions:
             module.__dict__.pop("forward", None)
-        if self._contiguous_hook is not None:
-            self._contiguous_hook.remove()
-            self._contiguous_hook = None
+        if self._row_major is not None:
+            self._row_major.detach()
 
     # ---- feature layers ----------------------------------------------------------------------
 
@@ -330,19 +332,6 @@ def _embeddings(tower: nn.Module) -> nn.Module | None:
         if name.rsplit(".", 1)[-1] == "embeddings":
             return module
     return None
-
-
-def _contiguous_output(_: nn.Module, __: Any, output: Any) -> Any:
-    """The embeddings' output in row-major order.
-
-    SigLIP adds its position embedding to the transposed patch grid, so the sum keeps the
-    patch grid's column-major order, and so does every residual add after it: each layer norm
-    and each projection of every layer would first copy its input (about two copy kernels
-    per layer, 15 % of SigLIP so400m's time at batch 32 on an H200). One copy here makes the
-    whole stack row-major; the values are unchanged. CLIP's embeddings (a concatenation) are
-    row-major already, and ``contiguous()`` returns them as they are.
-    """
-    return output.contiguous() if isinstance(output, torch.Tensor) else output
 
 
 def _pair(value: int | Sequence[int]) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, WholeForward, hookimpl
 from layergraph.keys import CallInputs
+from layergraph_adapters.layout import RowMajorOutput
 
 
 class ImageTokens(NamedTuple):
@@ -87,6 +88,23 @@ class TimmVisionTransformerAdapter(Adapter):
 
 
 class _TimmViTPlan(WholeForward):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._row_major = (
+            RowMajorOutput(model.patch_embed) if model.num_prefix_tokens == 0 else None
+        )
+        """Without class or register tokens the position embedding is added to the transposed
+        patch grid (:mod:`layergraph_adapters.layout`); a concatenated token makes the
+        sequence row-major already."""
+
+    def attach(self, serve: Callable[..., Any]) -> None:
+        if self._row_major is not None:
+            self._row_major.attach()
+
+    def detach(self) -> None:
+        if self._row_major is not None:
+            self._row_major.detach()
+
     def layers(self) -> list[nn.Module]:
         return list(self.owner.blocks)
 

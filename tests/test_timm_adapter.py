@@ -55,6 +55,37 @@ def test_simulated_graph_equals_eager(variant: str) -> None:
     assert (stats.replays, stats.padded_calls, stats.eager_total) == (2, 1, 0)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "no class token, average pool",
+        "siglip in timm (no class token, attention pool)",
+        "class token",  # row-major already: the class token is concatenated
+    ],
+)
+def test_blocks_get_row_major_tokens_while_wrapped(variant: str) -> None:
+    name, overrides = VARIANTS[variant]
+    model = build(name, **overrides)
+    seen: list[bool] = []
+    model.blocks[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+    x = images(model, 2)
+    with torch.inference_mode():
+        expected = model(x)
+        graphed = layergraph.wrap(model, adapter="timm", backend=SimulatedGraphs(), batch_sizes=[2])
+        graphed.capture(x, progress=False)
+        torch.testing.assert_close(graphed(x), expected, rtol=1e-4, atol=1e-5)
+        wrapped = len(seen)
+        with graphed.original() as original:
+            torch.testing.assert_close(original(x), expected, rtol=0, atol=0)
+        graphed.unwrap()
+        model(x)
+    own_layout = model.num_prefix_tokens > 0
+    assert seen[0] is own_layout
+    assert set(seen[1:wrapped]) == {True}
+    assert seen[wrapped:] == [own_layout, own_layout]  # original(), then unwrapped
+    assert not model.patch_embed._forward_hooks
+
+
 def test_eager_path_without_cuda_equals_the_model() -> None:
     model = build("vit_tiny_patch16_224")
     graphed = layergraph.wrap(model, adapter="timm")
