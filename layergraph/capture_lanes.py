@@ -52,8 +52,10 @@ class CaptureLane:
         """Make sure this thread's cuBLAS and cuBLASLt workspaces for the lane's stream live in
         the anchor pool; call it right before capturing on :attr:`stream`."""
         with torch.cuda.device(self.device), torch.inference_mode():
-            weight = torch.ones(16, 16, device=self.device, dtype=torch.bfloat16)
-            bias = torch.ones(16, device=self.device, dtype=torch.bfloat16)
+            # float16: matrix products in it run on every GPU with CUDA graphs; the
+            # workspaces are per handle and stream, whatever the dtype.
+            weight = torch.ones(16, 16, device=self.device, dtype=torch.float16)
+            bias = torch.ones(16, device=self.device, dtype=torch.float16)
             graph = torch.cuda.CUDAGraph()
             # capture_begin rather than torch.cuda.graph, which collects garbage and empties
             # the cache on entry: too slow to do twice per capture.
