@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import layergraph
 from layergraph.plugins import get_registry
-from layergraph.timing import median_ms
+from layergraph.timing import captured_ms, median_ms
 from layergraph.validation import first_tensor, relative_error
 
 SHAPES = {
@@ -47,13 +46,15 @@ def attention_ms(batch: int, heads: int, head_dim: int, tokens: int, backend: st
     width = heads * head_dim
     qkv = torch.randn(batch, tokens, 3 * width, device="cuda", dtype=torch.bfloat16)
 
-    def call() -> torch.Tensor:
+    def attend() -> torch.Tensor:
         q, k, v = (
             part.view(batch, tokens, heads, head_dim).transpose(1, 2)
             for part in qkv.chunk(3, dim=-1)
         )
-        out = F.scaled_dot_product_attention(q, k, v)
-        return out.transpose(1, 2).reshape(batch, tokens, width)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def call() -> torch.Tensor:
+        return attend().transpose(1, 2).reshape(batch, tokens, width)
 
     chosen = BACKENDS[backend]
     context = sdpa_kernel([chosen]) if chosen is not None else contextlib.nullcontext()
@@ -62,24 +63,10 @@ def attention_ms(batch: int, heads: int, head_dim: int, tokens: int, backend: st
             call()
         except RuntimeError as error:
             return {"ms": None, "refused": str(error).splitlines()[0]}
-        raw = F.scaled_dot_product_attention(
-            *(p.view(batch, tokens, heads, head_dim).transpose(1, 2) for p in qkv.chunk(3, -1))
-        )
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                call()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10)
+        raw = attend()
+        ms = captured_ms(call, device=torch.device("cuda"), replays=20)
     return {
-        "ms": statistics.median(times),
+        "ms": ms,
         "output_strides": list(raw.stride()),
         "output_copied": not raw.transpose(1, 2).is_contiguous(),
     }

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["median_ms"]
+__all__ = ["captured_ms", "median_ms"]
 
 
 def median_ms(
@@ -40,4 +40,36 @@ def median_ms(
         started = time.perf_counter()
         fn()
         times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def captured_ms(
+    fn: Callable[[], Any],
+    *,
+    device: torch.device,
+    warmup: int = 3,
+    calls: int = 10,
+    replays: int = 5,
+) -> float:
+    """Median milliseconds per call of ``fn`` inside a CUDA graph, where launches cost nothing.
+
+    ``fn`` is called ``warmup`` times, then ``calls`` calls are captured into one graph, which
+    is replayed ``replays`` times, each replay timed with CUDA events. CUDA only; the graph is
+    captured under whatever settings are active (an SDPA backend choice, say).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import statistics
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from ..timing import captured_ms
 from .layout import AttentionMetadata, SequenceLayout, build_metadata
 
 __all__ = [
@@ -280,19 +280,4 @@ def _time_ms(
             q, k, v, layout=layout, metadata=metadata, workspace=workspace, scale=head_dim**-0.5
         )
 
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            run()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return statistics.median(times)
+    return captured_ms(run, device=device)
