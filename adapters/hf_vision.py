@@ -28,7 +28,10 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph_adapters.fused_qkv import FusedQKV, fused_attention_forward
+from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
+from layergraph_adapters.patch_embedding import patch_matmul_for
+from layergraph_adapters.rewrites import Rewrite
 
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
 
@@ -101,6 +104,12 @@ class VisionTowerAdapter(Adapter):
     at the deepest layer needed; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
     ``fuse_qkv=True`` computes each layer's q, k and v in one matrix product, whose weight the
     three projections' weights become views of (see :mod:`layergraph_adapters.fused_qkv`).
+    ``patch_matmul=True`` runs the patch embedding as one matrix product
+    (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu=True`` applies each MLP's GELU
+    in its up-projection's epilogue where the GELU is the tanh approximation, and
+    ``fuse_gelu="approximate"`` for the exact GELU too, approximating it
+    (:mod:`layergraph_adapters.gelu_epilogue`). All of them change values by rounding only
+    (and ``"approximate"`` by the approximation), and are off by default.
     """
 
     tower_classes: ClassVar[tuple[str, ...]] = ()
@@ -111,10 +120,16 @@ class VisionTowerAdapter(Adapter):
     """Configurations of well-known towers of the family, by name, for example models."""
 
     def __init__(
-        self, feature_layers: int | list[int] | None = None, fuse_qkv: bool = False
+        self,
+        feature_layers: int | list[int] | None = None,
+        fuse_qkv: bool = False,
+        patch_matmul: bool = False,
+        fuse_gelu: bool | str = False,
     ) -> None:
         self.feature_layers = feature_layers
         self.fuse_qkv = fuse_qkv
+        self.patch_matmul = patch_matmul
+        self.fuse_gelu = fuse_gelu
 
     def recognizes(self, model: nn.Module) -> bool:
         if "transformers" not in sys.modules:
@@ -149,8 +164,16 @@ class VisionTowerAdapter(Adapter):
             tower,
             prefix_tokens=self.prefix_tokens,
             feature_layers=feature_layers,
-            fuse_qkv=self.fuse_qkv,
+            **self.rewrite_options(),
         )
+
+    def rewrite_options(self) -> dict[str, Any]:
+        """The options that rewrite parts of the tower while wrapped, for the plan."""
+        return {
+            "fuse_qkv": self.fuse_qkv,
+            "patch_matmul": self.patch_matmul,
+            "fuse_gelu": self.fuse_gelu,
+        }
 
     def example_models(self) -> list[str]:
         return list(self.example_configs)
@@ -172,6 +195,8 @@ class VisionTowerPlan(CapturePlan):
         prefix_tokens: int,
         feature_layers: int | Sequence[int] | None = None,
         fuse_qkv: bool = False,
+        patch_matmul: bool = False,
+        fuse_gelu: bool | str = False,
     ) -> None:
         config = tower.config
         self.owner = tower
@@ -195,9 +220,21 @@ class VisionTowerPlan(CapturePlan):
         self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
         """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
         embeddings = _embeddings(tower)
-        self._row_major = RowMajorOutput(embeddings) if embeddings is not None else None
-        """SigLIP's embeddings come out column-major (:mod:`layergraph_adapters.layout`);
-        CLIP's are row-major already."""
+        mlps = [layer.mlp for layer in self.layers() if hasattr(layer, "mlp")]
+        if fuse_gelu and len(mlps) != self.depth:
+            raise AdapterMismatch(
+                f"fuse_gelu needs an MLP in every layer; {type(tower).__name__}'s layers have "
+                f"no mlp"
+            )
+        self._rewrites: list[Rewrite] = [
+            *([RowMajorOutput(embeddings)] if embeddings is not None else []),
+            *patch_matmul_for(embeddings, patch_matmul),
+            *gelu_epilogues(mlps, fuse_gelu),
+        ]
+        """What is rewritten while wrapped, each with ``attach`` and ``detach``: the
+        embeddings' output made row-major (SigLIP's comes out column-major,
+        :mod:`layergraph_adapters.layout`; CLIP's is row-major already), and the
+        ``patch_matmul`` and ``fuse_gelu`` options."""
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:
@@ -293,15 +330,15 @@ class VisionTowerPlan(CapturePlan):
             routed = self.routed_attention(index, module)
             if routed is not None:
                 module.forward = routed
-        if self._row_major is not None:
-            self._row_major.attach()
+        for rewrite in self._rewrites:
+            rewrite.attach()
 
     def detach(self) -> None:
         self.owner.__dict__.pop("forward", None)
         for module in self._attentions:
             module.__dict__.pop("forward", None)
-        if self._row_major is not None:
-            self._row_major.detach()
+        for rewrite in self._rewrites:
+            rewrite.detach()
 
     # ---- feature layers ----------------------------------------------------------------------
 

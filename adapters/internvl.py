@@ -89,16 +89,18 @@ class InternVLAdapter(VisionTowerAdapter):
         attention: str = "auto",
         feature_layers: int | list[int] | None = None,
         fuse_qkv: bool = False,
+        patch_matmul: bool = False,
+        fuse_gelu: bool | str = False,
     ) -> None:
         if attention not in BACKEND_NAMES:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
-        super().__init__(feature_layers, fuse_qkv)
+        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu)
         self.attention = attention
 
     def make_plan(
         self, tower: nn.Module, feature_layers: int | list[int] | None
     ) -> VisionTowerPlan:
-        return InternViTPlan(tower, self.attention, feature_layers, self.fuse_qkv)
+        return InternViTPlan(tower, self.attention, feature_layers, **self.rewrite_options())
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class InternViTPlan(VisionTowerPlan):
         tower: nn.Module,
         attention: str,
         feature_layers: int | list[int] | None = None,
-        fuse_qkv: bool = False,
+        **rewrites: Any,
     ) -> None:
         config = tower.config
         heads = getattr(config, "num_attention_heads", None)
@@ -137,7 +139,7 @@ class InternViTPlan(VisionTowerPlan):
             raise AdapterMismatch(
                 f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
             )
-        super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers, fuse_qkv=fuse_qkv)
+        super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers, **rewrites)
         self.attention = attention
         self.head_dim = config.hidden_size // heads
         self.heads = _local_rows(tower.encoder.layer[0].attention.q_proj.weight) // self.head_dim

@@ -17,7 +17,10 @@ from torch import nn
 
 from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, WholeForward, hookimpl
 from layergraph.keys import CallInputs
+from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
+from layergraph_adapters.patch_embedding import patch_matmul_for
+from layergraph_adapters.rewrites import Rewrite
 
 
 class ImageTokens(NamedTuple):
@@ -39,9 +42,20 @@ def _vit_classes() -> tuple[type, ...]:
 
 
 class TimmVisionTransformerAdapter(Adapter):
-    """Graphs the whole forward of a timm ``VisionTransformer`` or ``Eva``."""
+    """Graphs the whole forward of a timm ``VisionTransformer`` or ``Eva``.
+
+    ``patch_matmul=True`` runs the patch embedding as one matrix product
+    (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu`` applies each block's MLP GELU
+    in its up-projection's epilogue (:mod:`layergraph_adapters.gelu_epilogue`): ``True`` where
+    the GELU is the tanh approximation, ``"approximate"`` for the exact GELU of most timm ViTs
+    too. Both are off by default.
+    """
 
     name = "timm"
+
+    def __init__(self, patch_matmul: bool = False, fuse_gelu: bool | str = False) -> None:
+        self.patch_matmul = patch_matmul
+        self.fuse_gelu = fuse_gelu
 
     def recognizes(self, model: nn.Module) -> bool:
         if "timm" not in sys.modules:
@@ -60,7 +74,7 @@ class TimmVisionTransformerAdapter(Adapter):
                 f"the timm adapter serves timm VisionTransformer (vit_*, deit_*, ...) and Eva "
                 f"(eva_*, eva02_*) models; got {type(model).__module__}.{type(model).__name__}"
             )
-        return _TimmViTPlan(model)
+        return _TimmViTPlan(model, patch_matmul=self.patch_matmul, fuse_gelu=self.fuse_gelu)
 
     def example_models(self) -> list[str]:
         return ["vit_base_patch16_224", "vit_large_patch16_224", "eva02_base_patch14_224"]
@@ -88,22 +102,26 @@ class TimmVisionTransformerAdapter(Adapter):
 
 
 class _TimmViTPlan(WholeForward):
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str) -> None:
         super().__init__(model)
-        self._row_major = (
-            RowMajorOutput(model.patch_embed) if model.num_prefix_tokens == 0 else None
-        )
-        """Without class or register tokens the position embedding is added to the transposed
-        patch grid (:mod:`layergraph_adapters.layout`); a concatenated token makes the
-        sequence row-major already."""
+        mlps = [getattr(block, "mlp", block) for block in model.blocks]
+        self._rewrites: list[Rewrite] = [
+            *([RowMajorOutput(model.patch_embed)] if model.num_prefix_tokens == 0 else []),
+            *patch_matmul_for(model.patch_embed, patch_matmul),
+            *gelu_epilogues(mlps, fuse_gelu),
+        ]
+        """What is rewritten while wrapped. Without class or register tokens the position
+        embedding is added to the transposed patch grid, so the patch embedding's output is
+        made row-major (:mod:`layergraph_adapters.layout`); a concatenated token makes the
+        sequence row-major already. Then the ``patch_matmul`` and ``fuse_gelu`` options."""
 
     def attach(self, serve: Callable[..., Any]) -> None:
-        if self._row_major is not None:
-            self._row_major.attach()
+        for rewrite in self._rewrites:
+            rewrite.attach()
 
     def detach(self) -> None:
-        if self._row_major is not None:
-            self._row_major.detach()
+        for rewrite in self._rewrites:
+            rewrite.detach()
 
     def layers(self) -> list[nn.Module]:
         return list(self.owner.blocks)

@@ -5,8 +5,9 @@
 #   profile: where a replay's time goes, per benchmark model: every speed option and
 #            torch.compile at batch 1, every speed option at batch 32;
 #   bench:   `layergraph bench` for the three benchmark models at six batch sizes: eager,
-#            layergraph, the hand-written graph, layergraph tuned (compiled region, and fused
-#            q/k/v for the transformers towers) and torch.compile reduce-overhead;
+#            layergraph, the hand-written graph, layergraph tuned (compiled region, patch
+#            matmul, fused GELU, and fused q/k/v for the transformers towers) and torch.compile
+#            reduce-overhead;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
 # Pass part names to run only those (default: all). Parts other than tp run side by side, one
 # per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
@@ -73,10 +74,14 @@ profile() {
 bench() {
   local log="$out/log-bench.txt" status=0
   versions >>"$log" 2>&1
+  local -A tuning=(  # timm's ViT has fused q/k/v already; SigLIP's GELU is the tanh one
+    [vit_base_patch16_224]="--patch-matmul --fuse-gelu approximate"
+    [siglip-so400m-384]="--fuse-qkv --patch-matmul --fuse-gelu"
+    [internvit-300m]="--fuse-qkv --patch-matmul --fuse-gelu approximate"
+  )
   for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
-    local fuse=()
-    [[ $model == vit_base_patch16_224 ]] || fuse=(--fuse-qkv)  # timm's ViT has fused q/k/v
-    step "$log" layergraph bench --model "$model" --compile-region "${fuse[@]}" --compile \
+    read -r -a flags <<<"${tuning[$model]}"
+    step "$log" layergraph bench --model "$model" --compile-region "${flags[@]}" --compile \
       --iters 50 --json "$results/bench-$model.json" --plot "$results/bench-$model.png" \
       || status=1
     pack

@@ -4,8 +4,9 @@
 
 For each benchmark model (random weights, bf16) at one batch size: eager, the hand-written
 graph of the whole forward, layergraph, and layergraph with the speed options of ``VARIANTS`` and
-``ADAPTER_VARIANTS`` (compiled layers or the compiled region, fused q/k/v, the attention
-backend; Inductor's GEMM templates with ``--max-autotune``). Each is checked against eager,
+``ADAPTER_VARIANTS`` (compiled layers or the compiled region, fused q/k/v, the patch
+embedding as a product and the GELU epilogue, the attention backend; Inductor's GEMM templates
+with ``--max-autotune``), or those named with ``--methods``. Each is checked against eager,
 timed (median of CUDA-event timings), and profiled over a number of replays with
 ``torch.profiler``: kernels per replay, the sum of their durations (GPU busy time) and every
 kernel with its calls and time per replay (the JSON holds them all; the console, the five
@@ -34,10 +35,15 @@ from layergraph.validation import first_tensor, relative_error
 
 MODELS = ("vit_base_patch16_224", "siglip-so400m-384", "internvit-300m")
 
+REWRITES: dict[str, Any] = {"patch_matmul": True, "fuse_gelu": "approximate"}
+"""The patch embedding as one product and the MLPs' GELU in their up-projections' epilogue."""
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "layergraph": {},
     "compiled layers": {"compile_layers": True},
     "compiled region": {"compile_region": True},
+    "rewrites": REWRITES,
+    "rewrites, compiled region": {**REWRITES, "compile_region": True},
 }
 """layergraph options timed for every model, by label."""
 
@@ -51,6 +57,7 @@ _FUSED = {
     "fused qkv, compiled layers": {"fuse_qkv": True, "compile_layers": True},
     "fused qkv, compiled region": {"fuse_qkv": True, "compile_region": True},
 }
+_ALL = {"fuse_qkv": True, **REWRITES, "compile_region": True}
 ADAPTER_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "internvl": {
         "triton": {"attention": "triton"},
@@ -65,8 +72,29 @@ ADAPTER_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
             "fuse_qkv": True,
             "compile_region": True,
         },
+        **{
+            f"{attention}, fused qkv, rewrites, compiled region": {**_ALL, "attention": attention}
+            for attention in ("auto", "sdpa", "triton")
+        },
+        "fused qkv, rewrites, compiled layers": {
+            **_ALL,
+            "compile_region": False,
+            "compile_layers": True,
+        },
+        "fused qkv, rewrites, compiled region, coordinate descent": {
+            **_ALL,
+            "compile_region": {"options": {"coordinate_descent_tuning": True}},
+        },
+        "fused qkv, rewrites, compiled region, max-autotune": {
+            **_ALL,
+            "compile_region": {"mode": "max-autotune-no-cudagraphs"},
+        },
     },
-    "siglip": _FUSED,
+    "siglip": {
+        **_FUSED,
+        "fused qkv, rewrites": {"fuse_qkv": True, **REWRITES},
+        "fused qkv, rewrites, compiled region": _ALL,
+    },
     "clip": _FUSED,
 }
 """Further options timed for the models of the adapters that take them."""
@@ -104,9 +132,18 @@ def profile_replays(fn: Callable[[], Any], replays: int) -> dict[str, Any]:
 
 
 def measure_model(
-    name: str, batch: int, iters: int, replays: int, max_autotune: bool, compile: bool
+    name: str,
+    batch: int,
+    iters: int,
+    replays: int,
+    max_autotune: bool,
+    compile: bool,
+    methods: set[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every method for one model at one batch size, as rows."""
+    """Every method for one model at one batch size (of ``methods`` only, if given), as rows.
+
+    Eager and the hand-written graph are always measured.
+    """
     example = get_registry().example_model(name)
     model = example.build(torch.bfloat16, torch.device("cuda"))
     args, kwargs = example.inputs(batch, torch.bfloat16, torch.device("cuda"))
@@ -131,6 +168,8 @@ def measure_model(
             **ADAPTER_VARIANTS.get(example.adapter, {}),
         }
         for label, options in variants.items():
+            if methods is not None and label not in methods:
+                continue
             torch._dynamo.reset()
             started = time.perf_counter()
             graphed = layergraph.wrap(
@@ -145,6 +184,9 @@ def measure_model(
             row.update(profile_replays(lambda g=graphed: g(*args, **kwargs), replays))
             if graphed.stats.eager_total:
                 row["eager_calls"] = graphed.stats.eager_total
+            chosen = getattr(graphed.plan, "attention_by_key", None)
+            if chosen:
+                row["attention"] = sorted(set(chosen.values()))
             graphed.unwrap()
             rows.append(row)
             print(_line(row), flush=True)
@@ -187,6 +229,7 @@ def _line(row: dict[str, Any]) -> str:
         f"{row['model']:>22} {row['method']:>36} {row['ms']:8.3f} ms "
         f"{row['kernels_per_call']:6.0f} kernels {row['busy_ms']:8.3f} ms busy"
         + ("" if error is None else f"  err {error:.2e}  setup {row['setup_s']:.1f} s")
+        + (f"  attention {', '.join(row['attention'])}" if "attention" in row else "")
     )
 
 
@@ -200,12 +243,18 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="also torch.compile reduce-overhead, last"
     )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="';'-separated labels of the layergraph methods to measure (default: all)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    methods = set(args.methods.split(";")) if args.methods else None
     rows = []
     for name in args.models.split(","):
         rows += measure_model(
-            name, args.batch, args.iters, args.replays, args.max_autotune, args.compile
+            name, args.batch, args.iters, args.replays, args.max_autotune, args.compile, methods
         )
         torch.cuda.empty_cache()  # the model of the last run is gone
     for row in rows:

@@ -1,4 +1,4 @@
-"""The ``layergraph`` command: ``layergraph adapters`` and ``layergraph demo``."""
+"""The ``layergraph`` command: ``layergraph adapters``, ``demo`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--fuse-qkv",
         action="store_true",
         help="also layergraph tuned, with fused q/k/v (InternVL, SigLIP and CLIP towers); "
-        "combines with --compile-layers or --compile-region",
+        "combines with the other tuning flags",
+    )
+    bench.add_argument(
+        "--patch-matmul",
+        action="store_true",
+        help="also layergraph tuned, with the patch embedding as one matrix product; "
+        "combines with the other tuning flags",
+    )
+    bench.add_argument(
+        "--fuse-gelu",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=[True, "approximate"],
+        metavar="approximate",
+        help="also layergraph tuned, with each MLP's GELU in its up-projection's epilogue; "
+        "'approximate' takes exact-GELU models too; combines with the other tuning flags",
     )
     bench.add_argument("--json", default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
@@ -145,14 +161,16 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
     return 0
 
 
-def _tuned_options(args: argparse.Namespace) -> dict[str, bool]:
+def _tuned_options(args: argparse.Namespace) -> dict[str, bool | str]:
     """The ``wrap`` options of ``bench``'s tuned measurement, from its flags."""
     flags = {
         "compile_layers": args.compile_layers,
         "compile_region": args.compile_region,
         "fuse_qkv": args.fuse_qkv,
+        "patch_matmul": args.patch_matmul,
+        "fuse_gelu": args.fuse_gelu,
     }
-    return {name: True for name, wanted in flags.items() if wanted}
+    return {name: value for name, value in flags.items() if value}
 
 
 def _bench(console: Console, args: argparse.Namespace) -> int:

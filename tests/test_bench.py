@@ -160,3 +160,35 @@ def test_compile_layers_and_compile_region_are_refused_together() -> None:
         text=True,
     )
     assert done.returncode == 2 and "not allowed with argument" in done.stderr
+
+
+def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
+    """On the CPU only eager is timed, but the report records what tuned would have used."""
+    pytest.importorskip("timm")
+    path = tmp_path / "r.json"
+    command = [
+        sys.executable,
+        "-m",
+        "layergraph.cli",
+        "bench",
+        "--model",
+        "timm:vit_tiny_patch16_224",
+    ]
+    flags = ["--compile-region", "--patch-matmul", "--fuse-gelu", "approximate"]
+    done = subprocess.run(
+        [*command, "--batch-sizes", "1", "--iters", "1", *flags, "--json", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert BenchReport.read_json(path).tuned_options == {
+        "compile_region": True,
+        "patch_matmul": True,
+        "fuse_gelu": "approximate",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", "bench", "--fuse-gelu", "exact"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "invalid choice: 'exact'" in done.stderr

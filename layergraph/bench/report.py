@@ -23,6 +23,8 @@ _OPTION_NAMES = {
     "compile_layers": "compiled layers",
     "compile_region": "compiled region",
     "fuse_qkv": "fused qkv",
+    "patch_matmul": "patch matmul",
+    "fuse_gelu": "fused gelu",
 }
 
 
@@ -30,7 +32,11 @@ def describe_options(options: dict[str, Any]) -> str:
     """``wrap`` speed options in words: ``{"compile_region": True, "fuse_qkv": True}`` is
     ``"compiled region, fused qkv"``."""
     return ", ".join(
-        _OPTION_NAMES.get(name, name) if value is True else f"{name}={value!r}"
+        _OPTION_NAMES.get(name, name)
+        if value is True
+        else f"{_OPTION_NAMES[name]} ({value})"
+        if name in _OPTION_NAMES and isinstance(value, str)
+        else f"{name}={value!r}"
         for name, value in options.items()
     )
 
