@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -83,10 +84,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also layergraph tuned, with each MLP's GELU in its up-projection's epilogue; "
         "'approximate' takes exact-GELU models too; combines with the other tuning flags",
     )
+    bench.add_argument(
+        "--inductor-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an Inductor setting for --compile-layers or --compile-region, such as "
+        "coordinate_descent_tuning=True; repeatable",
+    )
     bench.add_argument("--json", default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.inductor_option:
+        if not (args.compile_layers or args.compile_region):
+            parser.error("--inductor-option needs --compile-layers or --compile-region")
+        if any("=" not in option for option in args.inductor_option):
+            parser.error("--inductor-option takes NAME=VALUE")
     try:
         from rich.console import Console
     except ImportError:
@@ -161,16 +175,28 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
     return 0
 
 
-def _tuned_options(args: argparse.Namespace) -> dict[str, bool | str]:
+def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``wrap`` options of ``bench``'s tuned measurement, from its flags."""
+    compiled: bool | dict[str, Any] = True
+    if args.inductor_option:
+        settings = dict(option.split("=", 1) for option in args.inductor_option)
+        compiled = {"options": {name: _literal(value) for name, value in settings.items()}}
     flags = {
-        "compile_layers": args.compile_layers,
-        "compile_region": args.compile_region,
+        "compile_layers": args.compile_layers and compiled,
+        "compile_region": args.compile_region and compiled,
         "fuse_qkv": args.fuse_qkv,
         "patch_matmul": args.patch_matmul,
         "fuse_gelu": args.fuse_gelu,
     }
     return {name: value for name, value in flags.items() if value}
+
+
+def _literal(text: str) -> Any:
+    """``text`` as a Python literal (``True``, ``4``, ``'x'``), or as the string itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _bench(console: Console, args: argparse.Namespace) -> int:

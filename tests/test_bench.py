@@ -174,7 +174,8 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
         "--model",
         "timm:vit_tiny_patch16_224",
     ]
-    flags = ["--compile-region", "--patch-matmul", "--fuse-gelu", "approximate"]
+    flags = ["--compile-region", "--inductor-option", "coordinate_descent_tuning=True"]
+    flags += ["--patch-matmul", "--fuse-gelu", "approximate"]
     done = subprocess.run(
         [*command, "--batch-sizes", "1", "--iters", "1", *flags, "--json", str(path)],
         capture_output=True,
@@ -182,13 +183,18 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert BenchReport.read_json(path).tuned_options == {
-        "compile_region": True,
+        "compile_region": {"options": {"coordinate_descent_tuning": True}},
         "patch_matmul": True,
         "fuse_gelu": "approximate",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "layergraph.cli", "bench", "--fuse-gelu", "exact"],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 2 and "invalid choice: 'exact'" in done.stderr
+    for wrong, message in (
+        (["--fuse-gelu", "exact"], "invalid choice: 'exact'"),
+        (["--inductor-option", "a=1"], "--inductor-option needs --compile-layers or"),
+        (["--compile-region", "--inductor-option", "a"], "--inductor-option takes NAME=VALUE"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "layergraph.cli", "bench", *wrong],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 2 and message in done.stderr

@@ -141,6 +141,11 @@ def test_packed_sequences_match_reference(head_dim: int, dtype: torch.dtype) -> 
         ([40, 7, 23], 2, 72, VarlenConfig(block_m=32, block_n=16)),  # head dim padded to 128
         ([130], 1, 64, None),  # one row past a 128-row query block, two keys past 128
         ([3, 0, 9], 2, 64, SMALL),  # an empty sequence
+        # Longest one past a whole 64-row block: whole blocks, then the rest in 16-row blocks
+        # (a sequence shorter than a block, one 36 rows past one, one of exactly one block).
+        ([65, 100, 3, 64, 0, 129], 2, 64, VarlenConfig(block_m=64, block_n=64)),
+        ([197, 37], 2, 64, None),  # vit_base's 197 tokens: 5 past three blocks
+        ([90], 1, 64, None),  # 26 rows past a block: one launch; 26 keys in two 16-key blocks
     ],
 )
 def test_block_boundaries(

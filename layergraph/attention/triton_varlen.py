@@ -4,10 +4,14 @@ A batch of images or tiles whose token counts differ is packed into one tensor o
 ``total_tokens`` rows; ``cu_seqlens`` marks where each sequence starts. Each sequence attends to
 itself only (a block-diagonal mask and no other), computed with the online softmax of flash
 attention: float32 accumulation, ``exp2`` with ``log2(e)`` folded into the scale, one program per
-(query block, sequence, head). The launch does no device-to-host synchronisation and allocates
-nothing, so it can be captured inside a CUDA graph; the grid is fixed by ``max_seqlen`` and the
-number of sequences, and programs whose query block starts past their sequence's end exit at
-once. Compile before capturing: the first call with a new dtype, head dim or config compiles.
+(query block, sequence, head). Keys past a sequence's last whole key block are taken in 16-key
+blocks; when ``max_seqlen`` is at most 16 rows past a whole query block (a class token's 197,
+577 or 1025 tokens), a second launch computes the rows past each sequence's last whole block
+in 16-row blocks, so that one extra token does not cost a whole block. The launches do no
+device-to-host synchronisation and allocate nothing, so they can be captured inside a CUDA
+graph; the grids are fixed by ``max_seqlen`` and the number of sequences, and programs whose
+query block lies past their sequence's end exit at once. Compile before capturing: the first
+call with a new dtype, head dim or config compiles.
 The launch is the PyTorch operator ``torch.ops.layergraph.varlen_attention``, so that
 ``torch.compile`` keeps it as one opaque call inside a compiled layer.
 
@@ -30,6 +34,13 @@ __all__ = ["VarlenConfig", "default_config", "varlen_attention"]
 _LOG2_E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_GRID_Y = 65535
+_TAIL = 16
+"""Rows and keys of the narrow blocks that finish a sequence whose length is not a multiple
+of the block size: a ViT's class token makes 197, 577 or 1025 tokens, one past a multiple of
+64, and a whole block for that one row or key would cost a seventeenth of the work at 1025."""
+_ALL_ROWS, _WHOLE_BLOCKS, _TAIL_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+"""Which query rows a launch computes: every block, the whole blocks only, or the rows after
+the last whole block (in ``_TAIL``-row blocks)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,9 @@ def _varlen_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TAIL_N: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
+    WHOLE_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     block_m = tl.program_id(0)
@@ -156,28 +170,36 @@ def _varlen_fwd_kernel(
     batch = batch_head // heads
     head = batch_head % heads
     seq_len = tl.load(seq_lens + batch)
-    start_m = block_m * BLOCK_M
-    if start_m >= seq_len:
+    if QUERY_ROWS == _TAIL_ROWS:  # the rows after the sequence's last whole WHOLE_M block
+        start_m = (seq_len // WHOLE_M) * WHOLE_M + block_m * BLOCK_M
+    else:
+        start_m = block_m * BLOCK_M
+    if QUERY_ROWS == _WHOLE_BLOCKS:
+        if start_m + BLOCK_M > seq_len:
+            return
+    elif start_m >= seq_len:
         return
     seq_start = tl.load(cu_seqlens + batch).to(tl.int64)
     MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    MASK_M: tl.constexpr = QUERY_ROWS != _WHOLE_BLOCKS
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_tail = tl.arange(0, TAIL_N)
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = Q + seq_start * stride_qt + head * stride_qh
     q_ptrs += offs_m[:, None] * stride_qt + offs_d[None, :]
-    k_ptrs = K + seq_start * stride_kt + head * stride_kh
-    k_ptrs += offs_n[:, None] * stride_kt + offs_d[None, :]
-    v_ptrs = V + seq_start * stride_vt + head * stride_vh
-    v_ptrs += offs_n[:, None] * stride_vt + offs_d[None, :]
+    k_base = K + seq_start * stride_kt + head * stride_kh + offs_d[None, :]
+    v_base = V + seq_start * stride_vt + head * stride_vh + offs_d[None, :]
+    k_ptrs = k_base + offs_n[:, None] * stride_kt
+    v_ptrs = v_base + offs_n[:, None] * stride_vt
 
-    q = _load_tile(q_ptrs, offs_m, seq_len, offs_d, HEAD_DIM, True, MASK_D)
+    q = _load_tile(q_ptrs, offs_m, seq_len, offs_d, HEAD_DIM, MASK_M, MASK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Whole key blocks without row masks, then the ragged last block with them.
+    # Whole key blocks without row masks.
     full_end = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_block(
@@ -197,17 +219,18 @@ def _varlen_fwd_kernel(
             MASK_D,
             DOT_PRECISION,
         )
-    if full_end < seq_len:
+    # The ragged last keys, in narrower TAIL_N blocks with row masks.
+    for start_n in range(full_end, seq_len, TAIL_N):
         acc, l_i, m_i = _attend_block(
             acc,
             l_i,
             m_i,
             q,
-            k_ptrs + full_end * stride_kt,
-            v_ptrs + full_end * stride_vt,
-            full_end,
+            k_base + (start_n + offs_tail[:, None]) * stride_kt,
+            v_base + (start_n + offs_tail[:, None]) * stride_vt,
+            start_n,
             seq_len,
-            offs_n,
+            offs_tail,
             offs_d,
             qk_scale,
             HEAD_DIM,
@@ -219,10 +242,15 @@ def _varlen_fwd_kernel(
     acc = acc / l_i[:, None]
     o_ptrs = Out + seq_start * stride_ot + head * stride_oh
     o_ptrs += offs_m[:, None] * stride_ot + offs_d[None, :]
-    o_mask = offs_m[:, None] < seq_len
-    if MASK_D:
-        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)
+    if MASK_M:
+        o_mask = offs_m[:, None] < seq_len
+        if MASK_D:
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)
+    elif MASK_D:
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
+    else:
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty))
 
 
 def _check_args(
@@ -339,32 +367,44 @@ def _varlen_attention_op(
     then keeps this launch as it is instead of re-generating the kernel through Inductor.
     """
     heads, head_dim = q.shape[1], q.shape[2]
-    grid = (triton.cdiv(max_seqlen, block_m), seq_lens.numel() * heads)
-    _varlen_fwd_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens,
-        seq_lens,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        heads,
-        scale * _LOG2_E,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=num_warps,
-        num_stages=num_stages,
+    sequences_heads = seq_lens.numel() * heads
+    split = block_m > _TAIL and 0 < max_seqlen % block_m <= _TAIL
+    launches = (
+        [(max_seqlen // block_m, block_m, _WHOLE_BLOCKS), (block_m // _TAIL, _TAIL, _TAIL_ROWS)]
+        if split
+        else [(triton.cdiv(max_seqlen, block_m), block_m, _ALL_ROWS)]
     )
+    for blocks, rows, query_rows in launches:
+        if blocks == 0:
+            continue
+        _varlen_fwd_kernel[(blocks, sequences_heads)](
+            q,
+            k,
+            v,
+            out,
+            cu_seqlens,
+            seq_lens,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            heads,
+            scale * _LOG2_E,
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_M=rows,
+            BLOCK_N=block_n,
+            TAIL_N=min(_TAIL, block_n),
+            QUERY_ROWS=query_rows.value,
+            WHOLE_M=block_m,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
 
 
 @_varlen_attention_op.register_fake

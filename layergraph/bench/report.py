@@ -30,15 +30,24 @@ _OPTION_NAMES = {
 
 def describe_options(options: dict[str, Any]) -> str:
     """``wrap`` speed options in words: ``{"compile_region": True, "fuse_qkv": True}`` is
-    ``"compiled region, fused qkv"``."""
-    return ", ".join(
-        _OPTION_NAMES.get(name, name)
-        if value is True
-        else f"{_OPTION_NAMES[name]} ({value})"
-        if name in _OPTION_NAMES and isinstance(value, str)
-        else f"{name}={value!r}"
-        for name, value in options.items()
-    )
+    ``"compiled region, fused qkv"``, and ``{"compile_region": {"options": {"a": 1}}}`` is
+    ``"compiled region (a=1)"``."""
+    return ", ".join(_describe_option(name, value) for name, value in options.items())
+
+
+def _describe_option(name: str, value: Any) -> str:
+    label = _OPTION_NAMES.get(name)
+    if label is None:
+        return f"{name}={value!r}"
+    if value is True:
+        return label
+    if isinstance(value, dict):
+        settings = {
+            **value.get("options", {}),
+            **{k: v for k, v in value.items() if k != "options"},
+        }
+        return f"{label} ({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+    return f"{label} ({value})"
 
 
 @dataclass
