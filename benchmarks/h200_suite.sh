@@ -5,9 +5,9 @@
 #   profile: where a replay's time goes, per benchmark model: every speed option and
 #            torch.compile at batch 1, every speed option at batch 32;
 #   bench:   `layergraph bench` for the three benchmark models at six batch sizes: eager,
-#            layergraph, the hand-written graph, layergraph tuned (compiled region, patch
-#            matmul, fused GELU, and fused q/k/v for the transformers towers) and torch.compile
-#            reduce-overhead;
+#            layergraph, the hand-written graph, layergraph tuned (compiled region with
+#            Inductor's coordinate-descent tuning, patch matmul, fused GELU, and fused q/k/v for
+#            the transformers towers) and torch.compile reduce-overhead;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
 # Pass part names to run only those (default: all). Parts other than tp run side by side, one
 # per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
@@ -81,7 +81,8 @@ bench() {
   )
   for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
     read -r -a flags <<<"${tuning[$model]}"
-    step "$log" layergraph bench --model "$model" --compile-region "${flags[@]}" --compile \
+    step "$log" layergraph bench --model "$model" --compile-region \
+      --inductor-option coordinate_descent_tuning=True "${flags[@]}" --compile \
       --iters 50 --json "$results/bench-$model.json" --plot "$results/bench-$model.png" \
       || status=1
     pack
