@@ -6,8 +6,9 @@ itself only (a block-diagonal mask and no other), computed with the online softm
 attention: float32 accumulation, ``exp2`` with ``log2(e)`` folded into the scale, one program per
 (query block, sequence, head). Keys past a sequence's last whole key block are taken in 16-key
 blocks; when ``max_seqlen`` is at most 16 rows past a whole query block (a class token's 197,
-577 or 1025 tokens), a second launch computes the rows past each sequence's last whole block
-in 16-row blocks, so that one extra token does not cost a whole block. The launches do no
+577 or 1025 tokens) and the whole blocks fill the GPU several times over, a second launch
+computes the rows past each sequence's last whole block in 16-row blocks, so that one extra
+token does not cost a whole block. The launches do no
 device-to-host synchronisation and allocate nothing, so they can be captured inside a CUDA
 graph; the grids are fixed by ``max_seqlen`` and the number of sequences, and programs whose
 query block lies past their sequence's end exit at once. Compile before capturing: the first
@@ -23,6 +24,7 @@ rows past the grid's last query block are silently left unwritten.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,8 @@ _TAIL = 16
 """Rows and keys of the narrow blocks that finish a sequence whose length is not a multiple
 of the block size: a ViT's class token makes 197, 577 or 1025 tokens, one past a multiple of
 64, and a whole block for that one row or key would cost a seventeenth of the work at 1025."""
+_FULL_WAVES = 4
+"""Programs per multiprocessor from which the narrow last rows get a launch of their own."""
 _ALL_ROWS, _WHOLE_BLOCKS, _TAIL_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 """Which query rows a launch computes: every block, the whole blocks only, or the rows after
 the last whole block (in ``_TAIL``-row blocks)."""
@@ -368,7 +372,7 @@ def _varlen_attention_op(
     """
     heads, head_dim = q.shape[1], q.shape[2]
     sequences_heads = seq_lens.numel() * heads
-    split = block_m > _TAIL and 0 < max_seqlen % block_m <= _TAIL
+    split = _splits_last_rows(max_seqlen, block_m, sequences_heads, q.device)
     launches = (
         [(max_seqlen // block_m, block_m, _WHOLE_BLOCKS), (block_m // _TAIL, _TAIL, _TAIL_ROWS)]
         if split
@@ -405,6 +409,28 @@ def _varlen_attention_op(
             num_warps=num_warps,
             num_stages=num_stages,
         )
+
+
+def _splits_last_rows(
+    max_seqlen: int, block_m: int, sequences_heads: int, device: torch.device
+) -> bool:
+    """Whether the rows past the last whole query block get a launch of narrow blocks.
+
+    Only when ``max_seqlen`` is at most :data:`_TAIL` rows past a whole block, and on a GPU
+    only when the whole blocks fill it several times over: with fewer, the ragged blocks run
+    beside the others in one launch at no cost, where a second launch would wait for the first.
+    """
+    if not (block_m > _TAIL and 0 < max_seqlen % block_m <= _TAIL):
+        return False
+    if device.type != "cuda":
+        return True
+    programs = max_seqlen // block_m * sequences_heads
+    return programs >= _FULL_WAVES * _multiprocessors(device.index or 0)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @_varlen_attention_op.register_fake
