@@ -79,9 +79,10 @@ def mlp_parts(mlp: nn.Module) -> tuple[nn.Linear, nn.Module, nn.Linear] | None:
 class GeluEpilogue:
     """Runs ``mlp``'s up-projection and GELU as one product while attached.
 
-    Raises ``ValueError`` if ``mlp`` is not ``fc2(gelu(fc1(x)))`` (see :func:`mlp_parts`), or
-    if its GELU is the exact one and ``approximate`` is false. Attaching again while attached
-    changes nothing.
+    Raises ``ValueError`` if ``mlp`` is not ``fc2(gelu(fc1(x)))`` (see :func:`mlp_parts`), if
+    its GELU is the exact one and ``approximate`` is false, or if ``fc1`` has hooks or
+    tensor-parallel weights (the product bypasses ``fc1``'s call). Attaching again while
+    attached changes nothing.
     """
 
     def __init__(self, mlp: nn.Module, *, approximate: bool = False) -> None:
@@ -101,6 +102,12 @@ class GeluEpilogue:
             raise ValueError(
                 f"{type(mlp).__name__} uses the exact (erf) GELU and cuBLASLt's epilogue computes "
                 f"the tanh approximation; pass fuse_gelu='approximate' to accept it"
+            )
+        fc1 = parts[0]
+        if hasattr(fc1.weight, "to_local") or fc1._forward_hooks or fc1._forward_pre_hooks:
+            raise ValueError(
+                f"fuse_gelu computes {type(mlp).__name__}.fc1 from its weight and bias directly, "
+                f"so it does not combine with tensor-parallel (DTensor) weights or hooks on fc1"
             )
         self.mlp = mlp
         self._fc1, _, self._fc2 = parts

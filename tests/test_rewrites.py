@@ -161,6 +161,10 @@ def test_gelu_epilogue_refuses_other_activations_and_settings() -> None:
     with pytest.raises(ValueError, match="choose False, True"):
         gelu_epilogues([_Mlp(nn.GELU())], 1)
     assert gelu_epilogues([_Mlp(nn.ReLU())], False) == []
+    hooked = _Mlp(nn.GELU(approximate="tanh"))
+    hooked.fc1.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match="tensor-parallel \\(DTensor\\) weights or hooks on fc1"):
+        GeluEpilogue(hooked)
 
 
 # ---- through the adapters -----------------------------------------------------------------
