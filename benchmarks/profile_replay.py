@@ -172,9 +172,13 @@ def measure_model(
                 continue
             torch._dynamo.reset()
             started = time.perf_counter()
-            graphed = layergraph.wrap(
-                model, adapter=example.adapter, batch_sizes=[batch], **options
-            )
+            try:
+                graphed = layergraph.wrap(
+                    model, adapter=example.adapter, batch_sizes=[batch], **options
+                )
+            except ValueError as error:  # an option this model refuses (quick GELU, say)
+                print(f"{name:>22} {label:>36} skipped: {error}", flush=True)
+                continue
             graphed.capture(*args, progress=False, **kwargs)
             torch.cuda.synchronize()
             row = {"model": name, "method": label, "batch": batch}
