@@ -85,6 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "'approximate' takes exact-GELU models too; combines with the other tuning flags",
     )
     bench.add_argument(
+        "--compile-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="cap the tuned measurement's compile time, over all batch sizes "
+        "(wrap(..., compile_budget=SECONDS)); needs --compile-layers or --compile-region",
+    )
+    bench.add_argument(
         "--inductor-option",
         action="append",
         default=[],
@@ -96,9 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
-    if args.command == "bench" and args.inductor_option:
+    if args.command == "bench" and (args.inductor_option or args.compile_budget is not None):
         if not (args.compile_layers or args.compile_region):
-            parser.error("--inductor-option needs --compile-layers or --compile-region")
+            parser.error(
+                "--inductor-option and --compile-budget need --compile-layers or --compile-region"
+            )
         if any("=" not in option for option in args.inductor_option):
             parser.error("--inductor-option takes NAME=VALUE")
     try:
@@ -188,7 +198,10 @@ def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
         "patch_matmul": args.patch_matmul,
         "fuse_gelu": args.fuse_gelu,
     }
-    return {name: value for name, value in flags.items() if value}
+    options = {name: value for name, value in flags.items() if value}
+    if args.compile_budget is not None:
+        options["compile_budget"] = args.compile_budget
+    return options
 
 
 def _literal(text: str) -> Any:

@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from .adapter import Adapter, CapturePlan
+from .compiling import RECOMPILE_LIMIT, CompileBudget, compile_options, compiled_call
 from .graphs import CudaGraphs, GraphBackend
 from .keys import ShapeKey
 from .plugins import get_registry
 from .runner import DEFAULT_BATCH_SIZES, GraphRunner, RunnerOptions
 from .stats import GraphStats
 
-__all__ = ["GraphedModule", "unwrap", "wrap"]
+__all__ = ["RECOMPILE_LIMIT", "GraphedModule", "unwrap", "wrap"]
 
 
 def wrap(
@@ -34,6 +35,7 @@ def wrap(
     debug: bool = False,
     compile_layers: bool | dict[str, Any] = False,
     compile_region: bool | dict[str, Any] = False,
+    compile_budget: float | None = None,
     backend: GraphBackend | None = None,
     **adapter_options: Any,
 ) -> GraphedModule:
@@ -59,9 +61,16 @@ def wrap(
     used for warm-up and capture only: eager calls run the model as it is. It compiles once per
     shape, for longer than ``compile_layers`` (seconds to tens of seconds).
 
-    Dynamo may keep up to :data:`RECOMPILE_LIMIT` compiled versions of the compiled layers or
-    region (PyTorch's default limit is 8, a global setting left as it is); past that, further
-    shapes run uncompiled.
+    ``compile_budget`` caps the seconds the compiled layers or region may spend compiling, over
+    all shapes: once spent, shapes compiled before keep their compiled code and others are
+    captured (and run) uncompiled, with a :class:`~layergraph.compiling.CompileBudgetSpent`
+    warning; a compilation under way is not interrupted
+    (:class:`~layergraph.compiling.CompileBudget`). ``None`` (the default) sets no cap.
+    :attr:`GraphedModule.compile_budget` tells what was spent.
+
+    Dynamo may keep up to :data:`~layergraph.compiling.RECOMPILE_LIMIT` compiled versions of the
+    compiled layers or region (PyTorch's default limit is 8, a global setting left as it is);
+    past that, further shapes run uncompiled.
 
     The model itself is not copied. A region inside it may be routed to the graphs while
     wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
@@ -99,19 +108,22 @@ def wrap(
     )
     if compile_layers is not False and compile_region is not False:
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
+    if compile_budget is not None and compile_layers is False and compile_region is False:
+        raise ValueError("compile_budget limits compile_layers or compile_region: set one")
+    budget = CompileBudget(compile_budget)
     plan = adapter_object.plan(model)
     runner = GraphRunner(
         plan,
         options,
         backend if backend is not None else CudaGraphs(),
-        captured_region=_compiled_region(plan, compile_region),
+        captured_region=_compiled_region(plan, compile_region, budget),
     )
-    compiled = _compile_layers(plan, adapter_object, compile_layers)
-    return GraphedModule(model, adapter_object, plan, runner, compiled)
+    compiled = _compile_layers(plan, adapter_object, compile_layers, budget)
+    return GraphedModule(model, adapter_object, plan, runner, compiled, budget)
 
 
 def _compile_layers(
-    plan: CapturePlan, adapter: Adapter, setting: bool | dict[str, Any]
+    plan: CapturePlan, adapter: Adapter, setting: bool | dict[str, Any], budget: CompileBudget
 ) -> list[nn.Module]:
     """Compile the plan's layers in place (regional compilation); return them for undoing."""
     if setting is False:
@@ -123,49 +135,18 @@ def _compile_layers(
             f"adapter does not name"
         )
     for layer in layers:
-        layer.compile(**_compile_options(setting))
-        layer._compiled_call_impl = _with_recompile_room(layer._compiled_call_impl)
+        layer.compile(**compile_options(setting))
+        layer._compiled_call_impl = compiled_call(layer._compiled_call_impl, budget)
     return layers
 
 
 def _compiled_region(
-    plan: CapturePlan, setting: bool | dict[str, Any]
+    plan: CapturePlan, setting: bool | dict[str, Any], budget: CompileBudget
 ) -> Callable[..., Any] | None:
     """``plan.region`` compiled with torch.compile, or ``None`` to capture it as it is."""
     if setting is False:
         return None
-    return _with_recompile_room(torch.compile(plan.region, **_compile_options(setting)))
-
-
-RECOMPILE_LIMIT = 64
-"""How many compiled versions of one code object Dynamo may keep for compiled layers or a
-compiled region.
-
-PyTorch's default (8) is soon reached: every layer of a tower shares one forward, each batch
-size is a shape, and a capture (on static buffers) and an eager call under inference mode are
-two versions of one shape. Past the limit Dynamo stops compiling that code for good, and later
-graphs would hold the slow kernels without saying so.
-"""
-
-
-def _with_recompile_room(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` called with Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`.
-
-    The limit is raised for the duration of each call only, and never lowered.
-    """
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with config.patch({name: max(getattr(config, name), RECOMPILE_LIMIT)}):
-            return compiled(*args, **kwargs)
-
-    return run
-
-
-def _compile_options(setting: bool | dict[str, Any]) -> dict[str, Any]:
-    """``torch.compile`` keyword arguments for ``compile_layers`` or ``compile_region``."""
-    return {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
+    return compiled_call(torch.compile(plan.region, **compile_options(setting)), budget)
 
 
 def unwrap(graphed: GraphedModule) -> nn.Module:
@@ -189,6 +170,7 @@ class GraphedModule(nn.Module):
         plan: CapturePlan,
         runner: GraphRunner,
         compiled_layers: list[nn.Module] | None = None,
+        compile_budget: CompileBudget | None = None,
     ) -> None:
         super().__init__()
         self.module = model
@@ -196,6 +178,7 @@ class GraphedModule(nn.Module):
         self._plan = plan
         self._runner = runner
         self._compiled_layers = compiled_layers or []
+        self._compile_budget = compile_budget or CompileBudget()
         plan.attach(runner)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -244,6 +227,13 @@ class GraphedModule(nn.Module):
     def plan(self) -> CapturePlan:
         """The adapter's capture plan for this model (what is captured, and how)."""
         return self._plan
+
+    @property
+    def compile_budget(self) -> CompileBudget:
+        """Seconds spent compiling (``spent``), the cap (``seconds``, ``None`` for none), and
+        whether it is reached (``exhausted``); nothing is spent without compiled layers or
+        region."""
+        return self._compile_budget
 
     @property
     def stats(self) -> GraphStats:

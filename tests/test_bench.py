@@ -132,10 +132,16 @@ def test_tuned_options_are_recorded_named_and_shown(tmp_path: Path) -> None:
     report = sample_report()
     report.tuned_options = {"compile_region": True, "fuse_qkv": True}
     assert report.labels()["tuned_ms"] == "layergraph, compiled region, fused qkv"
+    report.tuned_options["compile_budget"] = 30.0
+    assert report.labels()["tuned_ms"].endswith("fused qkv, compile budget 30 s")
+    report.tuned_options.pop("compile_budget")
+    report.tuned_compile_seconds = 12.34
     markdown = report.to_markdown()
     assert "- tuned: layergraph wrapped with compile_region=True, fuse_qkv=True" in markdown
+    assert "- tuned: compiling took 12.3 s in all" in markdown
     report.write_json(tmp_path / "r.json")
-    assert BenchReport.read_json(tmp_path / "r.json").tuned_options == report.tuned_options
+    again = BenchReport.read_json(tmp_path / "r.json")
+    assert (again.tuned_options, again.tuned_compile_seconds) == (report.tuned_options, 12.34)
 
 
 def test_reports_written_before_the_tuned_measurement_still_read(tmp_path: Path) -> None:
@@ -175,7 +181,7 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
         "timm:vit_tiny_patch16_224",
     ]
     flags = ["--compile-region", "--inductor-option", "coordinate_descent_tuning=True"]
-    flags += ["--patch-matmul", "--fuse-gelu", "approximate"]
+    flags += ["--patch-matmul", "--fuse-gelu", "approximate", "--compile-budget", "60"]
     done = subprocess.run(
         [*command, "--batch-sizes", "1", "--iters", "1", *flags, "--json", str(path)],
         capture_output=True,
@@ -186,10 +192,12 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
         "compile_region": {"options": {"coordinate_descent_tuning": True}},
         "patch_matmul": True,
         "fuse_gelu": "approximate",
+        "compile_budget": 60.0,
     }
     for wrong, message in (
         (["--fuse-gelu", "exact"], "invalid choice: 'exact'"),
-        (["--inductor-option", "a=1"], "--inductor-option needs --compile-layers or"),
+        (["--inductor-option", "a=1"], "--inductor-option and --compile-budget need"),
+        (["--compile-budget", "5"], "--inductor-option and --compile-budget need"),
         (["--compile-region", "--inductor-option", "a"], "--inductor-option takes NAME=VALUE"),
     ):
         done = subprocess.run(

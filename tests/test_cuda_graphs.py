@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import layergraph
+from layergraph.compiling import CompileBudgetSpent
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 timm = pytest.importorskip("timm")
@@ -189,3 +190,30 @@ def test_compiled_region_inside_the_graph_equals_eager() -> None:
         for batch, x in inputs.items():
             assert relative_error(graphed(x), expected[batch]) <= DEFAULT_TOLERANCE[torch.bfloat16]
     assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+
+
+def test_spent_compile_budget_captures_the_rest_uncompiled() -> None:
+    """The first size compiled spends the budget; the next is captured uncompiled, and both
+    graphs equal eager. The compiled graph runs Inductor's kernels, the other eager's."""
+    model = build("vit_base_patch16_224", torch.bfloat16)
+    x = images(4, torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.inference_mode(), pytest.warns(CompileBudgetSpent, match="budget of 1e-09 s"):
+        expected = model(x)
+        graphed = layergraph.wrap(
+            model, batch_sizes=[2, 4], compile_region=True, compile_budget=1e-9
+        )
+        graphed.capture(x, progress=False)
+        for batch in (4, 2):
+            assert (
+                relative_error(graphed(x[:batch]), expected[:batch])
+                <= DEFAULT_TOLERANCE[torch.bfloat16]
+            )
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            ) as profile:
+                graphed(x[:batch])
+                torch.cuda.synchronize()
+            names = {event.key for event in profile.key_averages()}
+            assert any(name.startswith("triton_") for name in names) == (batch == 4)
+    assert graphed.compile_budget.exhausted and graphed.compile_budget.spent > 0

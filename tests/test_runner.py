@@ -6,6 +6,7 @@ of a linear stack are computed independently, so outputs agree to 1e-5 (absolute
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 import layergraph
 import layergraph.runner
 from layergraph import GraphMismatchError
+from layergraph.compiling import CompileBudgetSpent
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5
@@ -384,6 +386,65 @@ def test_every_captured_batch_size_gets_compiled_code(
         torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
     assert graphed.stats.graphs == len(sizes)
     assert torch._dynamo.config.recompile_limit == 8  # PyTorch's default, left as it is
+
+
+@pytest.mark.parametrize("setting", ["compile_layers", "compile_region"])
+@pytest.mark.parametrize(("seconds", "compiled_sizes"), [(None, [8, 4, 2]), (1e-9, [8]), (0.0, [])])
+def test_compile_budget_caps_compilation(
+    mlp_stack: nn.Sequential, setting: str, seconds: float | None, compiled_sizes: list[int]
+) -> None:
+    """Sizes are captured largest first; once the budget is spent, the sizes not compiled yet
+    are captured uncompiled. (Replays are not checked for compiled code: the simulated backend
+    re-runs the function under inference mode, which compiled code guards on; a CUDA graph
+    replays what it captured.)"""
+    compiled: list[int] = []
+    ran: list[int] = []
+
+    def batch_of(tensors: Any) -> int:  # the activation's rows; the weights have 16 or 32
+        return next(
+            t.shape[0]
+            for t in tensors
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] < 16
+        )
+
+    def recording_backend(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> Any:
+        compiled.append(batch_of(example))
+
+        def run(*args: Any) -> Any:
+            ran.append(batch_of(args))
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    graphed = wrap_simulated(
+        mlp_stack,
+        batch_sizes=[2, 4, 8],
+        compile_budget=seconds,
+        **{setting: {"backend": recording_backend}},
+    )
+    with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        graphed.capture(torch.randn(1, 16), progress=False)
+        assert sorted(set(ran), reverse=True) == sorted(set(compiled), reverse=True)
+        assert sorted(set(ran), reverse=True) == compiled_sizes  # what the graphs hold
+        for batch in (8, 3):
+            x = torch.randn(batch, 16)
+            torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
+    assert graphed.stats.replays == 2
+    budget = graphed.compile_budget
+    assert budget.exhausted == (seconds is not None)
+    assert (budget.spent > 0) == bool(compiled_sizes)
+    spent_warnings = [w for w in warned if issubclass(w.category, CompileBudgetSpent)]
+    assert len(spent_warnings) == (seconds is not None)
+
+
+def test_compile_budget_needs_compilation_and_seconds(mlp_stack: nn.Sequential) -> None:
+    with pytest.raises(ValueError, match="compile_budget limits compile_layers or compile_region"):
+        wrap_simulated(mlp_stack, compile_budget=10)
+    with pytest.raises(ValueError, match="a number of seconds >= 0, got -1"):
+        wrap_simulated(mlp_stack, compile_region=True, compile_budget=-1)
+    assert wrap_simulated(mlp_stack).compile_budget.spent == 0
 
 
 def test_compile_region_and_compile_layers_exclude_each_other(mlp_stack: nn.Sequential) -> None:

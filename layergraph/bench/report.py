@@ -25,6 +25,7 @@ _OPTION_NAMES = {
     "fuse_qkv": "fused qkv",
     "patch_matmul": "patch matmul",
     "fuse_gelu": "fused gelu",
+    "compile_budget": "compile budget",
 }
 
 
@@ -41,6 +42,8 @@ def _describe_option(name: str, value: Any) -> str:
         return f"{name}={value!r}"
     if value is True:
         return label
+    if name == "compile_budget":
+        return f"{label} {value:g} s"
     if isinstance(value, dict):
         settings = {
             **value.get("options", {}),
@@ -100,6 +103,9 @@ class BenchReport:
     tuned_options: dict[str, Any] = field(default_factory=dict)
     """The ``wrap`` options of the tuned measurement (``compile_region=True``, say); empty if
     it was not measured."""
+    tuned_compile_seconds: float | None = None
+    """Seconds the tuned measurement's compiled code spent compiling, over every batch size
+    (``GraphedModule.compile_budget.spent``)."""
     rows: list[BenchRow] = field(default_factory=list)
 
     @property
@@ -168,6 +174,8 @@ class BenchReport:
         if self.tuned_options:
             options = ", ".join(f"{k}={v!r}" for k, v in self.tuned_options.items())
             lines.append(f"- tuned: layergraph wrapped with {options}")
+        if self.tuned_compile_seconds:
+            lines.append(f"- tuned: compiling took {self.tuned_compile_seconds:.1f} s in all")
         lines += [
             "",
             "speedup is eager over layergraph; the next two columns are layergraph's latency "

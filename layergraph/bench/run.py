@@ -113,6 +113,7 @@ def _measure_tuned(
         row.tuned_ms = median_ms(
             lambda args=args, kwargs=kwargs: graphed(*args, **kwargs), device=device, iters=iters
         )
+    report.tuned_compile_seconds = graphed.compile_budget.spent
     graphed.unwrap()
 
 

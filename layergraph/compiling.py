@@ -1,0 +1,114 @@
+"""torch.compile for ``wrap``'s compiled layers and compiled region: recompile room and budget.
+
+What ``compile_layers`` and ``compile_region`` call is the compiled code wrapped by
+:func:`compiled_call`, which gives Dynamo room for one compiled version per shape
+(:data:`RECOMPILE_LIMIT`) and charges the time spent compiling to a :class:`CompileBudget`.
+It does not choose what is compiled; :mod:`layergraph.module` does.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "CompileBudget",
+    "CompileBudgetSpent",
+    "compile_options",
+    "compiled_call",
+]
+
+RECOMPILE_LIMIT = 64
+"""How many compiled versions of one code object Dynamo may keep for compiled layers or a
+compiled region.
+
+PyTorch's default (8) is soon reached: every layer of a tower shares one forward, each batch
+size is a shape, and a capture (on static buffers) and an eager call under inference mode are
+two versions of one shape. Past the limit Dynamo stops compiling that code for good, and later
+graphs would hold the slow kernels without saying so.
+"""
+
+
+class CompileBudgetSpent(UserWarning):
+    """Warned once per wrapped model when its compile budget is spent."""
+
+
+class CompileBudget:
+    """The seconds one wrapped model's compiled code may spend compiling, over all its shapes.
+
+    Every call of compiled code during which Dynamo compiled (a shape seen for the first time)
+    is charged its whole duration. Once the total reaches ``seconds``, calls whose shape has
+    compiled code still run it, and calls of other shapes run uncompiled
+    (``torch.compiler.set_stance("eager_on_recompile")``): their graphs hold the model's own
+    kernels. A compilation under way is not interrupted, so the total may pass ``seconds`` by
+    one compilation. Compilations by other threads at the same moment are charged too.
+    ``seconds=None`` sets no limit and only counts.
+    """
+
+    def __init__(self, seconds: float | None = None) -> None:
+        if seconds is not None and not seconds >= 0:
+            raise ValueError(f"compile_budget must be a number of seconds >= 0, got {seconds!r}")
+        if seconds is not None and not hasattr(torch.compiler, "set_stance"):
+            raise RuntimeError(
+                "compile_budget needs torch.compiler.set_stance (torch 2.6 or later)"
+            )
+        self.seconds = seconds
+        self.spent = 0.0
+        """Seconds charged so far."""
+        self._warned = False
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether shapes without compiled code now run uncompiled."""
+        return self.seconds is not None and self.spent >= self.seconds
+
+    def run(self, compiled: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``compiled``, charging its duration if Dynamo compiled during the call."""
+        if self.exhausted:
+            self._warn_once()
+            with torch.compiler.set_stance("eager_on_recompile"):
+                return compiled(*args, **kwargs)
+        frames = torch._dynamo.utils.counters["frames"]
+        before = frames["total"]
+        started = time.perf_counter()
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            if frames["total"] != before:
+                self.spent += time.perf_counter() - started
+
+    def _warn_once(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"compile budget of {self.seconds:g} s spent ({self.spent:.1f} s): shapes not "
+                f"compiled yet run and are captured uncompiled",
+                CompileBudgetSpent,
+                stacklevel=4,
+            )
+
+
+def compiled_call(compiled: Callable[..., Any], budget: CompileBudget) -> Callable[..., Any]:
+    """``compiled`` called with Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT`,
+    its compile time charged to ``budget``.
+
+    The limit is raised for the duration of each call only, and never lowered.
+    """
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with config.patch({name: max(getattr(config, name), RECOMPILE_LIMIT)}):
+            return budget.run(compiled, *args, **kwargs)
+
+    return run
+
+
+def compile_options(setting: bool | dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments for ``compile_layers`` or ``compile_region``."""
+    return {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
