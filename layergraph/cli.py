@@ -271,6 +271,8 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
             f"{report.largest_alone_pool_bytes / 2**20:.0f} MiB ({report.pool_ratio:.3f}x); "
             f"matmul rate {report.matmul_tflops:.0f} TFLOP/s"
         )
+    if report.tuned_compile_seconds:
+        console.print(f"tuned: compiling took {report.tuned_compile_seconds:.1f} s in all")
     if args.json:
         report.write_json(args.json)
     if args.markdown:
