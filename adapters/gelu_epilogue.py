@@ -27,11 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FUSE_GELU_SETTINGS", "GeluEpilogue", "gelu_epilogues", "gelu_kind", "mlp_parts"]
-
-FUSE_GELU_SETTINGS = (False, True, "approximate")
-"""What an adapter's ``fuse_gelu`` option takes: off, on for tanh-GELU MLPs only, or on for
-exact-GELU MLPs too (computing the tanh approximation)."""
+__all__ = ["GeluEpilogue", "gelu_epilogues", "gelu_kind", "mlp_parts"]
 
 _ACTIVATION_NAMES = ("act", "activation_fn", "act_fn")
 _HARMLESS = (nn.Identity, nn.Dropout)
@@ -140,7 +136,8 @@ def _fused_forward(
 def gelu_epilogues(mlps: list[nn.Module], setting: bool | str) -> list[GeluEpilogue]:
     """One :class:`GeluEpilogue` per MLP for an adapter's ``fuse_gelu`` option.
 
-    ``setting`` is one of :data:`FUSE_GELU_SETTINGS`; ``False`` gives none.
+    ``setting`` is ``False`` (none), ``True`` (MLPs whose GELU is the tanh approximation; an
+    exact GELU is refused) or ``"approximate"`` (exact-GELU MLPs too, computing the tanh form).
     """
     if setting is not False and setting is not True and setting != "approximate":
         raise ValueError(f"fuse_gelu={setting!r}: choose False, True or 'approximate'")
