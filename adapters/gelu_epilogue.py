@@ -20,12 +20,13 @@ product.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from layergraph_adapters.rewrites import InferenceForward
 
 __all__ = ["GeluEpilogue", "gelu_epilogues", "gelu_kind", "mlp_parts"]
 
@@ -72,7 +73,7 @@ def mlp_parts(mlp: nn.Module) -> tuple[nn.Linear, nn.Module, nn.Linear] | None:
     return fc1, activation, fc2
 
 
-class GeluEpilogue:
+class GeluEpilogue(InferenceForward):
     """Runs ``mlp``'s up-projection and GELU as one product while attached.
 
     Raises ``ValueError`` if ``mlp`` is not ``fc2(gelu(fc1(x)))`` (see :func:`mlp_parts`), if
@@ -105,32 +106,17 @@ class GeluEpilogue:
                 f"fuse_gelu computes {type(mlp).__name__}.fc1 from its weight and bias directly, "
                 f"so it does not combine with tensor-parallel (DTensor) weights or hooks on fc1"
             )
-        self.mlp = mlp
+        super().__init__(mlp)
         self._fc1, _, self._fc2 = parts
 
-    def attach(self) -> None:
-        self.mlp.forward = _fused_forward(self.mlp, self._fc1, self._fc2)
-
-    def detach(self) -> None:
-        self.mlp.__dict__.pop("forward", None)
-
-
-def _fused_forward(
-    mlp: nn.Module, fc1: nn.Linear, fc2: nn.Linear
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    own = type(mlp).forward.__get__(mlp)
-
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if mlp.training:
-            return own(hidden_states)
+    def compute(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        fc1 = self._fc1
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         if rows.is_cuda:
             up = torch._addmm_activation(fc1.bias, rows, fc1.weight.t(), use_gelu=True)
         else:  # the same tanh GELU where there is no cuBLASLt (the CPU's op computes erf)
             up = F.gelu(F.linear(rows, fc1.weight, fc1.bias), approximate="tanh")
-        return fc2(up.view(*hidden_states.shape[:-1], -1))
-
-    return forward
+        return self._fc2(up.view(*hidden_states.shape[:-1], -1))
 
 
 def gelu_epilogues(mlps: list[nn.Module], setting: bool | str) -> list[GeluEpilogue]:

@@ -16,11 +16,11 @@ it. Training calls run the convolution.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from layergraph_adapters.rewrites import InferenceForward
 
 __all__ = ["PatchMatmul", "is_patch_convolution", "patch_matmul_for"]
 
@@ -53,7 +53,7 @@ def patch_matmul_for(embeddings: nn.Module | None, setting: bool) -> list[PatchM
     return [PatchMatmul(convolutions[0])]
 
 
-class PatchMatmul:
+class PatchMatmul(InferenceForward):
     """Runs the patch convolution ``conv`` as one matrix product while attached.
 
     Attaching again while attached changes nothing. Raises ``ValueError`` for a convolution
@@ -66,24 +66,10 @@ class PatchMatmul:
                 f"patch_matmul needs a Conv2d whose kernel equals its stride, with no padding, "
                 f"dilation or groups; got {conv!r}"
             )
-        self.conv = conv
+        super().__init__(conv)
 
-    def attach(self) -> None:
-        self.conv.forward = _patch_product_forward(self.conv)
-
-    def detach(self) -> None:
-        self.conv.__dict__.pop("forward", None)
-
-
-def _patch_product_forward(conv: nn.Conv2d) -> Callable[[torch.Tensor], torch.Tensor]:
-    own = type(conv).forward.__get__(conv)
-
-    def forward(pixels: torch.Tensor) -> torch.Tensor:
-        if conv.training:
-            return own(pixels)
-        return patch_product(pixels, conv.weight, conv.bias)
-
-    return forward
+    def compute(self, pixels: torch.Tensor) -> torch.Tensor:
+        return patch_product(pixels, self.module.weight, self.module.bias)
 
 
 def patch_product(

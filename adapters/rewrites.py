@@ -8,9 +8,11 @@ comparisons (``GraphedModule.original()``) and ``unwrap()`` see the model as it 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["Rewrite"]
+from torch import nn
+
+__all__ = ["InferenceForward", "Rewrite"]
 
 
 class Rewrite(Protocol):
@@ -19,3 +21,32 @@ class Rewrite(Protocol):
     def attach(self) -> None: ...
 
     def detach(self) -> None: ...
+
+
+class InferenceForward:
+    """A rewrite that computes ``module``'s inference calls with :meth:`compute` while attached.
+
+    Training calls run the module's own forward. Subclasses check the module and define
+    ``compute``; the module's forward is set on the instance and removed on detaching.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def compute(self, *args: Any, **kwargs: Any) -> Any:
+        """What the module returns for an inference call while attached."""
+        raise NotImplementedError
+
+    def attach(self) -> None:
+        module, compute = self.module, self.compute
+        own = type(module).forward.__get__(module)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if module.training:
+                return own(*args, **kwargs)
+            return compute(*args, **kwargs)
+
+        module.forward = forward
+
+    def detach(self) -> None:
+        self.module.__dict__.pop("forward", None)

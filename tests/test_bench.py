@@ -14,6 +14,19 @@ from layergraph.bench import BenchReport, BenchRow, run_benchmark
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def bench(*arguments: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """``layergraph bench ARGUMENTS`` in a fresh interpreter, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", "bench", *arguments],
+        capture_output=True,
+        text=True,
+        check=check,
+    )
+
+
+TINY_VIT = ("--model", "timm:vit_tiny_patch16_224", "--batch-sizes", "1", "--iters", "1")
+
+
 def test_run_benchmark_without_gpu_measures_eager_only() -> None:
     seen: list[int] = []
     report = run_benchmark(
@@ -82,39 +95,13 @@ def test_json_and_plot_are_written(tmp_path: Path) -> None:
 
 
 def test_bench_command_lists_models_and_writes_outputs(tmp_path: Path) -> None:
-    listing = subprocess.run(
-        [sys.executable, "-m", "layergraph.cli", "bench", "--list-models"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    listing = bench("--list-models", check=True)
     for name in ("vit_base_patch16_224", "siglip-so400m-384", "internvit-300m", "timm:NAME"):
         assert name in listing.stdout
     if torch.cuda.is_available():
         return
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "layergraph.cli",
-            "bench",
-            "--model",
-            "timm:vit_tiny_patch16_224",
-            "--batch-sizes",
-            "1",
-            "--iters",
-            "1",
-            "--json",
-            str(tmp_path / "b.json"),
-            "--markdown",
-            str(tmp_path / "b.md"),
-            "--plot",
-            str(tmp_path / "b.png"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    outputs = ["--json", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md")]
+    out = bench(*TINY_VIT, *outputs, "--plot", str(tmp_path / "b.png"), check=True)
     assert "only the eager path" in out.stdout
     assert "| 1 |" in (tmp_path / "b.md").read_text()
     assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["batch"] == 1
@@ -160,11 +147,7 @@ def test_reports_written_before_the_tuned_measurement_still_read(tmp_path: Path)
 
 
 def test_compile_layers_and_compile_region_are_refused_together() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "layergraph.cli", "bench", "--compile-layers", "--compile-region"],
-        capture_output=True,
-        text=True,
-    )
+    done = bench("--compile-layers", "--compile-region")
     assert done.returncode == 2 and "not allowed with argument" in done.stderr
 
 
@@ -172,21 +155,9 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
     """On the CPU only eager is timed, but the report records what tuned would have used."""
     pytest.importorskip("timm")
     path = tmp_path / "r.json"
-    command = [
-        sys.executable,
-        "-m",
-        "layergraph.cli",
-        "bench",
-        "--model",
-        "timm:vit_tiny_patch16_224",
-    ]
     flags = ["--compile-region", "--inductor-option", "coordinate_descent_tuning=True"]
     flags += ["--patch-matmul", "--fuse-gelu", "approximate", "--compile-budget", "60"]
-    done = subprocess.run(
-        [*command, "--batch-sizes", "1", "--iters", "1", *flags, "--json", str(path)],
-        capture_output=True,
-        text=True,
-    )
+    done = bench(*TINY_VIT, *flags, "--json", str(path))
     assert done.returncode == 0, done.stderr
     assert BenchReport.read_json(path).tuned_options == {
         "compile_region": {"options": {"coordinate_descent_tuning": True}},
@@ -200,9 +171,5 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
         (["--compile-budget", "5"], "--inductor-option and --compile-budget need"),
         (["--compile-region", "--inductor-option", "a"], "--inductor-option takes NAME=VALUE"),
     ):
-        done = subprocess.run(
-            [sys.executable, "-m", "layergraph.cli", "bench", *wrong],
-            capture_output=True,
-            text=True,
-        )
+        done = bench(*wrong)
         assert done.returncode == 2 and message in done.stderr
