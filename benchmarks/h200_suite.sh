@@ -7,12 +7,15 @@
 #   bench:   `layergraph bench` for the three benchmark models at six batch sizes: eager,
 #            layergraph, the hand-written graph, layergraph tuned (compiled region with
 #            Inductor's coordinate-descent tuning, patch matmul, fused GELU, and fused q/k/v for
-#            the transformers towers) and torch.compile reduce-overhead;
+#            the transformers towers) and torch.compile reduce-overhead; bench:MODEL runs one;
 #   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
 # Pass part names to run only those (default: all). Parts other than tp run side by side, one
 # per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
 # is stopped if it runs past 4 minutes. All of them take longer than one 10-minute device
-# call: on two GPUs, run `checks bench` in one call and `profile tp` in the next.
+# call. On an H200 with a cold Inductor cache, checks take under 10 minutes (the tests about 4)
+# and bench 4 to 7 per model, most of it compiling: on two GPUs, run
+# `checks bench:vit_base_patch16_224` in one call, `bench:siglip-so400m-384
+# bench:internvit-300m` in the next, and `profile tp` in a third.
 # Under $OUT (or ./gpu-results when OUT is unset): log-<part>.txt with each part's console
 # output, and results.tgz with every JSON written. At most 8 files come back: keep it so.
 set -uo pipefail
@@ -71,15 +74,16 @@ profile() {
   return $status
 }
 
-bench() {
-  local log="$out/log-bench.txt" status=0
+bench() {  # bench [MODEL]: every benchmark model, or MODEL alone
+  local log="$out/log-bench${1:+-$1}.txt" status=0 model models=("$@")
+  ((${#models[@]})) || models=(vit_base_patch16_224 siglip-so400m-384 internvit-300m)
   versions >>"$log" 2>&1
   local -A tuning=(  # timm's ViT has fused q/k/v already; SigLIP's GELU is the tanh one
     [vit_base_patch16_224]="--patch-matmul --fuse-gelu approximate"
     [siglip-so400m-384]="--fuse-qkv --patch-matmul --fuse-gelu"
     [internvit-300m]="--fuse-qkv --patch-matmul --fuse-gelu approximate"
   )
-  for model in vit_base_patch16_224 siglip-so400m-384 internvit-300m; do
+  for model in "${models[@]}"; do
     read -r -a flags <<<"${tuning[$model]}"
     step "$log" layergraph bench --model "$model" --compile-region \
       --inductor-option coordinate_descent_tuning=True "${flags[@]}" --compile \
@@ -104,14 +108,19 @@ tp() {
 }
 
 for part in "${parts[@]}"; do
-  case $part in checks | profile | bench | tp) ;; *) echo "unknown part: $part" >&2; exit 2 ;; esac
+  case $part in
+    checks | profile | bench | tp | bench:vit_base_patch16_224 | bench:siglip-so400m-384 | bench:internvit-300m) ;;
+    *) echo "unknown part: $part" >&2; exit 2 ;;
+  esac
 done
 status=0
 wave=()
 run_wave() {  # the parts in $wave side by side, part i on GPU i
-  local pids=() index=0 part
+  local pids=() index=0 part argument
   for part in "${wave[@]}"; do
-    (CUDA_VISIBLE_DEVICES=$index "$part") & pids+=($!)
+    argument=""
+    [[ $part == *:* ]] && argument=${part#*:}
+    (CUDA_VISIBLE_DEVICES=$index "${part%%:*}" ${argument:+"$argument"}) & pids+=($!)
     index=$((index + 1))
   done
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
