@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from layergraph.bench import BenchReport, BenchRow, run_benchmark
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def bench(*arguments: str, check: bool = False) -> subprocess.CompletedProcess[str]:
     """``layergraph bench ARGUMENTS`` in a fresh interpreter, its output captured."""
     return subprocess.run(
@@ -27,6 +27,7 @@ def bench(*arguments: str, check: bool = False) -> subprocess.CompletedProcess[s
 TINY_VIT = ("--model", "timm:vit_tiny_patch16_224", "--batch-sizes", "1", "--iters", "1")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_run_benchmark_without_gpu_measures_eager_only() -> None:
     seen: list[int] = []
     report = run_benchmark(
@@ -39,6 +40,23 @@ def test_run_benchmark_without_gpu_measures_eager_only() -> None:
     # vit_tiny: about 1.26 GFLOP per 224x224 image (counted from the model's shapes)
     assert 2.0 < first.gflop < 3.0 and second.gflop == pytest.approx(2 * first.gflop)
     assert report.pool_ratio is None and report.matmul_tflops is None
+
+
+def test_run_benchmark_counts_flops_where_a_parameter_is_a_module_input() -> None:
+    """timm's attention pooling passes its latent query, a parameter, to a linear layer; the
+    FLOP count of such a model must work under inference mode and equal a count made
+    with gradients off."""
+    import timm
+
+    report = run_benchmark("timm:test_vit3", [2], iters=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, report.dtype)
+    model = timm.create_model("test_vit3", pretrained=False).to(device, dtype).eval()
+    shape = timm.models.get_pretrained_cfg_value("test_vit3", "input_size")
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.requires_grad_(False)(torch.randn(2, *shape, device=device, dtype=dtype))
+    assert report.rows[0].gflop == pytest.approx(counter.get_total_flops() / 1e9)
+    assert report.rows[0].gflop > 0
 
 
 def sample_report() -> BenchReport:

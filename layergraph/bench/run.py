@@ -8,7 +8,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -188,7 +188,7 @@ def _measure(
 ) -> BenchRow:
     """One batch size. Eager and the references run on the model as it was before wrapping."""
     with graphed.original() if graphed is not None else contextlib.nullcontext(model) as original:
-        with FlopCounterMode(display=False) as counter:
+        with _parameters_frozen(original), FlopCounterMode(display=False) as counter:
             expected = original(*args, **kwargs)
         row = BenchRow(
             batch=batch,
@@ -205,6 +205,24 @@ def _measure(
     if graphed.stats.eager_total:
         raise RuntimeError(f"layergraph ran eagerly during the benchmark: {graphed.stats}")
     return row
+
+
+@contextlib.contextmanager
+def _parameters_frozen(model: torch.nn.Module) -> Iterator[None]:
+    """``requires_grad`` off for ``model``'s parameters while counting FLOPs, restored after.
+
+    FlopCounterMode's module tracker hooks the gradient of every module input that requires
+    grad, which fails under inference mode when a parameter is itself an input (the latent
+    query of timm's attention pooling, for one).
+    """
+    frozen = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
 
 
 def _matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
