@@ -135,9 +135,24 @@ def _compile_layers(
             f"adapter does not name"
         )
     for layer in layers:
-        layer.compile(**compile_options(setting))
-        layer._compiled_call_impl = compiled_call(layer._compiled_call_impl, budget)
+        compiled = torch.compile(_calling(layer), **compile_options(setting))
+        layer._compiled_call_impl = compiled_call(compiled, budget)  # as nn.Module.compile() does
     return layers
+
+
+def _calling(layer: nn.Module) -> Callable[..., Any]:
+    """A function that calls ``layer`` (hooks and forward), for torch.compile to trace.
+
+    Compiling this function rather than the layer's own ``_call_impl`` (what
+    ``nn.Module.compile()`` compiles) gives Dynamo a first frame outside ``torch.nn``, which
+    some PyTorch versions (2.11, for one) skip for PyTorch's own layers
+    (``nn.TransformerEncoderLayer``, say): those would run uncompiled without a word.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return layer._call_impl(*args, **kwargs)
+
+    return call
 
 
 def _compiled_region(
@@ -268,7 +283,7 @@ class GraphedModule(nn.Module):
         self._runner.release()
         self._plan.detach()
         for layer in self._compiled_layers:
-            layer._compiled_call_impl = None  # what nn.Module.compile() set
+            layer._compiled_call_impl = None  # what _compile_layers set
         self._compiled_layers = []
         return self.module
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import textwrap
@@ -17,6 +18,44 @@ if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on machines without a GPU. The variable is
     # read when a kernel module is imported, so it is set before any test imports one.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@functools.cache
+def triton_interpreter_fault() -> str | None:
+    """Why Triton's interpreter cannot run the project's kernels on this machine, or None.
+
+    The kernels loop up to bounds loaded from memory (sequence lengths). Triton 3.6's
+    interpreter turns such a bound into a Python int in a way NumPy 2.4 refuses; Triton 3.8
+    with NumPy 2.4, and Triton 3.6 with NumPy 2.3, both run it.
+    """
+    if torch.cuda.is_available():
+        return None
+    try:
+        import numpy
+        import triton
+    except ImportError as error:
+        return f"{error.name} is not installed"
+    from _triton_probe import count_to_loaded_bound
+
+    bound, counted = torch.tensor([3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    try:
+        count_to_loaded_bound[(1,)](bound, counted)
+    except Exception as error:  # the interpreter's own error types differ between versions
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run a loop to a bound loaded "
+            f"from memory with NumPy {numpy.__version__} ({type(error).__name__}: {error})"
+        )
+    if counted.item() != 3:
+        return f"Triton {triton.__version__}'s interpreter counted {counted.item()} to 3"
+    return None
+
+
+@pytest.fixture
+def runnable_triton() -> None:
+    """Skips the test where Triton's interpreter cannot run the project's kernels."""
+    fault = triton_interpreter_fault()
+    if fault is not None:
+        pytest.skip(fault)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -175,7 +175,11 @@ def test_compiled_layers_inside_the_graph_equal_eager() -> None:
         graphed = layergraph.wrap(model, batch_sizes=[1, 4], compile_layers=True)
         for batch, x in inputs.items():
             assert relative_error(graphed(x), expected[batch]) <= DEFAULT_TOLERANCE[torch.bfloat16]
-    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            graphed(inputs[1])
+            torch.cuda.synchronize()
+    assert any(event.key.startswith("triton_") for event in profile.key_averages())
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
     graphed.unwrap()
     assert model.blocks[0]._compiled_call_impl is None
 

@@ -48,7 +48,7 @@ def tiles(batch: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def triton_interpreter() -> None:
+def triton_interpreter(runnable_triton: None) -> None:
     """The Triton backend on CPU tensors, through the interpreter (set up in conftest.py)."""
     if torch.cuda.is_available():
         pytest.skip("runs the Triton backend on CPU tensors, for machines without a GPU")

@@ -7,6 +7,7 @@ same kernels as eager on a zero-padded batch, so 1e-4 relative, 1e-5 absolute.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import pytest
@@ -430,8 +431,27 @@ def test_fused_qkv_attention_weights_still_come_back() -> None:
         torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
 
 
+def dynamo_traces_context_variables() -> bool:
+    """Whether this PyTorch's Dynamo reads ``ContextVar.get()`` without a graph break (the
+    InternVL adapter's attention finds its bound state that way)."""
+    variable: contextvars.ContextVar[int] = contextvars.ContextVar("probe", default=1)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x + 1) * variable.get() + 1, backend=counting_backend)(torch.ones(2))
+    torch._dynamo.reset()
+    return len(graphs) == 1
+
+
 @pytest.mark.parametrize("adapter", ["siglip", "internvl"])
 def test_compiled_layers_with_fused_qkv_are_one_graph_per_layer_shape(adapter: str) -> None:
+    """One graph per layer; where Dynamo cannot read a context variable (torch 2.11, for one),
+    InternVL's layer breaks at its attention's state lookup only: before, in and after the
+    attention."""
     if adapter == "siglip":
         model = built(transformers.SiglipVisionModel, siglip_config())
         call = {"pixel_values": images(2)}
@@ -465,7 +485,8 @@ def test_compiled_layers_with_fused_qkv_are_one_graph_per_layer_shape(adapter: s
         got = graphed(**call).last_hidden_state
         graphed.unwrap()
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
-    assert len(graphs) == 1, "a graph break inside the compiled layer"
+    breaks_at_state = adapter == "internvl" and not dynamo_traces_context_variables()
+    assert len(graphs) == (3 if breaks_at_state else 1), "a graph break inside the compiled layer"
 
 
 def test_fuse_qkv_refuses_attention_without_separate_projections() -> None:

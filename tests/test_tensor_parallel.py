@@ -86,7 +86,7 @@ def _worker(rank: int, init_file: str, case: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPUs run the NCCL recipe")
 @pytest.mark.parametrize("case", list(CASES))
-def test_split_tower_matches_the_unsplit_one(case: str) -> None:
+def test_split_tower_matches_the_unsplit_one(case: str, runnable_triton: None) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     init_file = tempfile.mktemp(prefix="layergraph-tp-")
     torch.multiprocessing.spawn(_worker, args=(init_file, case), nprocs=WORLD, join=True)

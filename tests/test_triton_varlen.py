@@ -39,6 +39,7 @@ BF16 = pytest.param(
         reason="Triton's interpreter computes tl.dot on bfloat16 bit patterns as integers",
     ),
 )
+pytestmark = pytest.mark.usefixtures("runnable_triton")
 SMALL = VarlenConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
 
 
