@@ -2,6 +2,8 @@
 # The GPU run, in parts:
 #   checks:  versions, the CUDA-marked tests, the torch.compile coexistence diagnostics, the demo
 #            in fp16, the attention-kernel, InternViT and SigLIP/CLIP benchmarks;
+#   tests:   the tests not marked cuda, which take their GPU paths where there is a GPU (about
+#            3 minutes on an H200);
 #   profile: where a replay's time goes, per benchmark model: every speed option and
 #            torch.compile at batch 1, every speed option at batch 32;
 #   bench:   `layergraph bench` for the three benchmark models at six batch sizes: eager,
@@ -15,7 +17,7 @@
 # call. On an H200 with a cold Inductor cache, checks take under 10 minutes (the tests about 4)
 # and bench 4 to 7 per model, most of it compiling: on two GPUs, run
 # `checks bench:vit_base_patch16_224` in one call, `bench:siglip-so400m-384
-# bench:internvit-300m` in the next, and `profile tp` in a third.
+# bench:internvit-300m` in the next, and `tests profile` and `tp` in further calls.
 # Under $OUT (or ./gpu-results when OUT is unset): log-<part>.txt with each part's console
 # output, and results.tgz with every JSON written. At most 8 files come back: keep it so.
 set -uo pipefail
@@ -23,7 +25,7 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 results=$(mktemp -d)
-parts=("${@:-checks profile bench tp}")
+parts=("${@:-checks tests profile bench tp}")
 read -r -a parts <<<"${parts[*]}"
 export PYTHONUNBUFFERED=1 COLUMNS=160
 gpus=$(nvidia-smi -L | wc -l)
@@ -57,6 +59,16 @@ checks() {
   step "$log" python3 benchmarks/attention_kernel.py || status=1
   step "$log" python3 benchmarks/internvl.py --json "$results/internvl.json" || status=1
   step "$log" python3 benchmarks/towers.py || status=1
+  pack
+  return $status
+}
+
+tests() {
+  local log="$out/log-tests.txt"
+  versions >>"$log" 2>&1
+  step "$log" python3 -m pytest -q -m "not cuda" tests -p no:cacheprovider \
+    --junitxml "$results/tests.xml"
+  local status=$?
   pack
   return $status
 }
@@ -109,7 +121,7 @@ tp() {
 
 for part in "${parts[@]}"; do
   case $part in
-    checks | profile | bench | tp | bench:vit_base_patch16_224 | bench:siglip-so400m-384 | bench:internvit-300m) ;;
+    checks | tests | profile | bench | tp | bench:vit_base_patch16_224 | bench:siglip-so400m-384 | bench:internvit-300m) ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done
