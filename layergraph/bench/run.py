@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -229,17 +228,8 @@ def _matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
     """The GPU's measured matrix-product rate: median of 10 products of random matrices."""
     a = torch.randn(size, size, device="cuda", dtype=dtype)
     b = torch.randn(size, size, device="cuda", dtype=dtype)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * size**3 / statistics.median(times) / 1e9
+    ms = median_ms(lambda: a @ b, device=a.device, warmup=3, iters=10)
+    return 2 * size**3 / ms / 1e9
 
 
 def _versions() -> dict[str, str]:
