@@ -1,11 +1,14 @@
 """One matrix product for the q, k and v projections of an attention module.
 
-``FusedQKV`` copies a module's ``q_proj``, ``k_proj`` and ``v_proj`` weights (and biases) into
-one ``[3 * width, width]`` tensor once, then makes the three projections' own parameters views
-of it: nothing else is copied, ``state_dict`` keys and the module's own forward are unchanged,
-and in-place weight updates reach the fused tensor. Re-allocated parameters
-(``model.to(...)``, ``load_state_dict(..., assign=True)``) are fused again by :meth:`refresh`,
-which plans call before running their region, outside any capture and any compiled code.
+:class:`FusedQKV` is a change made through the wrapper's ledger. Applied, it copies a
+module's ``q_proj``, ``k_proj`` and ``v_proj`` weights (and biases) into one
+``[3 * width, width]`` tensor and makes the three projections' parameters views of it: the
+``Parameter`` objects stay the same (an optimizer holding them still holds them), nothing else
+is copied, ``state_dict`` keys and the module's own forward are unchanged, and in-place weight
+updates reach the fused tensor. Undone, each parameter gets its own storage back, holding the
+values it holds then. Re-allocated parameters (``model.to(...)``,
+``load_state_dict(..., assign=True)``) are fused again by :meth:`FusedQKV.refresh`, which plans
+call before running their region, outside any capture and any compiled code.
 
 ``fused_attention_forward`` is a forward for transformers' CLIP-style attention modules
 (``CLIPAttention``, ``SiglipAttention``) that takes q, k and v from the fused product and
@@ -23,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layergraph.ledger import Change
+
 __all__ = ["FusedQKV", "fused_attention_forward", "has_qkv_projections"]
 
 
@@ -34,8 +39,13 @@ def has_qkv_projections(module: nn.Module) -> bool:
 _NAMES = ("q_proj", "k_proj", "v_proj")
 
 
-class FusedQKV:
-    """The fused q/k/v weight (and bias) of one attention module; see the module docstring."""
+class FusedQKV(Change):
+    """The fused q/k/v weight (and bias) of one attention module; see the module docstring.
+
+    :attr:`weight` and :attr:`bias` exist from the first :meth:`apply` on, and are kept across
+    an undo, so that applying again (after ``GraphedModule.original()``) reuses them and the
+    projections' parameters get back the addresses the graphs read.
+    """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -46,27 +56,56 @@ class FusedQKV:
                 f"fuse_qkv needs q_proj, k_proj and v_proj linear layers; "
                 f"{type(module).__name__} does not have them"
             )
-        self._module = module
+        if any(hasattr(p.weight, "to_local") for p in _projections(module)):
+            raise ValueError("fuse_qkv does not combine with tensor-parallel (DTensor) weights")
+        self.target = module
+        self.what = "q, k and v weights made views of one fused weight (fuse_qkv)"
+        self._own: list[torch.Tensor] = []
+        """The parameters' own data from before :meth:`apply`, weights then biases."""
+
+    def _parameters(self) -> list[nn.Parameter]:
+        projections = _projections(self.target)
+        return [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+
+    def apply(self) -> None:
+        self._own = [p.data for p in self._parameters()]
         self._fuse()
 
-    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        return tuple(getattr(self._module, name) for name in _NAMES)  # type: ignore[return-value]
-
+    @torch.no_grad()
     def _fuse(self) -> None:
-        projections = self._projections()
-        if any(hasattr(p.weight, "to_local") for p in projections):
-            raise ValueError("fuse_qkv does not combine with tensor-parallel (DTensor) weights")
+        projections = _projections(self.target)
+        weights = [p.weight.data for p in projections]
+        biases = [p.bias.data for p in projections if p.bias is not None]
+        if not _fits(getattr(self, "weight", None), weights):
+            self.weight = torch.empty(
+                (sum(w.shape[0] for w in weights), *weights[0].shape[1:]),
+                dtype=weights[0].dtype,
+                device=weights[0].device,
+            )
+            self.bias = None
+        if biases and not _fits(self.bias, biases):
+            self.bias = torch.empty(
+                sum(b.shape[0] for b in biases), dtype=biases[0].dtype, device=biases[0].device
+            )
         width = projections[0].out_features
-        with torch.no_grad():
-            self.weight = torch.cat([p.weight for p in projections])
-            has_bias = projections[0].bias is not None
-            self.bias = torch.cat([p.bias for p in projections]) if has_bias else None
         for index, projection in enumerate(projections):
             rows = slice(index * width, (index + 1) * width)
-            trainable = projection.weight.requires_grad
-            projection.weight = nn.Parameter(self.weight[rows], requires_grad=trainable)
-            if self.bias is not None:
-                projection.bias = nn.Parameter(self.bias[rows], requires_grad=trainable)
+            self.weight[rows].copy_(projection.weight.data)
+            projection.weight.data = self.weight[rows]
+            if projection.bias is not None:
+                self.bias[rows].copy_(projection.bias.data)
+                projection.bias.data = self.bias[rows]
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        for parameter, own in zip(self._parameters(), self._own):
+            now = parameter.data
+            if own.shape == now.shape and own.dtype == now.dtype and own.device == now.device:
+                own.copy_(now)
+                parameter.data = own
+            else:  # moved or converted while wrapped: keep the change, drop the fused storage
+                parameter.data = now.clone()
+        self._own = []
 
     @torch.compiler.disable
     def refresh(self) -> None:
@@ -76,10 +115,26 @@ class FusedQKV:
         as it is.
         """
         weight = self.weight
-        step = weight.stride(0) * self._projections()[0].out_features * weight.element_size()
+        projections = _projections(self.target)
+        step = weight.stride(0) * projections[0].out_features * weight.element_size()
         expected = [weight.data_ptr() + index * step for index in range(3)]
-        if [p.weight.data_ptr() for p in self._projections()] != expected:
+        if [p.weight.data_ptr() for p in projections] != expected:
             self._fuse()
+
+
+def _projections(module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    return tuple(getattr(module, name) for name in _NAMES)  # type: ignore[return-value]
+
+
+def _fits(fused: torch.Tensor | None, parts: list[torch.Tensor]) -> bool:
+    """Whether ``fused`` can hold ``parts`` stacked: the same total rows, dtype and device."""
+    return (
+        fused is not None
+        and fused.shape[0] == sum(p.shape[0] for p in parts)
+        and fused.shape[1:] == parts[0].shape[1:]
+        and fused.dtype == parts[0].dtype
+        and fused.device == parts[0].device
+    )
 
 
 def fused_attention_forward(module: nn.Module, fused: FusedQKV) -> Callable[..., Any]:

@@ -74,12 +74,11 @@ def mlp_parts(mlp: nn.Module) -> tuple[nn.Linear, nn.Module, nn.Linear] | None:
 
 
 class GeluEpilogue(InferenceForward):
-    """Runs ``mlp``'s up-projection and GELU as one product while attached.
+    """Runs ``mlp``'s up-projection and GELU as one product while applied.
 
     Raises ``ValueError`` if ``mlp`` is not ``fc2(gelu(fc1(x)))`` (see :func:`mlp_parts`), if
     its GELU is the exact one and ``approximate`` is false, or if ``fc1`` has hooks or
-    tensor-parallel weights (the product bypasses ``fc1``'s call). Attaching again while
-    attached changes nothing.
+    tensor-parallel weights (the product bypasses ``fc1``'s call).
     """
 
     def __init__(self, mlp: nn.Module, *, approximate: bool = False) -> None:
@@ -106,7 +105,7 @@ class GeluEpilogue(InferenceForward):
                 f"fuse_gelu computes {type(mlp).__name__}.fc1 from its weight and bias directly, "
                 f"so it does not combine with tensor-parallel (DTensor) weights or hooks on fc1"
             )
-        super().__init__(mlp)
+        super().__init__(mlp, "up-projection and GELU as one product (fuse_gelu)")
         self._fc1, _, self._fc2 = parts
 
     def compute(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ every caller (``generate``, ``get_image_features``) reaches the graphs. ``unwrap
 Feature layers: a VLM that reads hidden states before the last layer (LLaVA reads layer -2)
 does not need the layers after it. With ``feature_layers`` set, calls that ask for hidden
 states run a graph that stops at the deepest layer needed and returns those hidden states at
-their usual indices of ``hidden_states`` (other entries, ``last_hidden_state`` and
-``pooler_output`` are ``None``). Calls that need more run eagerly and say why.
+their usual indices of ``hidden_states``. What the graph did not compute
+(``last_hidden_state``, ``pooler_output``, the other hidden states) is computed eagerly, by the
+tower's whole forward on the same inputs, the first time a caller reads it, so the output
+holds what the model's would. Calls that say they need more run eagerly and say why.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel
+from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, PlanContext
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
+from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
+from layergraph_adapters.feature_outputs import with_rest_on_demand
 from layergraph_adapters.fused_qkv import FusedQKV, fused_attention_forward
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
 from layergraph_adapters.patch_embedding import patch_matmul_for
-from layergraph_adapters.rewrites import Rewrite
+from layergraph_adapters.tokens import ImageTokens
+from layergraph_adapters.versions import require_transformers
 
 _TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
 
@@ -136,7 +141,8 @@ class VisionTowerAdapter(Adapter):
             return False
         return find_tower(model, transformers_classes(*self.tower_classes)) is not None
 
-    def plan(self, model: nn.Module) -> CapturePlan:
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        require_transformers(self.name)
         try:
             classes = transformers_classes(*self.tower_classes)
         except ImportError as error:
@@ -154,10 +160,10 @@ class VisionTowerAdapter(Adapter):
         layers = self.feature_layers
         if layers is None and tower is not model:
             layers = vlm_feature_layers(model)
-        return self.make_plan(tower, layers)
+        return self.make_plan(tower, layers, context)
 
     def make_plan(
-        self, tower: nn.Module, feature_layers: int | list[int] | None
+        self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
     ) -> VisionTowerPlan:
         """The plan for ``tower``; subclasses return a richer one (routed attention, say)."""
         return VisionTowerPlan(
@@ -187,6 +193,9 @@ class VisionTowerAdapter(Adapter):
 
 class VisionTowerPlan(CapturePlan):
     """A transformers vision tower's whole forward, keyed by (images, tokens per image)."""
+
+    attention_routing: ClassVar[str] = "q, k and v from the fused product (fuse_qkv)"
+    """What the routed attention forward does, for ``GraphedModule.changes``."""
 
     def __init__(
         self,
@@ -219,6 +228,7 @@ class VisionTowerPlan(CapturePlan):
             )
         self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
         """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
+        self._changes: ChangeLedger | None = None
         embeddings = _embeddings(tower)
         mlps = [layer.mlp for layer in self.layers() if hasattr(layer, "mlp")]
         if fuse_gelu and len(mlps) != self.depth:
@@ -226,12 +236,12 @@ class VisionTowerPlan(CapturePlan):
                 f"fuse_gelu needs an MLP in every layer; {type(tower).__name__}'s layers have "
                 f"no mlp"
             )
-        self._rewrites: list[Rewrite] = [
+        self._rewrites: list[Change] = [
             *([RowMajorOutput(embeddings)] if embeddings is not None else []),
             *patch_matmul_for(embeddings, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
         ]
-        """What is rewritten while wrapped, each with ``attach`` and ``detach``: the
+        """What is rewritten while wrapped, each a change made through the ledger: the
         embeddings' output made row-major (SigLIP's comes out column-major,
         :mod:`layergraph_adapters.layout`; CLIP's is row-major already), and the
         ``patch_matmul`` and ``fuse_gelu`` options."""
@@ -270,9 +280,13 @@ class VisionTowerPlan(CapturePlan):
         return self._forward(*args, **kwargs)
 
     def sequence_of(self, call: CallInputs) -> Hashable:
-        pixels = call.tensors[0]
-        height, width = pixels.shape[-2:]
-        return (height // self.patch_size[0]) * (width // self.patch_size[1]) + self.prefix_tokens
+        height, width = call.tensors[0].shape[-2:]
+        return self.image_tokens(height, width)
+
+    def image_tokens(self, height: int, width: int) -> ImageTokens:
+        """The sequence of an image of ``height`` x ``width`` pixels."""
+        patches = (height // self.patch_size[0]) * (width // self.patch_size[1])
+        return ImageTokens(patches + self.prefix_tokens, height, width)
 
     def eager_reason(self, call: CallInputs) -> str | None:
         _, kwargs = call.rebuild(call.tensors)
@@ -324,21 +338,29 @@ class VisionTowerPlan(CapturePlan):
     def capture_module(self) -> nn.Module:
         return self.owner
 
-    def attach(self, serve: Callable[..., Any]) -> None:
-        self.owner.forward = serve
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        self._changes = changes
+        changes.set_forward(self.owner, self._tower_forward(serve), "forward routed to the graphs")
+        for fusion in self.fusions:
+            changes.apply(fusion)
         for index, module in enumerate(self._attentions):
             routed = self.routed_attention(index, module)
             if routed is not None:
-                module.forward = routed
+                changes.set_forward(module, routed, self.attention_routing)
         for rewrite in self._rewrites:
-            rewrite.attach()
+            changes.apply(rewrite)
 
-    def detach(self) -> None:
-        self.owner.__dict__.pop("forward", None)
-        for module in self._attentions:
-            module.__dict__.pop("forward", None)
-        for rewrite in self._rewrites:
-            rewrite.detach()
+    def _tower_forward(self, serve: Callable[..., Any]) -> Callable[..., Any]:
+        """The tower's forward while wrapped: ``serve``, and what feature graphs left out
+        computed on demand."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = serve(*args, **kwargs)
+            if self.feature_layers is None or not kwargs.get("output_hidden_states"):
+                return out
+            return with_rest_on_demand(out, lambda: self._forward(*args, **kwargs))
+
+        return forward
 
     # ---- feature layers ----------------------------------------------------------------------
 
@@ -354,13 +376,18 @@ class VisionTowerPlan(CapturePlan):
     @contextlib.contextmanager
     def _truncated(self, depth: int) -> Iterator[None]:
         """The tower with only its first ``depth`` layers, for the duration of one call."""
+        if self._changes is None:
+            raise RuntimeError("feature layers are served only while the model is wrapped")
         with self._truncation:
             layers = getattr(self._parent, self._layers_name)
-            setattr(self._parent, self._layers_name, nn.ModuleList(list(layers)[:depth]))
-            try:
+            cut = ReplaceSubmodule(
+                self._parent,
+                self._layers_name,
+                nn.ModuleList(list(layers)[:depth]),
+                f"layers cut after layer {depth} for one call (feature_layers)",
+            )
+            with self._changes.temporarily(cut):
                 yield
-            finally:
-                setattr(self._parent, self._layers_name, layers)
 
 
 def _embeddings(tower: nn.Module) -> nn.Module | None:

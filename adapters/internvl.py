@@ -10,8 +10,9 @@ restores the tower.
 Each attention module computes q, k and v as usual and hands them, packed as
 ``[tokens, heads, head_dim]`` views of the projections, to the attention backend chosen with
 ``attention=``: ``sdpa`` (dense), ``triton`` (layergraph's varlen kernel, writing into a
-per-key workspace), ``fa3`` (FA3 or PyTorch's varlen flash kernel) or ``auto`` (the fastest
-here, measured). Attention metadata comes from the ``attention_metadata`` hook, once per key.
+per-key workspace), ``fa3`` (FA3 or PyTorch's varlen flash kernel), any backend a plugin
+registers through the ``register_attention_backends`` hook, or ``auto`` (the fastest here,
+measured). Attention metadata comes from the ``attention_metadata`` hook, once per key.
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layergraph import AdapterMismatch, ShapeKey, hookimpl
+from layergraph import AdapterMismatch, PlanContext, ShapeKey, hookimpl
 from layergraph.attention import (
-    BACKEND_NAMES,
     AttentionBackend,
     AttentionMetadata,
     SequenceLayout,
     choose_backend,
 )
 from layergraph.keys import CallInputs
-from layergraph.plugins import get_registry
 from layergraph_adapters.fused_qkv import FusedQKV
 from layergraph_adapters.hf_vision import (
     VisionTowerAdapter,
@@ -92,15 +91,15 @@ class InternVLAdapter(VisionTowerAdapter):
         patch_matmul: bool = False,
         fuse_gelu: bool | str = False,
     ) -> None:
-        if attention not in BACKEND_NAMES:
-            raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKEND_NAMES)}")
         super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu)
         self.attention = attention
 
     def make_plan(
-        self, tower: nn.Module, feature_layers: int | list[int] | None
+        self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
     ) -> VisionTowerPlan:
-        return InternViTPlan(tower, self.attention, feature_layers, **self.rewrite_options())
+        return InternViTPlan(
+            tower, self.attention, context, feature_layers, **self.rewrite_options()
+        )
 
 
 @dataclass(frozen=True)
@@ -121,10 +120,13 @@ _current_state: contextvars.ContextVar[AttentionState | None] = contextvars.Cont
 class InternViTPlan(VisionTowerPlan):
     """The tower's whole forward, keyed by (tiles, tokens per tile), with routed attention."""
 
+    attention_routing = "q, k and v handed to the chosen attention backend"
+
     def __init__(
         self,
         tower: nn.Module,
         attention: str,
+        context: PlanContext,
         feature_layers: int | list[int] | None = None,
         **rewrites: Any,
     ) -> None:
@@ -140,7 +142,11 @@ class InternViTPlan(VisionTowerPlan):
                 f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
             )
         super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers, **rewrites)
+        names = (*context.registry.attention_backend_names(), "auto")
+        if attention not in names:
+            raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")
         self.attention = attention
+        self._registry = context.registry
         self.head_dim = config.hidden_size // heads
         self.heads = _local_rows(tower.encoder.layer[0].attention.q_proj.weight) // self.head_dim
         """Heads this process computes: all of them, or its share under tensor parallelism."""
@@ -152,7 +158,7 @@ class InternViTPlan(VisionTowerPlan):
         if _current_state.get() is not None or kwargs.get("output_attentions"):
             return super().region(*args, **kwargs)
         pixels = pixels_of(args, kwargs)
-        tokens = self.sequence_of(CallInputs((pixels,), {}))
+        tokens = self.image_tokens(*pixels.shape[-2:]).tokens
         state = self._eager_state(pixels.shape[0], tokens, pixels.device, self._dtype())
         with self.bound(state):
             return super().region(*args, **kwargs)
@@ -162,7 +168,7 @@ class InternViTPlan(VisionTowerPlan):
 
     def key_state(self, key: ShapeKey, call: CallInputs) -> AttentionState:
         pixels = call.tensors[0]
-        state = self._build_state(key.batch, key.sequence, pixels.device, self._dtype())
+        state = self._build_state(key.batch, key.sequence.tokens, pixels.device, self._dtype())
         self.attention_by_key[key] = f"{state.backend.name} ({state.backend.implementation})"
         return state
 
@@ -189,8 +195,16 @@ class InternViTPlan(VisionTowerPlan):
         self, batch: int, tokens: int, device: torch.device, dtype: torch.dtype
     ) -> AttentionState:
         layout = SequenceLayout.uniform(batch, tokens)
-        backend = choose_backend(self.attention, device, dtype, self.heads, self.head_dim, layout)
-        metadata = get_registry().attention_metadata(
+        backend = choose_backend(
+            self.attention,
+            device,
+            dtype,
+            self.heads,
+            self.head_dim,
+            layout,
+            backends=self._registry.attention_backends(),
+        )
+        metadata = self._registry.attention_metadata(
             backend=backend.name, layout=layout, device=device
         )
         workspace = (

@@ -15,28 +15,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from layergraph.ledger import AddForwardHook
+
 __all__ = ["RowMajorOutput"]
 
 
-class RowMajorOutput:
-    """Makes ``module``'s tensor output row-major (``contiguous()``) while attached.
+class RowMajorOutput(AddForwardHook):
+    """Makes ``module``'s tensor output row-major (``contiguous()``) while applied.
 
-    Attaching again while attached changes nothing; an output that is row-major already is
-    returned as it is, at no cost. It does not copy outputs that are not tensors.
+    A forward hook, registered by applying this change through the wrapper's ledger and
+    removed by undoing it. An output that is row-major already is returned as it is, at no
+    cost; outputs that are not tensors are not copied.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self._hook: torch.utils.hooks.RemovableHandle | None = None
-
-    def attach(self) -> None:
-        if self._hook is None:
-            self._hook = self.module.register_forward_hook(_contiguous_output)
-
-    def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        super().__init__(module, _contiguous_output, "output made row-major")
 
 
 def _contiguous_output(_: nn.Module, __: Any, output: Any) -> Any:

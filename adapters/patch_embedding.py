@@ -7,11 +7,12 @@ convolution, converting layouts on the way; on an H200 the product took 0.006 in
 0.102 ms for vit_base at batch 1, and 0.30 instead of 1.94 ms for InternViT-300M at batch 32
 (``benchmarks/fusion_candidates.py``).
 
-:class:`PatchMatmul` routes one such convolution while attached. Its output has the
+:class:`PatchMatmul` routes one such convolution while applied. Its output has the
 convolution's shape and values (up to rounding: the sums run in another order); it is stored
 channels-last, so the usual ``flatten(2).transpose(1, 2)`` that follows gives a row-major token
 sequence without a copy. The weight is used through a view, so in-place weight updates reach
-it. Training calls run the convolution.
+it. Training calls run the convolution. It is a change made through the wrapper's ledger
+(:class:`~layergraph_adapters.rewrites.InferenceForward`).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def patch_matmul_for(embeddings: nn.Module | None, setting: bool) -> list[PatchM
 
 
 class PatchMatmul(InferenceForward):
-    """Runs the patch convolution ``conv`` as one matrix product while attached.
+    """Runs the patch convolution ``conv`` as one matrix product while applied.
 
-    Attaching again while attached changes nothing. Raises ``ValueError`` for a convolution
-    that is not a patch embedding (see :func:`is_patch_convolution`).
+    Raises ``ValueError`` for a convolution that is not a patch embedding (see
+    :func:`is_patch_convolution`).
     """
 
     def __init__(self, conv: nn.Module) -> None:
@@ -66,7 +67,7 @@ class PatchMatmul(InferenceForward):
                 f"patch_matmul needs a Conv2d whose kernel equals its stride, with no padding, "
                 f"dilation or groups; got {conv!r}"
             )
-        super().__init__(conv)
+        super().__init__(conv, "patch convolution as one matrix product (patch_matmul)")
 
     def compute(self, pixels: torch.Tensor) -> torch.Tensor:
         return patch_product(pixels, self.module.weight, self.module.bias)

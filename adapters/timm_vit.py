@@ -10,28 +10,26 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, WholeForward, hookimpl
+from layergraph import (
+    Adapter,
+    AdapterMismatch,
+    CapturePlan,
+    ExampleModel,
+    PlanContext,
+    WholeForward,
+    hookimpl,
+)
 from layergraph.keys import CallInputs
+from layergraph.ledger import Change, ChangeLedger
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
 from layergraph_adapters.patch_embedding import patch_matmul_for
-from layergraph_adapters.rewrites import Rewrite
-
-
-class ImageTokens(NamedTuple):
-    """The sequence of a ViT key: tokens per image, and the image size that gives them."""
-
-    tokens: int
-    height: int
-    width: int
-
-    def __str__(self) -> str:
-        return f"{self.tokens} tokens ({self.height}x{self.width})"
+from layergraph_adapters.tokens import ImageTokens
 
 
 def _vit_classes() -> tuple[type, ...]:
@@ -62,7 +60,7 @@ class TimmVisionTransformerAdapter(Adapter):
             return False
         return isinstance(model, _vit_classes())
 
-    def plan(self, model: nn.Module) -> CapturePlan:
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         try:
             classes = _vit_classes()
         except ImportError as error:
@@ -105,23 +103,20 @@ class _TimmViTPlan(WholeForward):
     def __init__(self, model: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str) -> None:
         super().__init__(model)
         mlps = [getattr(block, "mlp", block) for block in model.blocks]
-        self._rewrites: list[Rewrite] = [
+        self._rewrites: list[Change] = [
             *([RowMajorOutput(model.patch_embed)] if model.num_prefix_tokens == 0 else []),
             *patch_matmul_for(model.patch_embed, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
         ]
-        """What is rewritten while wrapped. Without class or register tokens the position
-        embedding is added to the transposed patch grid, so the patch embedding's output is
-        made row-major (:mod:`layergraph_adapters.layout`); a concatenated token makes the
-        sequence row-major already. Then the ``patch_matmul`` and ``fuse_gelu`` options."""
+        """What is rewritten while wrapped, each a change made through the ledger. Without
+        class or register tokens the position embedding is added to the transposed patch
+        grid, so the patch embedding's output is made row-major
+        (:mod:`layergraph_adapters.layout`); a concatenated token makes the sequence
+        row-major already. Then the ``patch_matmul`` and ``fuse_gelu`` options."""
 
-    def attach(self, serve: Callable[..., Any]) -> None:
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         for rewrite in self._rewrites:
-            rewrite.attach()
-
-    def detach(self) -> None:
-        for rewrite in self._rewrites:
-            rewrite.detach()
+            changes.apply(rewrite)
 
     def layers(self) -> list[nn.Module]:
         return list(self.owner.blocks)

@@ -4,9 +4,17 @@ graphed = layergraph.wrap(model, adapter="timm")
 out = graphed(pixel_values)  # same outputs as model(pixel_values), replayed from a graph
 """
 
-from .adapter import Adapter, AdapterMismatch, CapturePlan, ExampleModel, WholeForward
+from .adapter import (
+    Adapter,
+    AdapterMismatch,
+    CapturePlan,
+    ExampleModel,
+    PlanContext,
+    WholeForward,
+)
 from .hookspecs import hookimpl
 from .keys import ShapeKey
+from .ledger import Change, ChangeLedger
 from .module import GraphedModule, unwrap, wrap
 from .plugins import AdapterInfo, UnknownAdapterError, list_adapters
 from .runner import DEFAULT_BATCH_SIZES, RunnerOptions
@@ -20,10 +28,13 @@ __all__ = [
     "AdapterInfo",
     "AdapterMismatch",
     "CapturePlan",
+    "Change",
+    "ChangeLedger",
     "ExampleModel",
     "GraphMismatchError",
     "GraphStats",
     "GraphedModule",
+    "PlanContext",
     "RunnerOptions",
     "SequentialAdapter",
     "ShapeKey",

@@ -5,6 +5,11 @@ A plan describes one region of that model: the computation graphs replace, the m
 parameters and mode decide whether a graph may serve, what fixes a graph besides the batch
 size, which inputs the model cannot take, and how calls reach the region. The runner knows
 only plans, never models.
+
+Making a plan reads the model and changes nothing; every change a plan needs while the model
+is wrapped (calls routed to the graphs, rewritten forwards, fused weights) is made in
+:meth:`CapturePlan.change_model`, through the wrapper's :class:`~layergraph.ledger.ChangeLedger`,
+which undoes it all on ``unwrap()``.
 """
 
 from __future__ import annotations
@@ -12,18 +17,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from .keys import CallInputs, ShapeKey
+from .ledger import ChangeLedger
+
+if TYPE_CHECKING:
+    from .plugins import AdapterRegistry
 
 __all__ = [
     "Adapter",
     "AdapterMismatch",
     "CapturePlan",
     "ExampleModel",
+    "PlanContext",
     "WholeForward",
     "own_forward",
 ]
@@ -47,11 +57,13 @@ class CapturePlan:
     serves_forward: ClassVar[bool] = False
     """True when the region *is* the wrapped model's forward: the wrapper then calls the runner
     directly. False when the region sits inside the model: the wrapper calls the model, and
-    :meth:`attach` has routed the region's calls to the runner."""
+    :meth:`change_model` has routed the region's calls to the runner."""
 
     batch_independent: ClassVar[bool] = True
     """Whether each row of the batch is computed independently of the others, so that a batch
-    may be padded with zero rows or split into chunks. False: only exact batch sizes replay."""
+    may be padded with zero rows or split into chunks. False: only exact batch sizes replay.
+    (Outputs that are not one row per input, a loss averaged over the batch say, are found at
+    capture and never padded or split, whatever this says.)"""
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         """Compute the region eagerly. This is what is captured, and what eager calls run."""
@@ -108,11 +120,15 @@ class CapturePlan:
         """
         return None
 
-    def attach(self, serve: Callable[..., Any]) -> None:
-        """Route the region's calls inside the model to ``serve``; a no-op for whole forwards."""
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        """Make the changes to the model this plan needs while it is wrapped, through
+        ``changes``: route the region's calls inside the model to ``serve`` (for a region
+        inside the model), rewrite what it computes otherwise.
 
-    def detach(self) -> None:
-        """Undo :meth:`attach`, leaving the model as it was before."""
+        Called once, when the model is wrapped; ``unwrap()`` undoes every change recorded in
+        ``changes``, newest first, and ``GraphedModule.original()`` undoes and re-applies
+        them. The default makes no change: a whole-forward plan is called by the wrapper.
+        """
 
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
@@ -148,6 +164,16 @@ class WholeForward(CapturePlan):
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         return self.owner(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What :meth:`Adapter.plan` is given besides the model."""
+
+    registry: AdapterRegistry
+    """The plugin registry the model is wrapped with: attention backends
+    (:meth:`~layergraph.plugins.AdapterRegistry.attention_backend`) and their metadata
+    (:meth:`~layergraph.plugins.AdapterRegistry.attention_metadata`)."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +215,12 @@ class Adapter:
         """
         return False
 
-    def plan(self, model: nn.Module) -> CapturePlan:
-        """The region of ``model`` to capture; raise :class:`AdapterMismatch` for other models."""
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        """The region of ``model`` to capture; raise :class:`AdapterMismatch` for other models.
+
+        Reads the model and changes nothing (changes go in :meth:`CapturePlan.change_model`).
+        ``context`` holds what a plan may need from layergraph besides the model.
+        """
         raise NotImplementedError
 
     def example_models(self) -> list[str]:

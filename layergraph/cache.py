@@ -1,8 +1,14 @@
-"""The graphs of one wrapped model: a bounded store with an admission rule.
+"""The graphs of one wrapped model, and everything the runner knows about each key.
 
 A stream of odd shapes must not exhaust the GPU: at most ``max_graphs`` graphs are held, the
 least recently used dropped first, and a shape is captured only once it has been seen
 ``capture_after`` times (the count of sightings is itself bounded).
+
+Everything known about one lookup (a bucket and a call signature) lives in :class:`GraphCache`,
+in exactly one of its tables: a graph (:class:`GraphEntry`, which carries what replays learn
+about it, :class:`ReplayRecord`), a count of sightings, or the reason its capture failed.
+Dropping a graph therefore forgets all there was to know about it: a key captured again is
+validated again.
 """
 
 from __future__ import annotations
@@ -18,44 +24,75 @@ from torch.utils import _pytree as pytree
 from .guards import HeldOutputs
 from .keys import ShapeKey
 
-__all__ = ["GraphCache", "GraphEntry"]
+__all__ = ["GraphCache", "GraphEntry", "ReplayRecord"]
 
 _SIGHTINGS_KEPT = 4096
 
 
+@dataclass(slots=True)
+class ReplayRecord:
+    """What replays of one graph have established; created with the graph, dropped with it."""
+
+    validated: bool = False
+    """Whether a replay was compared with eager and agreed (``validate=True``)."""
+    held: HeldOutputs = field(default_factory=HeldOutputs)
+    """The outputs handed out by the last replay, when they are the graph's own buffers."""
+
+
 @dataclass(frozen=True, slots=True)
 class GraphEntry:
-    """One captured graph and the buffers whose addresses it baked in."""
+    """One captured graph, the buffers whose addresses it baked in, and what replays learnt."""
 
     key: ShapeKey
     graph: Any
     static_inputs: tuple[torch.Tensor, ...]
     output_leaves: tuple[Any, ...]
     output_spec: pytree.TreeSpec
-    batched_outputs: tuple[bool, ...] = field(repr=False)
+    not_per_row: str | None = field(default=None, repr=False)
+    """Why the outputs are not one row per input (``"output 0 is 0-d"``), or ``None`` when
+    every tensor output has one row per input row. Such a graph serves only calls of exactly
+    its batch: padding or splitting would change what is computed over the batch."""
     state: Any = field(default=None, repr=False)
     """The plan's per-key buffers (attention metadata, workspaces), kept alive with the graph."""
     addresses: tuple[int, ...] = field(default=(), repr=False)
     """Data pointers of every buffer the graph reads or writes, as captured (debug checks)."""
-    held: HeldOutputs = field(default_factory=HeldOutputs, repr=False)
-    """The outputs handed out by the last replay, when they are the graph's own buffers."""
+    record: ReplayRecord = field(default_factory=ReplayRecord, repr=False)
+    """The mutable part: validation and held outputs."""
 
 
 class GraphCache:
-    """Graph entries by (bucket, call signature), least recently used first out."""
+    """Graph entries by lookup (bucket, call signature), least recently used first out; the
+    sightings of lookups not captured yet; the lookups whose capture failed.
+
+    A lookup is in at most one of the three tables. Capturing it (:meth:`admit` saying yes)
+    takes it out of the sightings; :meth:`fail` records a lookup that has no graph.
+    """
 
     def __init__(self, max_graphs: int, capture_after: int) -> None:
         self.max_graphs = max_graphs
         self.capture_after = capture_after
-        self._entries: OrderedDict[Hashable, GraphEntry] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, GraphEntry] = OrderedDict()
+        """Captured graphs, least recently used first (:meth:`get` moves one to the end), so
+        that :meth:`add` drops the first when ``max_graphs`` are held. An entry holds all there
+        is to know about its graph (buffers, the plan's per-key state, validation, held
+        outputs): removing it forgets all of that, and nothing else refers to the lookup."""
         self._sightings: OrderedDict[Hashable, int] = OrderedDict()
+        """Calls seen of each lookup without a graph, below ``capture_after``; least recently
+        seen first, so that the oldest is forgotten beyond ``_SIGHTINGS_KEPT`` lookups."""
+        self._failures: dict[Hashable, str] = {}
+        """Why capturing each lookup failed (it ran out of device memory): such a lookup runs
+        eagerly until :meth:`clear`. Few: each failure drops every graph."""
 
     def get(self, lookup: Hashable) -> GraphEntry | None:
         """The entry for ``lookup``, now the most recently used; ``None`` if absent."""
-        entry = self._entries.get(lookup)
+        entry = self._graphs.get(lookup)
         if entry is not None:
-            self._entries.move_to_end(lookup)
+            self._graphs.move_to_end(lookup)
         return entry
+
+    def failure(self, lookup: Hashable) -> str | None:
+        """Why capturing ``lookup`` failed, or ``None`` if it did not."""
+        return self._failures.get(lookup)
 
     def admit(self, lookup: Hashable) -> int | None:
         """Count a sighting of ``lookup``; ``None`` if it may be captured now, else the count."""
@@ -70,23 +107,32 @@ class GraphCache:
     def add(self, lookup: Hashable, entry: GraphEntry) -> GraphEntry | None:
         """Store ``entry``; return the least recently used entry it displaced, if any."""
         evicted = None
-        if lookup not in self._entries and len(self._entries) >= self.max_graphs:
-            _, evicted = self._entries.popitem(last=False)
-        self._entries[lookup] = entry
+        if lookup not in self._graphs and len(self._graphs) >= self.max_graphs:
+            _, evicted = self._graphs.popitem(last=False)
+        self._graphs[lookup] = entry
         return evicted
 
+    def fail(self, lookup: Hashable, reason: str) -> None:
+        """Record that capturing ``lookup`` failed for ``reason``; it must have no graph."""
+        self._sightings.pop(lookup, None)
+        self._failures[lookup] = reason
+
     def remove(self, lookup: Hashable) -> None:
-        self._entries.pop(lookup, None)
+        """Drop the graph of ``lookup``, if any, with all that was known about it."""
+        self._graphs.pop(lookup, None)
+
+    def drop_graphs(self) -> None:
+        """Drop every graph; sightings and failures stay."""
+        self._graphs.clear()
 
     def clear(self) -> None:
-        self._entries.clear()
+        """Forget everything: graphs, sightings and failures."""
+        self._graphs.clear()
         self._sightings.clear()
-
-    def __contains__(self, lookup: Hashable) -> bool:
-        return lookup in self._entries
+        self._failures.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._graphs)
 
     def __iter__(self) -> Iterator[GraphEntry]:
-        return iter(list(self._entries.values()))
+        return iter(list(self._graphs.values()))

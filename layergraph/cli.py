@@ -21,7 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     parser = argparse.ArgumentParser(prog="layergraph", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("adapters", help="list the adapters and any plugin that failed to load")
+    commands.add_parser(
+        "adapters",
+        help="list the adapters, the attention backends and any plugin or adapter that failed",
+    )
     demo = commands.add_parser("demo", help="graph a timm ViT with random weights and time it")
     demo.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
     demo.add_argument(
@@ -126,14 +129,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _adapters(console: Console) -> int:
     from rich.table import Table
+    from rich.text import Text
 
-    from .plugins import list_adapters
+    from .plugins import get_registry
 
-    table = Table("adapter", "distribution", "version", "status")
-    for info in list_adapters():
-        status = "[green]ok[/]" if info.ok else f"[red]{info.error}[/]"
-        table.add_row(info.name, info.distribution, info.version, status)
-    console.print(table)
+    registry = get_registry()
+    adapters = Table("adapter", "distribution", "version", "status", title="Adapters")
+    for info in registry.list():
+        status = Text("ok", style="green") if info.ok else Text(info.error or "", style="red")
+        adapters.add_row(info.name, info.distribution, info.version, status)
+    backends = Table("backend", "distribution", "version", title="Attention backends")
+    for backend in registry.list_attention_backends():
+        backends.add_row(backend.name, backend.distribution, backend.version)
+    console.print(adapters)
+    console.print(backends)
     return 0
 
 

@@ -9,11 +9,12 @@ It does not choose what is compiled; :mod:`layergraph.module` does.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .warn import warn
 
 __all__ = [
     "RECOMPILE_LIMIT",
@@ -85,11 +86,10 @@ class CompileBudget:
     def _warn_once(self) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"compile budget of {self.seconds:g} s spent ({self.spent:.1f} s): shapes not "
                 f"compiled yet run and are captured uncompiled",
                 CompileBudgetSpent,
-                stacklevel=4,
             )
 
 

@@ -6,7 +6,9 @@ A plugin is a module or object exposed through the entry-point group ``layergrap
     mymodels = "mymodels_layergraph"
 
 whose functions are marked with :data:`hookimpl`. Hooks are called with keyword arguments
-only, so an implementation may accept a subset of a hook's parameters, in any order.
+only, so an implementation may accept a subset of a hook's parameters, in any order. Hooks are
+called through pluggy, so the options of :data:`hookimpl` (``wrapper``, ``hookwrapper``,
+``tryfirst``, ``trylast``, ``specname``) work as pluggy documents them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .adapter import Adapter
+    from .attention.backends import AttentionBackend
     from .attention.layout import AttentionMetadata, SequenceLayout
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "hookspec",
     "recognize_model",
     "register_adapters",
+    "register_attention_backends",
 ]
 
 PROJECT_NAME = "layergraph"
@@ -47,9 +51,30 @@ def register_adapters(register: Callable[[type[Adapter] | Callable[..., Adapter]
     attribute ``name``. ``wrap(model, adapter=name, **options)`` calls ``factory(**options)``
     with the options the runner does not take.
 
-    Called once for every plugin, each on its own, the first time adapters are looked up; the
-    return value is ignored. If it raises, that plugin's adapters are marked broken with the
-    error and the other plugins' adapters stay available.
+    Called once for every plugin, each on its own (through pluggy, with only that plugin's
+    implementations), when the plugin is loaded: the first time adapters or attention backends
+    are looked up; the return value is ignored. If it raises, the plugin fails as a whole: it is
+    unregistered, none of its adapters or attention backends are kept, and it is listed as
+    failed with its distribution and error; the other plugins' adapters stay available.
+    """
+
+
+@hookspec
+def register_attention_backends(register: Callable[[AttentionBackend], Any]) -> None:
+    """Register this plugin's attention backends.
+
+    Call ``register(backend)`` once per backend, with an instance of
+    :class:`~layergraph.attention.AttentionBackend` whose ``name`` no registered backend has
+    (``auto`` is reserved). Adapters that route attention then take it by name (InternVL's
+    ``attention=NAME``), ``auto`` times it with the others on a GPU, and its metadata comes from
+    the ``attention_metadata`` hook, or from its own ``default_metadata`` when no plugin builds
+    it. layergraph registers its own backends (``sdpa``, ``triton``, ``fa3``) through this hook.
+
+    Called once for every plugin, each on its own, right after its ``register_adapters``; the
+    return value is ignored. ``register`` raises ``TypeError`` for anything but a backend
+    instance and ``ValueError`` for a name already taken. If the hook raises (those errors
+    included), the plugin fails as a whole, as for ``register_adapters``: none of its adapters
+    or backends are kept, and the error is listed with its distribution.
     """
 
 
@@ -61,10 +86,10 @@ def attention_metadata(
 
     Called once per shape key before its graph is captured, and once per layout for eager
     calls. The first result that is not ``None`` wins; return ``None`` to leave a backend or
-    layout to others. layergraph's own implementation runs last and builds the metadata of the
-    built-in backends (``sdpa``, ``triton``, ``fa3``) for any layout, so a plugin overrides it
-    by returning its own. The returned tensors must not be replaced afterwards: a captured
-    graph reads them at the addresses they had during capture.
+    layout to others. When every plugin returns ``None``, the registry builds the registered
+    backend's own ``default_metadata(layout, device)``, so a plugin overrides any backend's
+    metadata, built-in or not, by returning its own. The returned tensors must not be replaced
+    afterwards: a captured graph reads them at the addresses they had during capture.
     """
 
 
@@ -73,7 +98,12 @@ def recognize_model(model: nn.Module) -> str | None:
     """The name of the adapter that serves ``model``, for ``wrap(model, adapter="auto")``.
 
     The first result that is not ``None`` wins; return ``None`` to leave ``model`` to others.
-    layergraph's own implementation runs last: it asks every registered adapter's
-    ``recognizes(model)``, dedicated adapters before generic ones (``Adapter.generic``), and
-    must not import a framework the user has not imported.
+    Must not import a framework the user has not imported.
+
+    layergraph's own implementation runs last: it asks every registered adapter that can be
+    made without options for ``recognizes(model)``, dedicated adapters before generic ones
+    (``Adapter.generic``). An adapter whose ``recognizes`` raises is listed as failed (its
+    first error kept); if no other adapter of its kind (dedicated, or generic) recognises the
+    model, it raises ``UnknownAdapterError`` naming the adapter and its error, rather than
+    falling through to a generic adapter.
     """

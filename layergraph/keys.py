@@ -60,6 +60,24 @@ class CallInputs:
     the signature, so a call with another value gets another graph: it must be hashable, or a
     list, tuple or dict of hashable values (keyed by its contents). Tensors nested inside lists
     or dicts are not supported (the call runs eagerly).
+
+    The runner hands one to a plan's :meth:`~layergraph.adapter.CapturePlan.sequence_of`,
+    :meth:`~layergraph.adapter.CapturePlan.eager_reason`,
+    :meth:`~layergraph.adapter.CapturePlan.check_inputs` and
+    :meth:`~layergraph.adapter.CapturePlan.key_state`. :attr:`tensors` holds the batched
+    tensors in argument order, and :meth:`argument` reads any one argument, tensor or not, by
+    name (and position, for one that may be passed either way):
+
+    ```python
+    def eager_reason(self, call: CallInputs) -> str | None:
+        if call.argument("output_attentions"):
+            return "attention weights were asked for (output_attentions=True)"
+        return None
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        pixels = call.argument("pixel_values", position=0)  # tower(x) or tower(pixel_values=x)
+        return tuple(pixels.shape[-2:])
+    ```
     """
 
     __slots__ = ("_kwarg_names", "_template", "batch", "signature", "tensors")
@@ -89,20 +107,50 @@ class CallInputs:
             shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
             raise UnsupportedCall(f"tensor arguments disagree on the batch size: {shapes}")
         self.batch: int = batch
+        """Rows of every batched tensor (their common first dimension)."""
         self.tensors: tuple[torch.Tensor, ...] = tuple(tensors)
+        """The batched tensors, positional ones first, then keyword ones, in call order."""
         self._template = template
         self.signature: Hashable = (len(args), self._kwarg_names, tuple(parts))
+        """What a graph fixes besides the batch size: how the arguments were passed, each
+        tensor's per-sample shape and dtype, and every other value. Calls of equal signatures
+        in one bucket replay the same graph."""
 
     @property
     def sample_specs(self) -> tuple[TensorSpec, ...]:
         """The per-sample shape and dtype of each batched tensor, in argument order."""
         return tuple(p for p in self.signature[2] if isinstance(p, TensorSpec))
 
+    def argument(self, name: str, position: int | None = None, default: Any = None) -> Any:
+        """The value of argument ``name``, a tensor or a fixed value; ``default`` if not passed.
+
+        ``position`` is the argument's index among the forward's positional parameters: give
+        it to find an argument that may be passed either way (``pixel_values``); without it
+        only a keyword argument is found. Tensors come back as the caller passed them.
+        """
+        if name in self._kwarg_names:
+            return self._value(self._positional_count + self._kwarg_names.index(name))
+        if position is not None and 0 <= position < self._positional_count:
+            return self._value(position)
+        return default
+
+    @property
+    def _positional_count(self) -> int:
+        """How many arguments the call passed by position."""
+        return len(self._template) - len(self._kwarg_names)
+
+    def _value(self, slot: int) -> Any:
+        """The argument in ``slot`` of the call, its tensor put back."""
+        value = self._template[slot]
+        if value is not _TENSOR:
+            return value
+        return self.tensors[sum(v is _TENSOR for v in self._template[:slot])]
+
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call's ``(args, kwargs)`` with its tensors replaced by ``tensors``, in order."""
         replacements = iter(tensors)
         values = [next(replacements) if v is _TENSOR else v for v in self._template]
-        n_args = len(values) - len(self._kwarg_names)
+        n_args = self._positional_count
         return tuple(values[:n_args]), dict(zip(self._kwarg_names, values[n_args:]))
 
     def sliced(self, start: int, stop: int) -> CallInputs:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .adapter import Adapter, CapturePlan
+from .adapter import Adapter, CapturePlan, PlanContext
 from .compiling import RECOMPILE_LIMIT, CompileBudget, compile_options, compiled_call
 from .graphs import CudaGraphs, GraphBackend
 from .keys import ShapeKey
+from .ledger import ChangeLedger
 from .plugins import get_registry
 from .runner import DEFAULT_BATCH_SIZES, GraphRunner, RunnerOptions
 from .stats import GraphStats
@@ -72,15 +75,17 @@ def wrap(
     compiled layers or region (PyTorch's default limit is 8, a global setting left as it is);
     past that, further shapes run uncompiled.
 
-    The model itself is not copied. A region inside it may be routed to the graphs while
-    wrapped; :meth:`GraphedModule.unwrap` undoes that and returns the model.
+    The model itself is not copied. Every change wrapping makes to it (a region routed to the
+    graphs, rewrites, fused weights, compiled layers) is recorded in
+    :attr:`GraphedModule.changes`; :meth:`GraphedModule.unwrap` undoes them all and returns
+    the model as it was. If wrapping fails, the changes made so far are undone.
     """
     if isinstance(model, GraphedModule):
         raise TypeError("this model is already wrapped; unwrap() it first")
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() needs an nn.Module, got {type(model).__name__}")
+    registry = get_registry()
     if isinstance(adapter, str):
-        registry = get_registry()
         name = registry.recognize(model) if adapter == "auto" else adapter
         adapter_object = registry.create(name, adapter_options)
     elif isinstance(adapter, Adapter):
@@ -111,23 +116,35 @@ def wrap(
     if compile_budget is not None and compile_layers is False and compile_region is False:
         raise ValueError("compile_budget limits compile_layers or compile_region: set one")
     budget = CompileBudget(compile_budget)
-    plan = adapter_object.plan(model)
-    runner = GraphRunner(
-        plan,
-        options,
-        backend if backend is not None else CudaGraphs(),
-        captured_region=_compiled_region(plan, compile_region, budget),
-    )
-    compiled = _compile_layers(plan, adapter_object, compile_layers, budget)
-    return GraphedModule(model, adapter_object, plan, runner, compiled, budget)
+    plan = adapter_object.plan(model, PlanContext(registry))
+    changes = ChangeLedger(model)
+    route = _Route()
+    try:
+        plan.change_model(changes, route)
+        _compile_layers(plan, adapter_object, compile_layers, budget, changes)
+        runner = GraphRunner(
+            plan,
+            options,
+            backend if backend is not None else CudaGraphs(),
+            captured_region=_compiled_region(plan, compile_region, budget),
+        )
+    except BaseException:
+        changes.undo_all()
+        raise
+    route.target = runner
+    return GraphedModule(model, adapter_object, plan, runner, changes, route, budget)
 
 
 def _compile_layers(
-    plan: CapturePlan, adapter: Adapter, setting: bool | dict[str, Any], budget: CompileBudget
-) -> list[nn.Module]:
-    """Compile the plan's layers in place (regional compilation); return them for undoing."""
+    plan: CapturePlan,
+    adapter: Adapter,
+    setting: bool | dict[str, Any],
+    budget: CompileBudget,
+    changes: ChangeLedger,
+) -> None:
+    """Compile the plan's layers in place (regional compilation), each a recorded change."""
     if setting is False:
-        return []
+        return
     layers = plan.layers()
     if not layers:
         raise ValueError(
@@ -136,8 +153,10 @@ def _compile_layers(
         )
     for layer in layers:
         compiled = torch.compile(_calling(layer), **compile_options(setting))
-        layer._compiled_call_impl = compiled_call(compiled, budget)  # as nn.Module.compile() does
-    return layers
+        # What nn.Module.compile() sets: the module's calls go to the compiled function.
+        changes.set_attribute(
+            layer, "_compiled_call_impl", compiled_call(compiled, budget), "compiled"
+        )
 
 
 def _calling(layer: nn.Module) -> Callable[..., Any]:
@@ -169,13 +188,36 @@ def unwrap(graphed: GraphedModule) -> nn.Module:
     return graphed.unwrap()
 
 
+class _Route:
+    """Where the calls of a region routed inside the model go: the runner, or a capture."""
+
+    def __init__(self) -> None:
+        self.target: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.target is None:
+            raise RuntimeError("this model's wrapper was unwrapped; its routing is gone")
+        return self.target(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def diverted(self, target: Callable[..., Any]) -> Iterator[None]:
+        """Send the calls to ``target`` for the duration of a ``with`` block."""
+        previous, self.target = self.target, target
+        try:
+            yield
+        finally:
+            self.target = previous
+
+
 class GraphedModule(nn.Module):
     """A model whose forward replays CUDA graphs where it can and runs eagerly where it cannot.
 
     Calls take the model's arguments and return what the model returns. Attributes the wrapper
-    does not define (``num_classes``, other methods) are looked up on the model; only
-    ``forward`` goes through the graphs. The model is a submodule named ``module``, so
-    ``state_dict`` keys gain a ``module.`` prefix; save ``graphed.module`` to avoid it.
+    does not define (``num_classes``, other methods) are looked up on the model; the model's
+    methods (``generate``, ``get_image_features``) run inside the same scope as ``forward``,
+    so a region the plan routes inside the model reaches the graphs from them too. The model
+    is a submodule named ``module``, so ``state_dict`` keys gain a ``module.`` prefix; save
+    ``graphed.module`` to avoid it.
     """
 
     def __init__(
@@ -184,7 +226,8 @@ class GraphedModule(nn.Module):
         adapter: Adapter,
         plan: CapturePlan,
         runner: GraphRunner,
-        compiled_layers: list[nn.Module] | None = None,
+        changes: ChangeLedger,
+        route: _Route,
         compile_budget: CompileBudget | None = None,
     ) -> None:
         super().__init__()
@@ -192,9 +235,9 @@ class GraphedModule(nn.Module):
         self.adapter = adapter
         self._plan = plan
         self._runner = runner
-        self._compiled_layers = compiled_layers or []
+        self._changes = changes
+        self._route = route
         self._compile_budget = compile_budget or CompileBudget()
-        plan.attach(runner)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._plan.forward_scope():
@@ -228,20 +271,29 @@ class GraphedModule(nn.Module):
             )
             return self._runner(*region_args, **region_kwargs)
 
-        self._plan.attach(capture_then_serve)
-        try:
-            if driver is None:
-                self.forward(*args, **kwargs)
-            else:
-                driver(*args, **kwargs)
-        finally:
-            self._plan.attach(self._runner)
+        with self._route.diverted(capture_then_serve):
+            # A plan may serve its first wrapped call without the graphs (the sequential
+            # adapter checks how the model calls its layers then); the second call captures.
+            for _ in range(2):
+                if driver is None:
+                    self.forward(*args, **kwargs)
+                else:
+                    with self._plan.forward_scope():
+                        driver(*args, **kwargs)
+                if keys:
+                    break
         return keys
 
     @property
     def plan(self) -> CapturePlan:
         """The adapter's capture plan for this model (what is captured, and how)."""
         return self._plan
+
+    @property
+    def changes(self) -> list[str]:
+        """What wrapping changed in the model, oldest first (``"path: what"``), all of it
+        undone by :meth:`unwrap`; empty for a plan that changes nothing."""
+        return self._changes.descriptions
 
     @property
     def compile_budget(self) -> CompileBudget:
@@ -268,27 +320,40 @@ class GraphedModule(nn.Module):
     def original(self) -> Iterator[nn.Module]:
         """The model as it was before wrapping, for the duration of a ``with`` block.
 
-        Routing inside the model is undone and put back afterwards; the graphs are kept. For
-        comparisons (benchmarks, checks against eager); calls through the wrapper meanwhile
-        run the model unrouted.
+        Every change in :attr:`changes` is undone and made again afterwards; the graphs are
+        kept. For comparisons (benchmarks, checks against eager); calls through the wrapper
+        meanwhile run the unchanged model.
         """
-        self._plan.detach()
-        try:
+        with self._changes.suspended():
             yield self.module
-        finally:
-            self._plan.attach(self._runner)
 
     def unwrap(self) -> nn.Module:
-        """Release the graphs, undo any routing and compilation, and return the model."""
+        """Release the graphs, undo every change in :attr:`changes`, and return the model.
+
+        Afterwards the model holds the same parameter and buffer objects (with the values they
+        hold now), has the same classes, and keeps no attribute or hook of layergraph's.
+        """
         self._runner.release()
-        self._plan.detach()
-        for layer in self._compiled_layers:
-            layer._compiled_call_impl = None  # what _compile_layers set
-        self._compiled_layers = []
+        self._changes.undo_all()
+        self._route.target = None
         return self.module
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            pass
+        value = getattr(self._modules["module"], name)
+        if inspect.ismethod(value) and value.__self__ is self._modules["module"]:
+            return self._scoped(value)
+        return value
+
+    def _scoped(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` of the model, run inside the plan's forward scope."""
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._plan.forward_scope():
+                return method(*args, **kwargs)
+
+        return call

@@ -1,10 +1,11 @@
-"""Plugin loading and the adapter registry.
+"""Plugin loading, and the registry of adapters and attention backends.
 
 Plugins are found through the entry-point group ``layergraph``: the first-party adapters of
-this distribution and any third party's load the same way. Each plugin is imported and asked
-for its adapters on its own, so one that fails (an import error, a misspelled hook, a hook that
-raises) is recorded with its distribution and error, and every other plugin keeps working.
-The failure is shown when its adapter is asked for and when adapters are listed.
+this distribution and any third party's load the same way, and layergraph's own attention
+backends come from a plugin of its own. Each plugin is imported and asked for its adapters and
+attention backends on its own, so one that fails (an import error, a misspelled hook, a hook
+that raises) is recorded with its distribution and error, and every other plugin keeps working.
+The failure is shown when its adapter or a backend is asked for and when adapters are listed.
 
 Set ``LAYERGRAPH_DISABLE_PLUGINS=1`` to load only this distribution's own plugins, or to a
 comma-separated list of entry-point or distribution names to skip just those.
@@ -12,6 +13,7 @@ comma-separated list of entry-point or distribution names to skip just those.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import threading
@@ -25,7 +27,8 @@ import torch
 
 from . import hookspecs
 from .adapter import Adapter, ExampleModel
-from .attention import metadata_hooks
+from .attention import builtin_backends
+from .attention.backends import AttentionBackend
 from .attention.layout import AttentionMetadata, SequenceLayout
 
 __all__ = [
@@ -33,7 +36,9 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AdapterInfo",
     "AdapterRegistry",
+    "AttentionBackendInfo",
     "UnknownAdapterError",
+    "UnknownAttentionBackendError",
     "get_registry",
     "list_adapters",
     "reset_registry",
@@ -47,7 +52,11 @@ AdapterFactory = Callable[..., Adapter]
 
 
 class UnknownAdapterError(LookupError):
-    """No working adapter has the name asked for."""
+    """No working adapter has the name asked for, or ``adapter="auto"`` could not choose one."""
+
+
+class UnknownAttentionBackendError(LookupError):
+    """No registered attention backend has the name asked for."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,9 @@ class AdapterInfo:
     """One registered adapter, or one plugin that failed to give its adapters.
 
     For a failed plugin, ``name`` is its entry-point name and ``error`` says what went wrong.
+    An adapter whose ``recognizes`` raised keeps its entry, with ``error`` set to the first
+    such error: ``adapter="auto"`` reports it rather than passing over it, and naming it
+    (``adapter=name``) still creates it.
     """
 
     name: str
@@ -64,25 +76,37 @@ class AdapterInfo:
 
     @property
     def ok(self) -> bool:
-        """Whether the adapter can be used."""
+        """Whether nothing went wrong: the plugin loaded and the adapter never raised."""
         return self.error is None
 
 
+@dataclass(frozen=True)
+class AttentionBackendInfo:
+    """One registered attention backend and the distribution whose plugin registered it."""
+
+    name: str
+    distribution: str
+    version: str
+
+
 class AdapterRegistry:
-    """A pluggy plugin manager and the adapters its plugins registered.
+    """A pluggy plugin manager and the adapters and attention backends its plugins registered.
 
     Core code asks this class, never ``pm.hook`` directly. It does not import any model
-    framework: plugins import theirs lazily, when an adapter is used.
+    framework: plugins import theirs lazily, when an adapter is used. A new registry holds
+    layergraph's own attention backends; :meth:`load_entry_points` adds the installed plugins.
     """
 
     def __init__(self) -> None:
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
-        self.plugin_manager.register(metadata_hooks, name="layergraph.attention")
-        self.plugin_manager.register(_Recognizer(self), name="layergraph.recognize")
+        self.plugin_manager.register(_Recognizer(self._ask_adapters), name="layergraph.recognize")
         self._adapters: dict[str, tuple[AdapterFactory, AdapterInfo]] = {}
+        self._backends: dict[str, tuple[AttentionBackend, AttentionBackendInfo]] = {}
         self._failures: dict[str, AdapterInfo] = {}
         self._plugin_adapters: dict[str, list[str]] = {}
+        self._plugin_backends: dict[str, list[str]] = {}
+        self.add_plugin(builtin_backends, "layergraph.attention", _OWN_DISTRIBUTION, _own_version())
 
     def load_entry_points(self, disable: str | None = None) -> None:
         """Load every plugin of the entry-point group, skipping those ``disable`` names."""
@@ -107,48 +131,82 @@ class AdapterRegistry:
     def add_plugin(
         self, plugin: Any, name: str, distribution: str = "<local>", version: str = "-"
     ) -> None:
-        """Register one plugin object and collect its adapters, isolating its failures."""
+        """Register one plugin object and collect its adapters and attention backends.
+
+        Its ``register_adapters`` and then its ``register_attention_backends`` are called
+        through pluggy with that plugin's implementations alone, so hookimpl options apply as
+        pluggy documents and one plugin's failure stays its own. A plugin that pluggy refuses,
+        or whose hook raises, is unregistered and recorded under ``name``; nothing it
+        registered is kept. An adapter whose name is taken is recorded under that name and the
+        plugin's other adapters are kept.
+        """
         manager = self.plugin_manager
+        adapters: list[tuple[AdapterFactory, AdapterInfo]] = []
+        backends: list[AttentionBackend] = []
         try:
             manager.register(plugin, name=name)
             manager.check_pending()
+            hook = _hooks_of(plugin)
+            hook.register_adapters(register=_adapter_collector(adapters, distribution, version))
+            hook.register_attention_backends(register=self._backend_collector(backends))
         except Exception as error:
             if manager.is_registered(plugin):
                 manager.unregister(plugin)
             self._fail(name, distribution, version, _describe(error))
             return
-        registered: list[tuple[AdapterFactory, AdapterInfo]] = []
+        self._keep_adapters(name, adapters)
+        for backend in backends:
+            info = AttentionBackendInfo(backend.name, distribution, version)
+            self._backends[backend.name] = (backend, info)
+            self._plugin_backends.setdefault(name, []).append(backend.name)
 
-        def register(factory: AdapterFactory) -> None:
-            adapter_name = getattr(factory, "name", "")
-            if not isinstance(adapter_name, str) or not adapter_name:
-                raise TypeError(f"{factory!r} has no 'name' attribute naming the adapter")
-            registered.append((factory, AdapterInfo(adapter_name, distribution, version)))
+    def _backend_collector(self, found: list[AttentionBackend]) -> Callable[[Any], None]:
+        """The ``register`` given to one plugin's ``register_attention_backends``."""
 
-        for impl in manager.hook.register_adapters.get_hookimpls():
-            if impl.plugin is not plugin:
-                continue
-            try:
-                impl.function(register=register)
-            except Exception as error:
-                self._fail(name, distribution, version, _describe(error))
-                return
-        for factory, info in registered:
+        def register(backend: Any) -> None:
+            if not isinstance(backend, AttentionBackend):
+                raise TypeError(
+                    f"register_attention_backends takes AttentionBackend instances, not {backend!r}"
+                )
+            name = getattr(backend, "name", None)
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"{backend!r} has no 'name' attribute naming the backend")
+            if name == "auto":
+                raise ValueError("attention backend name 'auto' is reserved for choose_backend")
+            taken = self._backends.get(name)
+            if taken is not None:
+                raise ValueError(
+                    f"attention backend {name!r} is already registered by {taken[1].distribution}"
+                )
+            if any(other.name == name for other in found):
+                raise ValueError(f"attention backend {name!r} is registered twice")
+            found.append(backend)
+
+        return register
+
+    def _keep_adapters(
+        self, plugin_name: str, adapters: list[tuple[AdapterFactory, AdapterInfo]]
+    ) -> None:
+        for factory, info in adapters:
             existing = self._adapters.get(info.name)
             if existing is not None:
                 other = existing[1].distribution
-                self._fail(info.name, distribution, version, f"name already taken by {other}")
+                self._fail(
+                    info.name, info.distribution, info.version, f"name already taken by {other}"
+                )
             else:
                 self._adapters[info.name] = (factory, info)
-                self._plugin_adapters.setdefault(name, []).append(info.name)
+                self._plugin_adapters.setdefault(plugin_name, []).append(info.name)
 
     def remove_plugin(self, name: str) -> None:
-        """Unregister a plugin added under ``name`` and forget its adapters and failures."""
+        """Unregister a plugin added under ``name``; forget its adapters, backends and failures."""
         if self.plugin_manager.has_plugin(name):
             self.plugin_manager.unregister(name=name)
         self._failures.pop(name, None)
         for adapter_name in self._plugin_adapters.pop(name, []):
             del self._adapters[adapter_name]
+        for backend_name in self._plugin_backends.pop(name, []):
+            del self._backends[backend_name]
 
     def _fail(self, name: str, distribution: str, version: str, error: str) -> None:
         self._failures[name] = AdapterInfo(name, distribution, version, error)
@@ -159,7 +217,11 @@ class AdapterRegistry:
         return sorted(infos, key=lambda info: (info.name, info.distribution))
 
     def factory(self, name: str) -> AdapterFactory:
-        """The factory registered as ``name``; a clear error if it is unknown or broken."""
+        """The factory registered as ``name``; a clear error if it is unknown or broken.
+
+        An adapter whose ``recognizes`` raised is still returned: ``recognizes`` only serves
+        ``adapter="auto"``, and naming the adapter is the way past a bug there.
+        """
         found = self._adapters.get(name)
         if found is not None:
             return found[0]
@@ -170,47 +232,141 @@ class AdapterRegistry:
                 f"{failure.error}"
             )
         available = ", ".join(sorted(self._adapters)) or "none"
-        message = f"no adapter named {name!r}; available: {available}"
-        if self._failures:
-            broken = "; ".join(
-                f"{info.name} ({info.distribution}): {info.error}"
-                for info in self._failures.values()
-            )
-            message += f"; failed to load: {broken}"
-        raise UnknownAdapterError(message)
+        raise UnknownAdapterError(
+            f"no adapter named {name!r}; available: {available}{self._failed_plugins()}"
+        )
+
+    def _failed_plugins(self) -> str:
+        """``"; failed to load: ..."`` naming every failure, or nothing when there is none."""
+        if not self._failures:
+            return ""
+        broken = "; ".join(
+            f"{info.name} ({info.distribution}): {info.error}" for info in self._failures.values()
+        )
+        return f"; failed to load: {broken}"
+
+    def attention_backend(self, name: str) -> AttentionBackend:
+        """The attention backend registered as ``name``; a clear error if there is none.
+
+        ``"auto"`` is not a backend: :func:`~layergraph.attention.choose_backend` resolves it.
+        """
+        found = self._backends.get(name)
+        if found is not None:
+            return found[0]
+        registered = ", ".join(sorted(self._backends)) or "none"
+        raise UnknownAttentionBackendError(
+            f"no attention backend named {name!r}; registered: {registered}{self._failed_plugins()}"
+        )
+
+    def attention_backend_names(self) -> tuple[str, ...]:
+        """The names of the registered attention backends, in the order they were registered."""
+        return tuple(self._backends)
+
+    def attention_backends(self) -> tuple[AttentionBackend, ...]:
+        """The registered attention backends, in the order they were registered.
+
+        What :func:`~layergraph.attention.choose_backend` takes as its candidates.
+        """
+        return tuple(backend for backend, _ in self._backends.values())
+
+    def list_attention_backends(self) -> list[AttentionBackendInfo]:
+        """Every registered attention backend with its distribution, sorted by name."""
+        return sorted((info for _, info in self._backends.values()), key=lambda info: info.name)
 
     def attention_metadata(
         self, backend: str, layout: SequenceLayout, device: torch.device
     ) -> AttentionMetadata:
-        """The metadata for ``backend`` and ``layout`` from the first plugin that builds it."""
+        """The metadata for ``backend`` and ``layout``: the first plugin's, else the backend's.
+
+        Plugins' ``attention_metadata`` hooks are asked first, so they may build it for any
+        backend name, registered or not; when none does, the registered backend's own
+        ``default_metadata`` builds it.
+        """
         metadata = self.plugin_manager.hook.attention_metadata(
             backend=backend, layout=layout, device=device
         )
         if metadata is None:
-            raise LookupError(
-                f"no plugin builds attention metadata for backend {backend!r} and layout {layout}"
-            )
+            metadata = self.attention_backend(backend).default_metadata(layout, device)
         return metadata
 
     def recognize(self, model: torch.nn.Module) -> str:
-        """The name of the adapter that serves ``model``; a clear error if none does."""
+        """The name of the adapter that serves ``model``; a clear error if none does.
+
+        Plugins' ``recognize_model`` hooks are asked first, then each adapter's ``recognizes``
+        (see :func:`~layergraph.hookspecs.recognize_model`). An adapter whose ``recognizes``
+        raises is listed as failed, and unless another adapter of its kind recognises the
+        model, this raises :class:`UnknownAdapterError` naming it, rather than choosing a
+        generic adapter in its place. Naming the adapter still creates it.
+        """
         name = self.plugin_manager.hook.recognize_model(model=model)
         if name is None:
             available = ", ".join(sorted(self._adapters)) or "none"
             raise UnknownAdapterError(
-                f"no adapter recognises {type(model).__module__}.{type(model).__name__}; name "
-                f"one with wrap(model, adapter=NAME). Available: {available}. For a stack of "
-                f"layers applied in sequence: adapter='sequential', stack='path.to.layers'"
+                f"no adapter recognises {_type_name(model)}; name one with "
+                f"wrap(model, adapter=NAME). Available: {available}. For a stack of layers "
+                f"applied in sequence: adapter='sequential', stack='path.to.layers'"
             )
         return name
 
+    def _ask_adapters(self, model: torch.nn.Module) -> str | None:
+        """The first adapter whose ``recognizes(model)`` is true, dedicated adapters first."""
+        factories = self._default_factories()
+        for generic in (False, True):
+            raised: list[str] = []
+            for name, factory in factories:
+                if bool(getattr(factory, "generic", False)) is not generic:
+                    continue
+                try:
+                    recognized = factory().recognizes(model)
+                except Exception as error:
+                    raised.append(self._record_recognition_failure(name, model, error))
+                    continue
+                if recognized:
+                    return name
+            if raised:
+                kind = "generic" if generic else "dedicated"
+                available = ", ".join(sorted(self._adapters))
+                raise UnknownAdapterError(
+                    f"cannot choose an adapter for {_type_name(model)}: {'; '.join(raised)}; "
+                    f"no other {kind} adapter recognises it, so none is chosen in its place. "
+                    f"Name the adapter to use with wrap(model, adapter=NAME); available: "
+                    f"{available}"
+                )
+        return None
+
+    def _record_recognition_failure(
+        self, name: str, model: torch.nn.Module, error: Exception
+    ) -> str:
+        """Record that adapter ``name``'s ``recognizes`` raised (the first error is kept).
+
+        Returns what to say about this error in the message of ``adapter="auto"``.
+        """
+        factory, info = self._adapters[name]
+        described = _describe(error)
+        if info.ok:
+            error_text = (
+                f"{described} (raised by recognizes() on {_type_name(model)}; "
+                f"adapter={name!r} still works when named)"
+            )
+            self._adapters[name] = (factory, dataclasses.replace(info, error=error_text))
+        return f"{name!r} ({info.distribution} {info.version}) raised {described} in recognizes()"
+
+    def _default_factories(self) -> list[tuple[str, AdapterFactory]]:
+        """Each adapter's name and factory, for the factories that need no arguments."""
+        return [
+            (name, factory)
+            for name, (factory, _) in self._adapters.items()
+            if _callable_without_arguments(factory)
+        ]
+
     def example_model(self, name: str) -> ExampleModel:
-        """The example model called ``name`` from whichever adapter builds it."""
-        for factory, _ in self._adapters.values():
-            try:
-                example = factory().example_model(name)
-            except TypeError:
-                continue
+        """The example model called ``name`` from whichever adapter builds it.
+
+        Adapters whose factory needs arguments have no default instance and are skipped; an
+        error raised by an adapter's ``example_model`` propagates.
+        """
+        for _, factory in self._default_factories():
+            example = factory().example_model(name)
             if example is not None:
                 return example
         raise UnknownAdapterError(
@@ -219,13 +375,14 @@ class AdapterRegistry:
         )
 
     def example_model_names(self) -> list[str]:
-        """Every example model name the registered adapters list."""
+        """Every example model name the registered adapters list.
+
+        Adapters whose factory needs arguments are skipped; an error raised by an adapter's
+        ``example_models`` propagates.
+        """
         names: list[str] = []
-        for factory, _ in self._adapters.values():
-            try:
-                names += factory().example_models()
-            except TypeError:
-                continue
+        for _, factory in self._default_factories():
+            names += factory().example_models()
         return sorted(names)
 
     def create(self, name: str, options: dict[str, Any]) -> Adapter:
@@ -247,21 +404,60 @@ class AdapterRegistry:
 class _Recognizer:
     """layergraph's own ``recognize_model``: asks each registered adapter, generic ones last."""
 
-    def __init__(self, registry: AdapterRegistry) -> None:
-        self._registry = registry
+    def __init__(self, ask_adapters: Callable[[torch.nn.Module], str | None]) -> None:
+        self._ask_adapters = ask_adapters
 
     @hookspecs.hookimpl(trylast=True)
     def recognize_model(self, model: torch.nn.Module) -> str | None:
-        factories = [factory for factory, _ in self._registry._adapters.values()]
-        factories.sort(key=lambda factory: bool(getattr(factory, "generic", False)))
-        for factory in factories:
-            try:
-                recognized = factory().recognizes(model)
-            except Exception:
-                continue
-            if recognized:
-                return factory.name
-        return None
+        return self._ask_adapters(model)
+
+
+def _hooks_of(plugin: Any) -> pluggy.HookRelay:
+    """The hooks of a plugin manager that holds ``plugin`` alone, to call its implementations.
+
+    pluggy's ``subset_hook_caller`` would do, but before pluggy 1.7 it keeps the other plugins
+    whose implementations are named through ``specname``, and would call those again.
+    """
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    manager.register(plugin)
+    return manager.hook
+
+
+def _adapter_collector(
+    found: list[tuple[AdapterFactory, AdapterInfo]], distribution: str, version: str
+) -> Callable[[AdapterFactory], None]:
+    """The ``register`` given to one plugin's ``register_adapters``."""
+
+    def register(factory: AdapterFactory) -> None:
+        adapter_name = getattr(factory, "name", "")
+        if not isinstance(adapter_name, str) or not adapter_name:
+            raise TypeError(f"{factory!r} has no 'name' attribute naming the adapter")
+        found.append((factory, AdapterInfo(adapter_name, distribution, version)))
+
+    return register
+
+
+def _callable_without_arguments(factory: AdapterFactory) -> bool:
+    """Whether ``factory()`` is a valid call, judged from its signature without calling it."""
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some built-ins): calling it is the only test
+        return True
+    return True
+
+
+def _type_name(model: torch.nn.Module) -> str:
+    return f"{type(model).__module__}.{type(model).__name__}"
+
+
+def _own_version() -> str:
+    """This distribution's version, read when a registry is made (the package is loaded then)."""
+    from . import __version__
+
+    return __version__
 
 
 def _is_disabled(setting: str | None, entry_point: str, distribution: str) -> bool:

@@ -6,7 +6,6 @@ import dataclasses
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,11 +16,12 @@ from torch.utils import _pytree as pytree
 from .adapter import CapturePlan
 from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend
-from .guards import ParameterWatch, addresses
+from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
 from .progress import track
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
+from .warn import warn
 
 __all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "RunnerOptions", "StaleOutputWarning"]
 
@@ -92,6 +92,17 @@ class GraphRunner:
     if not, every graph is dropped and captured again on demand. A capture that runs out of
     device memory drops every graph and the pool, and its key runs eagerly from then on.
 
+    A replay runs the captured kernels, never Python, so forward hooks only run in eager calls.
+    Graphs are captured with the hooks of ``hooks``, a baseline (default: the forward hooks on
+    the plan's owner, its submodules and PyTorch's global ones when the runner is made); while
+    the hooks differ from it (:class:`~layergraph.guards.HookWatch`), calls run eagerly, so
+    that added hooks run and removed ones do not. :meth:`accept_current_hooks` re-arms it.
+    Hooks the model registers on itself while the runner runs it (eagerly or to capture) join
+    the baseline: transformers installs its output-capturing hooks that way on first use.
+
+    Outputs that are not one row per input (a loss averaged over the batch, a 0-d tensor) are
+    found at capture; calls that would pad or split such a key run eagerly.
+
     Thread safety: calls are served one at a time (a lock), since replays share static buffers;
     a call on another CUDA stream waits, through an event, for the previous call's work.
     """
@@ -102,6 +113,7 @@ class GraphRunner:
         options: RunnerOptions,
         backend: GraphBackend,
         captured_region: Callable[..., Any] | None = None,
+        hooks: HookFingerprint | None = None,
     ) -> None:
         self.plan = plan
         self._captured_region = captured_region or plan.region
@@ -110,14 +122,16 @@ class GraphRunner:
         self.backend = backend
         self.buckets = BatchBuckets(options.batch_sizes)
         self._entries = GraphCache(options.max_graphs, options.capture_after)
-        self._validated: set[tuple[int, Any]] = set()
-        self._failed: dict[tuple[int, Any], str] = {}
+        """Every graph, and everything known about each key: its graph with that graph's
+        validation, its sightings, or its failed capture."""
         self._done: Any = None
         self._stats = GraphStats()
         self._pool: Any = None
         self._lock = threading.RLock()
         self._unavailable = backend.unavailable_reason()
         self._watch = ParameterWatch(plan.owner)
+        self._hooks = HookWatch(plan.owner, hooks)
+        """The forward hooks graphs are captured with, and whether the model's differ now."""
         self._refresh_parameters()
 
     def _refresh_parameters(self) -> None:
@@ -138,25 +152,25 @@ class GraphRunner:
             )
         with self._lock:
             if self._watch.changed():
-                self._after_model_change()
+                self._forget_everything()
+                self._refresh_parameters()
             reason = self._eager_reason(call)
             if reason is None:
                 return self._serve(call, args, kwargs, fresh=False)
         explain = reason.startswith("input ")  # the model would fail on such inputs
         return self._run_eagerly(reason, args, kwargs, explain_errors=explain)
 
-    def _after_model_change(self) -> None:
-        """Parameters moved or were replaced: no graph may replay against their old memory."""
+    def _forget_everything(self) -> None:
+        """The model changed under the graphs (parameters moved, hooks accepted): drop every
+        graph, sightings and failures, counting an invalidation if any graph was held."""
         if len(self._entries):
-            self._drop_graphs()
-            self._failed.clear()
             self._stats.invalidations += 1
-        self._refresh_parameters()
+        self._entries.clear()
+        self._pool = None
 
     def _drop_graphs(self) -> None:
         """Drop every graph and the pool; the next capture starts a new pool."""
-        self._entries.clear()
-        self._validated.clear()
+        self._entries.drop_graphs()
         self._pool = None
 
     def _serve(
@@ -168,20 +182,34 @@ class GraphRunner:
             reason = f"batch {call.batch} needs padding or splitting, which this model forbids"
             return self._run_eagerly(reason, args, kwargs)
         if bucket is None:
-            return self._serve_split(call)
-        entry, reason = self._entry_for(bucket, call)
+            largest = self.buckets.largest
+            entry, reason = self._entry_for(largest, call.sliced(0, largest))
+        else:
+            entry, reason = self._entry_for(bucket, call)
         if entry is None:
             return self._run_eagerly(reason, args, kwargs)
+        if bucket != call.batch and entry.not_per_row is not None:
+            reason = _not_per_row_reason(entry.not_per_row, call.batch, split=bucket is None)
+            return self._run_eagerly(reason, args, kwargs)
+        if bucket is None:
+            return self._serve_split(call, args, kwargs)
         return self._replay(entry, call, fresh)
 
-    def _serve_split(self, call: CallInputs) -> Any:
-        """Chunks of the largest bucket, each output cloned before the next chunk replays."""
+    def _serve_split(self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Chunks of the largest bucket, each output cloned before the next chunk replays.
+
+        Outputs the chunks cannot be joined by (not one row per input in some chunk's graph)
+        send the whole call to eager instead.
+        """
+        chunks = [call.sliced(start, stop) for start, stop in self.buckets.chunks(call.batch)]
+        parts = [self._serve(chunk, *chunk.rebuild(chunk.tensors), fresh=True) for chunk in chunks]
+        try:
+            joined = _concatenate(parts, [chunk.batch for chunk in chunks])
+        except _NotPerRow as problem:
+            reason = _not_per_row_reason(str(problem), call.batch, split=True)
+            return self._run_eagerly(reason, args, kwargs)
         self._stats.split_calls += 1
-        parts = []
-        for start, stop in self.buckets.chunks(call.batch):
-            chunk = call.sliced(start, stop)
-            parts.append(self._serve(chunk, *chunk.rebuild(chunk.tensors), fresh=True))
-        return _concatenate(parts)
+        return joined
 
     def _run_eagerly(
         self,
@@ -196,14 +224,15 @@ class GraphRunner:
         that names ``reason`` first (an input unlike the model's), the model's error chained.
         """
         self._stats.eager_calls[reason] += 1
-        if not explain_errors:
-            return self.plan.region(*args, **kwargs)
-        try:
-            return self.plan.region(*args, **kwargs)
-        except Exception as error:
-            raise ValueError(
-                f"{reason}; the model raised {type(error).__name__}: {error}"
-            ) from error
+        with self._hooks.adopting():
+            if not explain_errors:
+                return self.plan.region(*args, **kwargs)
+            try:
+                return self.plan.region(*args, **kwargs)
+            except Exception as error:
+                raise ValueError(
+                    f"{reason}; the model raised {type(error).__name__}: {error}"
+                ) from error
 
     def _eager_reason(self, call: CallInputs) -> str | None:
         """Why this call cannot be served by a graph, or ``None`` if it can."""
@@ -211,6 +240,9 @@ class GraphRunner:
             return self._unavailable
         if self.plan.owner.training:
             return "model is in training mode"
+        places = self._hooks.differences()
+        if places:
+            return _hooks_reason(places, self.plan.owner)
         reference = self._reference
         device = reference.device if reference is not None else call.tensors[0].device
         if device.type != self.backend.device_type:
@@ -243,7 +275,7 @@ class GraphRunner:
         entry = self._entries.get(lookup)
         if entry is not None:
             return entry, ""
-        failure = self._failed.get(lookup)
+        failure = self._entries.failure(lookup)
         if failure is not None:
             return None, failure
         self.plan.check_inputs(call)
@@ -269,7 +301,7 @@ class GraphRunner:
         reason = f"capture of {key} ran out of device memory"
         self._drop_graphs()
         self.backend.release_memory()
-        self._failed[lookup] = reason
+        self._entries.fail(lookup, reason)
         self._stats.failed_captures += 1
         return None, reason
 
@@ -297,7 +329,8 @@ class GraphRunner:
 
         if self._done is not None:
             self.backend.wait_for(self._done)
-        graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
+        with self._hooks.adopting():
+            graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
         leaves, spec = pytree.tree_flatten(output)
         entry = GraphEntry(
             key=key,
@@ -305,10 +338,7 @@ class GraphRunner:
             static_inputs=static,
             output_leaves=tuple(leaves),
             output_spec=spec,
-            batched_outputs=tuple(
-                isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == key.batch
-                for leaf in leaves
-            ),
+            not_per_row=_not_per_row(leaves, key.batch),
             state=state,
             addresses=addresses((*static, *leaves, *_state_tensors(state), *self._watch.tensors)),
         )
@@ -321,13 +351,12 @@ class GraphRunner:
     def _replay(self, entry: GraphEntry, call: CallInputs, fresh: bool) -> Any:
         if self.options.debug:
             self._check_addresses(entry)
-        if self.options.static_output and entry.held.any_alive():
+        if self.options.static_output and entry.record.held.any_alive():
             self._stats.overwritten_outputs += 1
-            warnings.warn(
+            warn(
                 f"replaying the graph of {entry.key} overwrites outputs of its previous replay "
                 f"that are still referenced (static_output=True); clone them to keep them",
                 StaleOutputWarning,
-                stacklevel=4,
             )
         if self._done is not None:
             self.backend.wait_for(self._done)
@@ -336,17 +365,14 @@ class GraphRunner:
         self._stats.replays += 1
         rows = call.batch
         leaves: Iterable[Any] = entry.output_leaves
-        if rows < entry.key.batch:
+        if rows < entry.key.batch:  # padded, so every tensor output is one row per input
             self._stats.padded_calls += 1
-            leaves = [
-                leaf[:rows] if batched else leaf
-                for leaf, batched in zip(leaves, entry.batched_outputs)
-            ]
+            leaves = [leaf[:rows] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         if self.options.static_output and not fresh:
             leaves = [
                 leaf.view_as(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
             ]
-            entry.held.track(leaves)
+            entry.record.held.track(leaves)
         else:
             leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self._done = self.backend.mark_done()
@@ -356,11 +382,13 @@ class GraphRunner:
         return output
 
     def _validate_once(self, entry: GraphEntry, call: CallInputs, output: Any) -> None:
-        lookup = (entry.key.batch, call.signature)
-        if lookup in self._validated:
+        """Compare the first replay of ``entry``'s graph with eager; drop the graph and raise
+        :class:`~layergraph.validation.GraphMismatchError` if they differ."""
+        if entry.record.validated:
             return
         args, kwargs = call.rebuild(call.tensors)
-        expected = self.plan.region(*args, **kwargs)
+        with self._hooks.adopting():
+            expected = self.plan.region(*args, **kwargs)
         try:
             compare_outputs(
                 output,
@@ -369,9 +397,9 @@ class GraphRunner:
                 context=f"graph for key {entry.key} (batch {call.batch})",
             )
         except GraphMismatchError:
-            self._entries.remove(lookup)
+            self._entries.remove((entry.key.batch, call.signature))
             raise
-        self._validated.add(lookup)
+        entry.record.validated = True
 
     def _check_addresses(self, entry: GraphEntry) -> None:
         now = addresses(
@@ -432,6 +460,19 @@ class GraphRunner:
                 keys.append(entry.key)
         return keys
 
+    def accept_current_hooks(self) -> None:
+        """Capture graphs with the forward hooks registered now, and let calls with them replay.
+
+        The hooks on the plan's owner, its submodules and PyTorch's global ones become the
+        baseline (the constructor's ``hooks``). For the wrapper, after it registers hooks of its
+        own. If they differ from the previous baseline, every graph is dropped (an
+        invalidation): those graphs hold what the previous hooks did, and lack what the new ones
+        do.
+        """
+        with self._lock:
+            if self._hooks.accept():
+                self._forget_everything()
+
     @property
     def keys(self) -> list[ShapeKey]:
         """The keys of the graphs held now."""
@@ -451,8 +492,8 @@ class GraphRunner:
     def release(self) -> None:
         """Drop every graph and the pool; the next call captures afresh."""
         with self._lock:
-            self._drop_graphs()
-            self._failed.clear()
+            self._entries.clear()
+            self._pool = None
 
 
 def _state_tensors(state: Any) -> list[Any]:
@@ -473,14 +514,66 @@ def _load(static: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> No
             buffer[rows:].zero_()
 
 
-def _concatenate(parts: Sequence[Any]) -> Any:
-    """Join the outputs of consecutive batch chunks along the batch dimension."""
+def _not_per_row(leaves: Sequence[Any], rows: int) -> str | None:
+    """Which tensor among an output's ``leaves`` is not one row per input of ``rows`` rows, or
+    ``None`` if each is. A tensor whose first dimension equals ``rows`` by coincidence (a mean
+    over 4 rows of 4 features) passes."""
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if leaf.dim() == 0:
+            return f"output {index} is 0-d"
+        if leaf.shape[0] != rows:
+            return f"output {index} has {leaf.shape[0]} rows for {rows} inputs"
+    return None
+
+
+def _not_per_row_reason(problem: str, batch: int, split: bool) -> str:
+    """The eager reason of a call that would pad or split outputs that are not one row per
+    input."""
+    return (
+        f"outputs are not one row per input ({problem}): "
+        f"batch {batch} is not {'split' if split else 'padded'}"
+    )
+
+
+def _hooks_reason(places: Sequence[str], owner: torch.nn.Module) -> str:
+    """The eager reason of a call while the forward hooks at ``places`` differ from those
+    graphs are captured with."""
+    named = [
+        "all modules (global hooks)"
+        if place == GLOBAL_HOOKS
+        else place or f"the {type(owner).__name__} itself"
+        for place in places
+    ]
+    listed = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    return f"forward hooks changed after wrapping (on {listed}); they run only in eager calls"
+
+
+class _NotPerRow(Exception):
+    """Chunk outputs that cannot be joined along the batch; the message says which output."""
+
+
+def _concatenate(parts: Sequence[Any], rows: Sequence[int]) -> Any:
+    """Join the outputs of consecutive batch chunks, of ``rows`` rows each, along the batch.
+
+    Raises :class:`_NotPerRow` rather than join a tensor that is not one row per input in every
+    chunk, or keep one chunk's value of anything else that differs between chunks.
+    """
     flat = [pytree.tree_flatten(part) for part in parts]
     spec = flat[0][1]
-    joined = [
-        torch.cat(column)
-        if isinstance(column[0], torch.Tensor) and column[0].dim() > 0
-        else column[0]
-        for column in zip(*(leaves for leaves, _ in flat))
-    ]
+    if any(other != spec for _, other in flat[1:]):
+        raise _NotPerRow("the chunks' outputs differ in structure")
+    for (leaves, _), count in zip(flat, rows):
+        problem = _not_per_row(leaves, count)
+        if problem is not None:
+            raise _NotPerRow(problem)
+    joined = []
+    for index, column in enumerate(zip(*(leaves for leaves, _ in flat))):
+        if isinstance(column[0], torch.Tensor):
+            joined.append(torch.cat(column))
+        elif all(value == column[0] for value in column):
+            joined.append(column[0])
+        else:
+            raise _NotPerRow(f"output {index} differs between chunks")
     return pytree.tree_unflatten(joined, spec)

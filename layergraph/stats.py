@@ -10,28 +10,47 @@ __all__ = ["GraphStats"]
 
 @dataclass
 class GraphStats:
-    """Counters a wrapped model keeps for its whole life.
+    """Counters a wrapped model keeps for its whole life, read with ``graphed.stats``.
 
-    ``eager_calls`` maps each reason a call could not be served by a graph (no CUDA, training
-    mode, an uncaptured shape...) to how many calls ran eagerly for it. ``pool_bytes`` is the
-    memory the shared graph pool holds, read from the allocator when the statistics are taken.
-    ``evictions``: graphs dropped as least recently used; ``invalidations``: times every graph
-    was dropped because the model's parameters moved; ``failed_captures``: captures that ran
-    out of memory; ``overwritten_outputs``: replays that overwrote a still-held static output.
+    A snapshot: the counters do not move after it was taken. ``graphs`` and ``pool_bytes`` are
+    read when it is taken; every other field counts from the wrapping on, and is not reset by
+    ``release()``.
     """
 
     graphs: int = 0
+    """Graphs held when the statistics were taken (at most ``max_graphs``)."""
     captures: int = 0
+    """Graphs captured, ahead of time (``capture()``) or on first use, including those since
+    dropped."""
     replays: int = 0
+    """Graph launches; a call split into chunks counts one per chunk."""
     padded_calls: int = 0
+    """Replays of a graph captured for more rows than the call had: the call's rows were padded
+    with zero rows, and those rows sliced off the outputs."""
     split_calls: int = 0
+    """Calls larger than every batch size, served by several replays of the largest graph whose
+    outputs were concatenated. A call whose outputs could not be joined and that ran eagerly
+    instead is counted in :attr:`eager_calls`, not here."""
     evictions: int = 0
+    """Graphs dropped as the least recently used, to keep at most ``max_graphs``."""
     invalidations: int = 0
+    """Times every graph was dropped because the model's parameters or buffers moved or were
+    replaced (``model.to(...)``, ``load_state_dict(..., assign=True)``), or because the forward
+    hooks graphs are captured with were changed (``accept_current_hooks()``)."""
     failed_captures: int = 0
+    """Captures that ran out of device memory; each dropped every graph, and its key runs
+    eagerly until the model changes or the graphs are released."""
     overwritten_outputs: int = 0
+    """Replays, with ``static_output=True``, that overwrote outputs of the previous replay of
+    the same graph while the caller still referenced them (each also warned)."""
     eager_calls: Counter[str] = field(default_factory=Counter)
+    """Calls that ran the model eagerly, by reason ("model is in training mode", "shape not yet
+    seen 2 times (capture_after)"...). :attr:`eager_total` is their sum."""
     capture_seconds: float = 0.0
+    """Wall-clock seconds spent capturing, warm-up runs included."""
     pool_bytes: int = 0
+    """Bytes the shared graph memory pool holds, read from the allocator when the statistics
+    were taken; 0 before the first capture and after every graph was dropped at once."""
 
     @property
     def eager_total(self) -> int:

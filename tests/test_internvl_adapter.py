@@ -130,7 +130,7 @@ def test_padding_never_changes_a_real_tile() -> None:
         padded = graphed(pixel_values=x).last_hidden_state
     torch.testing.assert_close(padded, alone, rtol=RTOL, atol=ATOL)
     assert graphed.stats.padded_calls == 1
-    assert [key.sequence for key in graphed.keys] == [TOKENS]
+    assert [key.sequence.tokens for key in graphed.keys] == [TOKENS]
 
 
 def test_workspace_is_sized_per_key_from_the_model(triton_interpreter: None) -> None:
@@ -166,7 +166,7 @@ def test_metadata_hook_override_is_used(monkeypatch: pytest.MonkeyPatch) -> None
     registry = AdapterRegistry()
     registry.load_entry_points()
     registry.add_plugin(Override(), "override")
-    monkeypatch.setattr("layergraph_adapters.internvl.get_registry", lambda: registry)
+    monkeypatch.setattr("layergraph.plugins._registry", registry)
     graphed = layergraph.wrap(
         tower(), adapter="internvl", attention="sdpa", backend=SimulatedGraphs(), batch_sizes=[2]
     )
@@ -192,8 +192,8 @@ def test_attention_weights_run_eagerly_with_the_reason() -> None:
 
 
 def test_bad_options_and_models_are_refused() -> None:
-    with pytest.raises(ValueError, match="attention='flash'"):
-        InternVLAdapter(attention="flash")
+    with pytest.raises(ValueError, match="attention='flash': choose one of sdpa, triton, fa3"):
+        layergraph.wrap(tower(), adapter="internvl", attention="flash")
     with pytest.raises(layergraph.AdapterMismatch, match="InternVLVisionModel"):
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="internvl")
     graphed = layergraph.wrap(tower(), adapter="internvl", backend=SimulatedGraphs())
@@ -247,7 +247,10 @@ def test_capture_ahead_takes_pixel_values_for_a_vlm() -> None:
     )
     with torch.inference_mode():
         keys = graphed.capture(pixel_values=torch.randn(1, 3, 64, 64), progress=False)
-    assert [(key.batch, key.sequence) for key in keys] == [(4, 17), (1, 17)]
+    assert [(key.batch, str(key.sequence)) for key in keys] == [
+        (4, "17 tokens (64x64)"),
+        (1, "17 tokens (64x64)"),
+    ]
 
 
 def test_recognizes_towers_and_vlms() -> None:

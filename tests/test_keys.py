@@ -38,6 +38,35 @@ def test_signature_ignores_batch_but_not_shape_dtype_or_values() -> None:
     assert signature(torch.randn(2, 4), {"a": [1]}) != signature(torch.randn(2, 4), {"a": [2]})
 
 
+def test_argument_reads_keyword_tensors_and_fixed_values() -> None:
+    x, mask, sizes = torch.randn(3, 5), torch.ones(3, 5), [2, 3]
+    call = CallInputs((x, 2), {"mask": mask, "flag": False, "sizes": sizes})
+    assert call.argument("mask") is mask
+    assert call.argument("flag") is False
+    assert call.argument("sizes") is sizes
+    assert call.argument("missing") is None
+    assert call.argument("missing", default=7) == 7
+
+
+def test_argument_with_a_position_finds_it_passed_either_way() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    by_position = CallInputs((x, True), {})
+    by_keyword = CallInputs((), {"pixel_values": x, "interpolate": True})
+    assert by_position.argument("pixel_values", position=0) is x
+    assert by_keyword.argument("pixel_values", position=0) is x
+    assert by_position.argument("interpolate", position=1) is True
+    assert by_position.argument("pixel_values") is None
+    assert by_position.argument("mask", position=2, default="none") == "none"
+
+
+def test_argument_reads_the_sliced_calls_own_rows() -> None:
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5.0).reshape(5, 1)
+    part = CallInputs((x,), {"y": y, "scale": 2}).sliced(1, 3)
+    assert torch.equal(part.argument("x", position=0), x[1:3])
+    assert torch.equal(part.argument("y"), y[1:3])
+    assert part.argument("scale") == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

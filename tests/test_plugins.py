@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ GOOD_PLUGIN = """
         def __init__(self, depth=1):
             self.depth = depth
 
-        def plan(self, model):
+        def plan(self, model, context=None):
             return layergraph.WholeForward(model)
 
     @layergraph.hookimpl
@@ -171,3 +172,309 @@ def test_local_plugin_can_be_added_and_removed() -> None:
     registry.remove_plugin("local-plugin")
     with pytest.raises(UnknownAdapterError):
         registry.factory("local")
+
+
+PICKY_PLUGIN = """
+    import layergraph
+
+    class PickyAdapter(layergraph.Adapter):
+        name = "picky"
+
+        def recognizes(self, model):
+            raise RuntimeError("recognizes is broken")
+
+        def plan(self, model, context=None):
+            return layergraph.WholeForward(model)
+
+    @layergraph.hookimpl
+    def register_adapters(register):
+        register(PickyAdapter)
+"""
+
+
+def adapters(registry: AdapterRegistry) -> dict[str, plugins.AdapterInfo]:
+    return {info.name: info for info in registry.list()}
+
+
+def registry_with(*factories: Callable[..., layergraph.Adapter]) -> AdapterRegistry:
+    """A registry holding only ``factories`` (and layergraph's generic ``sequential``)."""
+
+    class Plugin:
+        @layergraph.hookimpl
+        def register_adapters(self, register: Callable[..., None]) -> None:
+            register(layergraph.SequentialAdapter)
+            for factory in factories:
+                register(factory)
+
+    registry = AdapterRegistry()
+    registry.add_plugin(Plugin(), "local-plugin", "localdist", "0.1")
+    return registry
+
+
+def test_adapter_whose_recognizes_raises_is_reported_not_skipped(
+    installed_plugin: Callable[..., None],
+) -> None:
+    installed_plugin("pickyplugin", "picky", PICKY_PLUGIN)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2)).eval()
+    with pytest.raises(UnknownAdapterError) as raised:
+        layergraph.wrap(model, adapter="auto")
+    message = str(raised.value)
+    for part in ("'picky'", "pickyplugin 1.2.3", "RuntimeError: recognizes is broken"):
+        assert part in message
+    assert "adapter=NAME" in message
+    picky = by_name()["picky"]
+    assert not picky.ok and picky.distribution == "pickyplugin"
+    assert picky.error.startswith("RuntimeError: recognizes is broken")
+    assert by_name()["sequential"].ok
+    assert layergraph.wrap(model, adapter="picky").adapter.name == "picky"
+
+
+def test_recognition_failure_keeps_the_first_error() -> None:
+    class Flaky(layergraph.Adapter):
+        name = "flaky"
+        calls = 0
+
+        def recognizes(self, model: torch.nn.Module) -> bool:
+            Flaky.calls += 1
+            raise ValueError(f"failure {Flaky.calls}")
+
+    registry = registry_with(Flaky)
+    for _ in range(2):
+        with pytest.raises(UnknownAdapterError, match="ValueError: failure"):
+            registry.recognize(torch.nn.Linear(2, 2))
+    assert adapters(registry)["flaky"].error.startswith("ValueError: failure 1")
+    assert registry.factory("flaky") is Flaky
+
+
+def test_another_dedicated_adapter_may_claim_the_model_a_broken_one_raised_on() -> None:
+    class Broken(layergraph.Adapter):
+        name = "broken"
+
+        def recognizes(self, model: torch.nn.Module) -> bool:
+            raise KeyError("config")
+
+    class Claimer(layergraph.Adapter):
+        name = "claimer"
+
+        def recognizes(self, model: torch.nn.Module) -> bool:
+            return isinstance(model, torch.nn.Sequential)
+
+    registry = registry_with(Broken, Claimer)
+    assert registry.recognize(torch.nn.Sequential()) == "claimer"
+    assert "KeyError: 'config'" in adapters(registry)["broken"].error
+    with pytest.raises(UnknownAdapterError, match=r"'broken' \(localdist 0\.1\)"):
+        registry.recognize(torch.nn.Linear(2, 2))
+
+
+def test_adapters_that_need_arguments_are_not_asked_to_recognize() -> None:
+    class NeedsStack(layergraph.Adapter):
+        name = "needs-stack"
+
+        def __init__(self, stack: str) -> None:
+            self.stack = stack
+
+    registry = registry_with(NeedsStack)
+    assert registry.recognize(torch.nn.Sequential()) == "sequential"
+    assert adapters(registry)["needs-stack"].ok
+
+
+def test_errors_inside_example_models_propagate() -> None:
+    class Buggy(layergraph.Adapter):
+        name = "buggy"
+
+        def example_models(self) -> list[str]:
+            raise TypeError("bug in example_models")
+
+        def example_model(self, name: str) -> layergraph.ExampleModel | None:
+            raise TypeError("bug in example_model")
+
+    registry = registry_with(Buggy)
+    with pytest.raises(TypeError, match="bug in example_models"):
+        registry.example_model_names()
+    with pytest.raises(TypeError, match=r"bug in example_model$"):
+        registry.example_model("buggy-model")
+
+
+def test_example_models_skip_factories_that_need_arguments() -> None:
+    example = layergraph.ExampleModel(
+        name="tiny", adapter="tiny", build=lambda *_: None, inputs=lambda *_: None
+    )
+
+    class NeedsStack(layergraph.Adapter):
+        name = "needs-stack"
+
+        def __init__(self, stack: str) -> None:
+            self.stack = stack
+
+    class Tiny(layergraph.Adapter):
+        name = "tiny"
+
+        def example_models(self) -> list[str]:
+            return ["tiny"]
+
+        def example_model(self, name: str) -> layergraph.ExampleModel | None:
+            return example if name == "tiny" else None
+
+    registry = registry_with(NeedsStack, Tiny)
+    assert registry.example_model_names() == ["tiny"]
+    assert registry.example_model("tiny") is example
+
+
+WRAPPER_PLUGINS = {
+    "newwrapper": """
+        @layergraph.hookimpl(wrapper=True)
+        def register_adapters(register):
+            register(Wrapped)
+            return (yield)
+    """,
+    "oldwrapper": """
+        @layergraph.hookimpl(hookwrapper=True)
+        def register_adapters(register):
+            register(Wrapped)
+            yield
+    """,
+    "tryfirst": """
+        @layergraph.hookimpl(tryfirst=True)
+        def register_adapters(register):
+            register(Wrapped)
+    """,
+}
+
+
+@pytest.mark.parametrize("style", WRAPPER_PLUGINS)
+def test_hookimpl_options_apply_to_register_adapters(
+    installed_plugin: Callable[..., None], style: str
+) -> None:
+    source = """
+        import layergraph
+
+        class Wrapped(layergraph.Adapter):
+            name = "wrapped"
+    """
+    hook = textwrap.dedent(WRAPPER_PLUGINS[style])
+    installed_plugin(style, "wrapper", textwrap.dedent(source) + hook)
+    assert plugins.get_registry().factory("wrapped").__module__ == f"{style}_plugin"
+    assert by_name()["wrapped"].distribution == style
+
+
+def test_wrapper_hookimpl_that_raises_marks_its_plugin_broken(
+    installed_plugin: Callable[..., None],
+) -> None:
+    source = """
+        import layergraph
+
+        @layergraph.hookimpl(wrapper=True)
+        def register_adapters(register):
+            raise RuntimeError("wrapper failed")
+            return (yield)
+    """
+    installed_plugin("raisingwrapper", "failing-wrapper", source)
+    infos = by_name()
+    assert infos["failing-wrapper"].error == "RuntimeError: wrapper failed"
+    assert infos["failing-wrapper"].distribution == "raisingwrapper"
+    assert infos["timm"].ok
+
+
+def test_plugin_implementations_run_in_pluggy_order() -> None:
+    order: list[str] = []
+
+    class Plugin:
+        @layergraph.hookimpl(specname="register_adapters", trylast=True)
+        def last(self, register: Callable[..., None]) -> None:
+            order.append("last")
+
+        @layergraph.hookimpl(specname="register_adapters", tryfirst=True)
+        def first(self, register: Callable[..., None]) -> None:
+            order.append("first")
+
+        @layergraph.hookimpl(specname="register_adapters", wrapper=True)
+        def around(self, register: Callable[..., None]) -> Iterator[None]:
+            order.append("before")
+            yield
+            order.append("after")
+
+    AdapterRegistry().add_plugin(Plugin(), "ordered")
+    assert order == ["before", "first", "last", "after"]
+
+
+def test_plugins_implementing_through_specname_are_asked_once() -> None:
+    class First(layergraph.Adapter):
+        name = "first"
+
+    class Second(layergraph.Adapter):
+        name = "second"
+
+    class SpecnamePlugin:
+        @layergraph.hookimpl(specname="register_adapters")
+        def adapters(self, register: Callable[..., None]) -> None:
+            register(First)
+
+    class LaterPlugin:
+        @layergraph.hookimpl
+        def register_adapters(self, register: Callable[..., None]) -> None:
+            register(Second)
+
+    registry = AdapterRegistry()
+    registry.add_plugin(SpecnamePlugin(), "specname")
+    registry.add_plugin(LaterPlugin(), "later")
+    assert {info.name: info.ok for info in registry.list()} == {"first": True, "second": True}
+
+
+def test_failed_plugin_takes_no_part_in_other_hooks() -> None:
+    class Plugin:
+        @layergraph.hookimpl
+        def register_adapters(self, register: Callable[..., None]) -> None:
+            raise RuntimeError("registration failed")
+
+        @layergraph.hookimpl
+        def recognize_model(self, model: torch.nn.Module) -> str:
+            return "ghost"
+
+    registry = registry_with()
+    registry.add_plugin(Plugin(), "half-broken")
+    assert adapters(registry)["half-broken"].error == "RuntimeError: registration failed"
+    assert registry.recognize(torch.nn.Sequential()) == "sequential"
+
+
+def adapters_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[str]]:
+    """The rows of ``layergraph adapters``' tables, by their first cell."""
+    from layergraph import cli
+
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli.main(["adapters"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if cells:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_adapters_command_lists_failures(
+    installed_plugin: Callable[..., None],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    installed_plugin("pickyplugin", "picky", PICKY_PLUGIN)
+    wrapper = """
+        import layergraph
+
+        @layergraph.hookimpl(hookwrapper=True)
+        def register_adapters(register):
+            raise RuntimeError("wrapper failed [badly]")
+            yield
+    """
+    installed_plugin("clitestwrapper", "failing-wrapper", wrapper)
+    with pytest.raises(UnknownAdapterError):
+        layergraph.wrap(torch.nn.Sequential(), adapter="auto")
+    rows = adapters_command(capsys, monkeypatch)
+    assert rows["picky"][1:3] == ["pickyplugin", "1.2.3"]
+    assert rows["picky"][3].startswith("RuntimeError: recognizes is broken")
+    assert rows["failing-wrapper"][1:] == [
+        "clitestwrapper",
+        "1.2.3",
+        "RuntimeError: wrapper failed [badly]",
+    ]
+    assert rows["timm"][3] == "ok"

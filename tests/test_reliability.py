@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import layergraph
+from layergraph import GraphMismatchError
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5
@@ -142,6 +143,63 @@ def test_an_error_inside_a_layer_during_capture_ends_cleanly(failing_call: int) 
         x = torch.randn(2, 3)
         torch.testing.assert_close(graphed(x), x * 2)
     assert graphed.stats.graphs == 1
+
+
+class WrongAfterCaptures(SimulatedGraphs):
+    """Graphs captured after the first ``good`` replay wrongly, as a graph reading a stale
+    buffer would."""
+
+    def __init__(self, good: int) -> None:
+        super().__init__()
+        self.good = good
+
+    def capture(self, fn: Any, pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        graph, output = super().capture(fn, pool, warmup_runs)
+        graph.wrong = self.captures > self.good
+        return graph, output
+
+    def replay(self, graph: Any) -> None:
+        super().replay(graph)
+        if graph.wrong:
+            graph.output.add_(1.0)
+
+
+def test_a_graph_captured_again_after_eviction_is_validated_again() -> None:
+    model = stack()
+    graphed = wrap(
+        model, backend=WrongAfterCaptures(good=2), batch_sizes=None, max_graphs=1, validate=True
+    )
+    check(graphed, model, 2)
+    check(graphed, model, 3)  # evicts the graph of 2
+    with pytest.raises(GraphMismatchError, match="batch 2"):
+        check(graphed, model, 2)
+    assert graphed.stats.evictions == 2 and graphed.stats.graphs == 0
+
+
+class OutOfMemoryOnce(SimulatedGraphs):
+    """Runs out of memory at the first capture of more than 4 rows."""
+
+    failed = False
+
+    def capture(self, fn: Any, pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        graph, output = super().capture(fn, pool, warmup_runs)
+        if output.shape[0] > 4 and not self.failed:
+            self.failed = True
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return graph, output
+
+
+def test_a_failed_capture_is_tried_again_once_the_model_changed() -> None:
+    """The failure is about the model as it was; no graph was left when it changed."""
+    model = stack()
+    graphed = wrap(model, backend=OutOfMemoryOnce(), batch_sizes=[8])
+    check(graphed, model, 7)
+    assert graphed.stats.failed_captures == 1 and graphed.stats.graphs == 0
+    for parameter in model.parameters():
+        parameter.data = parameter.data.clone()
+    check(graphed, model, 7)
+    stats = graphed.stats
+    assert stats.graphs == 1 and stats.replays == 1 and stats.eager_total == 1
 
 
 def test_least_recently_used_graphs_are_dropped_first() -> None:

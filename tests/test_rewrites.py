@@ -53,19 +53,18 @@ def test_patch_product_equals_the_convolution(
     assert got.flatten(2).transpose(1, 2).is_contiguous()  # a row-major token sequence
 
 
-def test_patch_matmul_routes_the_convolution_while_attached() -> None:
+def test_patch_matmul_routes_the_convolution_while_applied() -> None:
     conv = nn.Conv2d(3, 8, kernel_size=4, stride=4).eval()
     pixels = torch.randn(2, 3, 16, 16)
     rewrite = PatchMatmul(conv)
-    rewrite.attach()
-    rewrite.attach()
+    rewrite.apply()
     assert not conv(pixels).is_contiguous()  # channels-last: the product's layout
     with torch.no_grad():
         conv.weight.mul_(2)  # in place: the product reads the same storage
     torch.testing.assert_close(conv(pixels), F.conv2d(pixels, conv.weight, conv.bias, 4))
     conv.train()
     assert conv(pixels).is_contiguous()  # training runs the convolution
-    rewrite.detach()
+    rewrite.undo()
     assert "forward" not in conv.__dict__
 
 
@@ -136,16 +135,16 @@ def test_gelu_epilogue_computes_the_tanh_gelu_and_detaches() -> None:
         GeluEpilogue(exact)
     for mlp, approximate in ((exact, True), (tanh, False)):
         rewrite = GeluEpilogue(mlp, approximate=approximate)
-        rewrite.attach()
+        rewrite.apply()
         torch.testing.assert_close(mlp(x), expected, rtol=RTOL, atol=ATOL)
-        rewrite.detach()
+        rewrite.undo()
         assert "forward" not in mlp.__dict__
     assert not torch.allclose(exact(x), expected, rtol=0, atol=1e-7)  # the two GELUs differ
 
 
 def test_gelu_epilogue_leaves_training_to_the_mlp() -> None:
     mlp = _Mlp(nn.GELU(approximate="tanh"))
-    GeluEpilogue(mlp).attach()
+    GeluEpilogue(mlp).apply()
     torch.manual_seed(1)
     x = torch.randn(4, 8)
     assert (mlp.train()(x) != mlp.eval()(x)).any()  # dropout ran

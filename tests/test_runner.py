@@ -6,6 +6,7 @@ of a linear stack are computed independently, so outputs agree to 1e-5 (absolute
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ import layergraph
 import layergraph.runner
 from layergraph import GraphMismatchError
 from layergraph.compiling import CompileBudgetSpent
+from layergraph.stats import GraphStats
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5
@@ -151,8 +153,132 @@ def test_output_type_is_kept_and_non_tensor_args_are_keyed() -> None:
 class _WholeModel(layergraph.Adapter):
     name = "whole-model-test"
 
-    def plan(self, model: nn.Module) -> layergraph.CapturePlan:
+    def plan(self, model: nn.Module, context: Any = None) -> layergraph.CapturePlan:
         return layergraph.WholeForward(model)
+
+
+def wrap_whole(model: nn.Module, **options: Any) -> layergraph.GraphedModule:
+    return layergraph.wrap(model, adapter=_WholeModel(), backend=SimulatedGraphs(), **options)
+
+
+class LossModel(nn.Module):
+    """Scores, one row per input, and a loss averaged over the batch against ``labels``."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = x * 2
+        return scores, (scores.sum(dim=-1) - labels).square().mean()
+
+
+class TransposedModel(nn.Module):
+    """One column per input: the batch is the last dimension."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return (x + labels[:, None]).t()
+
+
+@pytest.mark.parametrize(
+    ("model", "problem"),
+    [(LossModel(), "output 1 is 0-d"), (TransposedModel(), "output 0 has 5 rows for 4 inputs")],
+    ids=["loss", "transposed"],
+)
+def test_outputs_not_one_row_per_input_are_never_padded(model: nn.Module, problem: str) -> None:
+    """The labels are batched too, so the call looks batched; the padded call that captured
+    the graph gets the eager answer as well."""
+    graphed = wrap_whole(model.eval(), batch_sizes=[4])
+    with torch.no_grad():
+        for batch in (3, 4, 3):
+            x, labels = torch.randn(batch, 5), torch.randn(batch)
+            torch.testing.assert_close(graphed(x, labels), model(x, labels), atol=ATOL, rtol=0)
+    stats = graphed.stats
+    reason = f"outputs are not one row per input ({problem}): batch 3 is not padded"
+    assert stats.eager_calls == {reason: 2}
+    assert (stats.captures, stats.replays, stats.padded_calls) == (1, 1, 0)
+
+
+def test_outputs_not_one_row_per_input_are_never_split() -> None:
+    model = LossModel().eval()
+    graphed = wrap_whole(model, batch_sizes=[1, 2])
+    x, labels = torch.randn(5, 3), torch.randn(5)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x, labels), model(x, labels), atol=ATOL, rtol=0)
+    stats = graphed.stats
+    reason = "outputs are not one row per input (output 1 is 0-d): batch 5 is not split"
+    assert stats.eager_calls == {reason: 1}
+    assert (stats.split_calls, stats.replays, stats.captures) == (0, 0, 1)
+
+
+def test_chunks_whose_outputs_are_not_one_row_per_input_are_not_joined() -> None:
+    """A mean over 4 rows of 4 features has 4 rows: the graph of 4 takes it for one row per
+    input. The chunk of 2 rows shows it is not; the call runs eagerly, never concatenated."""
+
+    class Mean(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mean(dim=0)
+
+    graphed = wrap_whole(Mean().eval(), batch_sizes=[2, 4])
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), x.mean(dim=0), atol=ATOL, rtol=0)
+    reason = (
+        "outputs are not one row per input (output 0 has 4 rows for 2 inputs): batch 6 is not split"
+    )
+    assert graphed.stats.eager_calls == {reason: 1} and graphed.stats.split_calls == 0
+
+
+def test_split_values_other_than_tensors_must_agree_between_chunks() -> None:
+    """A Python value in the output is fixed at capture: 4 in the graph of 4, 2 in that of 2."""
+
+    class Counted(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+            return x * 2, x.shape[0]
+
+    graphed = wrap_whole(Counted().eval(), batch_sizes=[2, 4])
+    x = torch.randn(6, 3)
+    with torch.no_grad():
+        doubled, rows = graphed(x)
+    torch.testing.assert_close(doubled, x * 2)
+    assert rows == 6
+    reason = (
+        "outputs are not one row per input (output 1 differs between chunks): batch 6 is not split"
+    )
+    assert graphed.stats.eager_calls == {reason: 1}
+
+
+def test_a_vit_loss_from_batched_labels_is_never_padded() -> None:
+    """transformers' classifier given ``labels`` returns a 0-d loss over the batch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=16,
+        num_labels=5,
+    )
+    model = transformers.ViTForImageClassification(config).eval()
+    graphed = wrap_whole(model, batch_sizes=[4])
+    pixels, labels = torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        got = graphed(pixel_values=pixels, labels=labels)
+        want = model(pixel_values=pixels, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
+    assert list(graphed.stats.eager_calls) == [
+        "outputs are not one row per input (output 0 is 0-d): batch 3 is not padded"
+    ]
+
+
+def test_stale_output_warning_names_the_callers_line(mlp_stack: nn.Sequential) -> None:
+    graphed = wrap_simulated(mlp_stack, batch_sizes=[2], static_output=True)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        held = graphed(torch.randn(2, 16))
+        graphed(torch.randn(2, 16))
+    assert held is not None
+    (warning,) = [w for w in warned if w.category is layergraph.runner.StaleOutputWarning]
+    assert warning.filename == __file__
 
 
 def test_training_mode_runs_eagerly(mlp_stack: nn.Sequential) -> None:
@@ -437,6 +563,7 @@ def test_compile_budget_caps_compilation(
     assert (budget.spent > 0) == bool(compiled_sizes)
     spent_warnings = [w for w in warned if issubclass(w.category, CompileBudgetSpent)]
     assert len(spent_warnings) == (seconds is not None)
+    assert all(w.filename == __file__ for w in spent_warnings), "not the caller's line"
 
 
 def test_compile_budget_needs_compilation_and_seconds(mlp_stack: nn.Sequential) -> None:
@@ -466,3 +593,10 @@ def test_a_model_error_in_training_mode_stays_the_models_own() -> None:
     with pytest.raises(KeyError, match="from the model"):
         graphed(torch.randn(2, 3))
     assert graphed.stats.eager_calls == {"model is in training mode": 1}
+
+
+def test_every_statistic_has_a_reference_docstring_of_its_own() -> None:
+    griffe = pytest.importorskip("griffe")
+    documented = griffe.load("layergraph.stats")["GraphStats"]
+    fields = [field.name for field in dataclasses.fields(GraphStats)]
+    assert [name for name in fields if not documented[name].docstring] == []

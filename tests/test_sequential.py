@@ -55,12 +55,14 @@ def test_named_stack_is_graphed_in_place(container: type) -> None:
         model, adapter="sequential", stack="layers", backend=SimulatedGraphs()
     )
     with torch.no_grad():
+        graphed(torch.randn(2, 5, 4))  # a list's first wrapped call checks how it is iterated
+        graphed.release()
         for batch in (1, 3, 8):
             x = torch.randn(batch, 5, 4)
             expected = model(x)
             torch.testing.assert_close(graphed(x), expected, atol=ATOL, rtol=0)
     stats = graphed.stats
-    assert stats.replays == 3 and stats.eager_total == 0
+    assert stats.eager_total == 0
     assert [key.batch for key in graphed.keys] == [1, 4, 8]
 
 
@@ -144,3 +146,133 @@ def test_layers_must_return_tensors() -> None:
     with torch.no_grad(), pytest.raises(TypeError, match="layer 0 \\(TupleBlock\\) returned tuple"):
         graphed(torch.randn(2, 3))
     assert graphed.stats.graphs == 0
+
+
+class Windowed(nn.Module):
+    """Qwen2.5-VL's pattern: most layers take window boundaries, some the full ones."""
+
+    def __init__(self, depth: int = 4, full: tuple[int, ...] = (2,)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(8) for _ in range(depth)])
+        self.full = full
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        window, whole = torch.full_like(x, 0.5), torch.ones_like(x)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, whole if index in self.full else window)
+        return x
+
+
+class DeepStack(nn.Module):
+    """Qwen3-VL's pattern: features taken from the output of some layers on the way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(8) for _ in range(4)])
+        self.merger = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        features = []
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            if index in (0, 2):
+                features.append(self.merger(x))
+        return x, features
+
+
+class AllHiddenStates(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden = []
+        for layer in self.layers:
+            x = layer(x)
+            hidden.append(x)
+        return tuple(hidden)
+
+
+class EarlyExit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            if index == 2:
+                break
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (Windowed(), "layer 2 was called with another argument 2 than layer 0"),
+        (DeepStack(), r"reads layer 0's output itself \(torch.nn.functional.linear\)"),
+        (AllHiddenStates(), "keeps layer 0's output"),
+        (EarlyExit(), "called 2 of the 3 layers"),
+    ],
+)
+def test_layers_not_called_as_one_stack_are_refused(model: nn.Module, message: str) -> None:
+    graphed = layergraph.wrap(
+        model.eval(), adapter="sequential", stack="layers", backend=SimulatedGraphs()
+    )
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        for _ in range(2):  # refused on the first call and every later one
+            with pytest.raises(layergraph.AdapterMismatch, match=message):
+                graphed(x)
+    assert graphed.stats.graphs == 0
+    graphed.unwrap()
+    with torch.no_grad():
+        model(x)  # the model itself is untouched
+
+
+def test_metadata_reads_between_layers_are_allowed() -> None:
+    class Shapes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block(8) for _ in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                assert x.shape[-1] == 8 and x.dtype == torch.float32
+                x = layer(x)
+            return x
+
+    model = Shapes().eval()
+    graphed = layergraph.wrap(
+        model, adapter="sequential", stack="layers", backend=SimulatedGraphs()
+    )
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(graphed(x), model(x), atol=ATOL, rtol=0)
+    assert graphed.stats.replays == 2
+
+
+def test_the_models_methods_called_through_the_wrapper_reach_the_graphs() -> None:
+    class Vlm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vision = Encoder()
+
+        def get_image_features(self, pixels: torch.Tensor) -> torch.Tensor:
+            return self.vision(pixels)
+
+        def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+            return self.get_image_features(pixels).sum(-1)
+
+    torch.manual_seed(0)
+    vlm = Vlm().eval()
+    graphed = layergraph.wrap(
+        vlm, adapter="sequential", stack="vision.layers", backend=SimulatedGraphs()
+    )
+    x = torch.randn(2, 5, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            features = graphed.get_image_features(x)
+            torch.testing.assert_close(features, vlm.get_image_features(x), atol=ATOL, rtol=0)
+    assert graphed.stats.replays == 2 and graphed.stats.graphs == 1

@@ -78,7 +78,7 @@ def test_tower_graph_equals_eager(name: str) -> None:
             for field, value in want.items():
                 if isinstance(value, torch.Tensor):
                     torch.testing.assert_close(got[field], value, rtol=RTOL, atol=ATOL)
-    assert {key.sequence for key in graphed.keys} == {tokens}
+    assert {key.sequence.tokens for key in graphed.keys} == {tokens}
     assert graphed.stats.replays == 3 and graphed.stats.padded_calls == 1
 
 
@@ -146,17 +146,23 @@ def test_feature_layer_graph_stops_early_and_matches_hidden_states() -> None:
     model = built(transformers.CLIPVisionModel, clip_config())
     x = images(3)
     with torch.inference_mode():
-        expected = model(pixel_values=x, output_hidden_states=True).hidden_states
+        whole = model(pixel_values=x, output_hidden_states=True)
+        expected = whole.hidden_states
         graphed = layergraph.wrap(
             model, adapter="clip", feature_layers=[-2, 1], backend=SimulatedGraphs()
         )
         got = graphed(pixel_values=x, output_hidden_states=True)
         eager = graphed(pixel_values=x)
-    assert len(got.hidden_states) == 4
-    assert got.hidden_states[0] is None and got.hidden_states[3] is None
-    for index in (1, 2):
-        torch.testing.assert_close(got.hidden_states[index], expected[index], rtol=RTOL, atol=ATOL)
-    assert got.last_hidden_state is None
+        assert len(got.hidden_states) == 4
+        for index in (1, 2):
+            torch.testing.assert_close(
+                got.hidden_states[index], expected[index], rtol=RTOL, atol=ATOL
+            )
+        assert graphed.stats.eager_total == 1  # the call without hidden states
+        # What the graph did not compute comes from the whole tower, the first time it is read.
+        torch.testing.assert_close(got.last_hidden_state, whole.last_hidden_state)
+        torch.testing.assert_close(got.hidden_states[3], whole.hidden_states[3])
+        torch.testing.assert_close(got[1], whole[1])  # pooler_output, as a tuple index
     assert eager.last_hidden_state is not None
     assert graphed.plan.feature_layers == (1, 2)
     assert graphed.stats.replays == 1
@@ -217,6 +223,11 @@ def test_llava_tower_follows_the_vlm_feature_layer(vision: str, tokens: int) -> 
     torch.testing.assert_close(got_logits, logits, rtol=RTOL, atol=ATOL)
     assert graphed.plan.feature_layers == (2,)
     assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+    if not isinstance(features, (torch.Tensor, list, tuple)):  # an output with more in it
+        with torch.inference_mode():
+            torch.testing.assert_close(
+                got_features.last_hidden_state, features.last_hidden_state, rtol=RTOL, atol=ATOL
+            )
     graphed.unwrap()
     assert "forward" not in model.model.vision_tower.__dict__
 
@@ -262,7 +273,7 @@ def test_other_image_sizes_need_interpolation() -> None:
     torch.testing.assert_close(
         got.last_hidden_state, expected.last_hidden_state, rtol=RTOL, atol=ATOL
     )
-    assert {key.sequence for key in graphed.keys} == {37}
+    assert {key.sequence.tokens for key in graphed.keys} == {37}
 
 
 def test_models_without_a_tower_are_refused() -> None:
@@ -352,7 +363,9 @@ def test_register_adapter_fixture_makes_a_local_adapter_available(
     class Tower(layergraph.Adapter):
         name = "my-tower"
 
-        def plan(self, model: torch.nn.Module) -> layergraph.CapturePlan:
+        def plan(
+            self, model: torch.nn.Module, context: layergraph.PlanContext
+        ) -> layergraph.CapturePlan:
             return layergraph.WholeForward(model)
 
     register_adapter(Tower)

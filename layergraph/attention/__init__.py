@@ -3,22 +3,21 @@
 A :class:`SequenceLayout` says which tokens belong together; a backend turns it into the
 metadata its kernel takes (through the ``attention_metadata`` hook, so plugins can supply
 metadata for other backends or layouts) and computes attention over packed
-``[tokens, heads, head_dim]`` views. The runner knows none of this: adapters use it.
+``[tokens, heads, head_dim]`` views. Backends are registered by plugins (the built-in ones by
+layergraph's own) and found through the plugin registry. The runner knows none of this:
+adapters use it.
 """
 
 from .backends import (
-    BACKEND_NAMES,
     AttentionBackend,
     Fa3Attention,
     SdpaAttention,
     TritonVarlenAttention,
     choose_backend,
-    get_backend,
 )
 from .layout import AttentionMetadata, SequenceLayout, build_metadata
 
 __all__ = [
-    "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
     "Fa3Attention",
@@ -27,5 +26,4 @@ __all__ = [
     "TritonVarlenAttention",
     "build_metadata",
     "choose_backend",
-    "get_backend",
 ]

@@ -6,6 +6,10 @@ optional workspace, and the softmax scale, and returns the attention output as
 ``[tokens, heads, head_dim]``. Backends do not build their own metadata at call time: the
 caller builds it once per layout, through the ``attention_metadata`` hook, so that a captured
 graph keeps its addresses.
+
+Backends are found through the plugin registry, never through this module: plugins register
+instances with the ``register_attention_backends`` hook, layergraph's own plugin registers
+these three, and :func:`choose_backend` picks among the backends it is given.
 """
 
 from __future__ import annotations
@@ -23,18 +27,21 @@ from ..timing import captured_ms
 from .layout import AttentionMetadata, SequenceLayout, build_metadata
 
 __all__ = [
-    "BACKEND_NAMES",
     "AttentionBackend",
     "Fa3Attention",
     "SdpaAttention",
     "TritonVarlenAttention",
     "choose_backend",
-    "get_backend",
 ]
 
 
 class AttentionBackend(ABC):
-    """One way to compute non-causal attention over packed sequences."""
+    """One way to compute non-causal attention over packed sequences.
+
+    Subclass it and register an instance through the ``register_attention_backends`` hook;
+    :attr:`name` is how adapters' ``attention=`` options and the registry find it, and no two
+    registered backends share one (``auto`` is reserved for :func:`choose_backend`).
+    """
 
     name: ClassVar[str]
     needs_workspace: ClassVar[bool] = False
@@ -213,22 +220,6 @@ class Fa3Attention(AttentionBackend):
         return kernel(q, k, v, cu, cu, longest, longest, scale=scale)
 
 
-_BACKENDS: dict[str, AttentionBackend] = {
-    backend.name: backend for backend in (SdpaAttention(), TritonVarlenAttention(), Fa3Attention())
-}
-BACKEND_NAMES: tuple[str, ...] = (*_BACKENDS, "auto")
-
-
-def get_backend(name: str) -> AttentionBackend:
-    """The backend called ``name``; a ``ValueError`` listing the names for an unknown one."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
-        ) from None
-
-
 @functools.lru_cache(maxsize=64)
 def choose_backend(
     name: str,
@@ -237,30 +228,46 @@ def choose_backend(
     heads: int,
     head_dim: int,
     layout: SequenceLayout,
+    *,
+    backends: tuple[AttentionBackend, ...],
 ) -> AttentionBackend:
     """The backend to use: ``name`` itself if it can run here, or for ``"auto"`` the fastest.
 
-    ``"auto"`` takes ``sdpa`` off the GPU; on a GPU it times every available backend on random
-    inputs of this layout, as it will run: inside a CUDA graph, where launch costs vanish
-    (median of 5 replays of 10 captured calls), and keeps the fastest, once per (device,
-    dtype, heads, head_dim, layout).
+    ``backends`` are the candidates, normally every registered one
+    (``get_registry().attention_backends()``); this function does not look them up itself.
+    ``"auto"`` takes ``sdpa`` off the GPU when it is among them and can run (else the first
+    that can); on a GPU it times every backend that can run on random inputs of this layout,
+    as it will run: inside a CUDA graph, where launch costs vanish (median of 5 replays of 10
+    captured calls), and keeps the fastest, once per (device, dtype, heads, head_dim, layout,
+    backends).
     """
     if name != "auto":
-        backend = get_backend(name)
+        backend = _named(name, backends)
         reason = backend.unavailable_reason(device, dtype, head_dim, layout)
         if reason is not None:
             raise RuntimeError(f"attention backend {name!r} cannot run: {reason}")
         return backend
-    usable = [
-        backend
-        for backend in _BACKENDS.values()
-        if backend.unavailable_reason(device, dtype, head_dim, layout) is None
-    ]
+    reasons = {
+        backend: backend.unavailable_reason(device, dtype, head_dim, layout) for backend in backends
+    }
+    usable = [backend for backend, reason in reasons.items() if reason is None]
+    if not usable:
+        why = "; ".join(f"{backend.name}: {reason}" for backend, reason in reasons.items())
+        raise RuntimeError(f"no attention backend can run here ({why})")
     if device.type != "cuda" or len(usable) == 1:
-        return _BACKENDS["sdpa"] if _BACKENDS["sdpa"] in usable else usable[0]
+        return next((backend for backend in usable if backend.name == "sdpa"), usable[0])
     return min(
         usable, key=lambda backend: _time_ms(backend, device, dtype, heads, head_dim, layout)
     )
+
+
+def _named(name: str, backends: tuple[AttentionBackend, ...]) -> AttentionBackend:
+    """The backend of ``backends`` called ``name``; a ``ValueError`` listing the names if none."""
+    for backend in backends:
+        if backend.name == name:
+            return backend
+    names = ", ".join([*(backend.name for backend in backends), "auto"])
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {names}")
 
 
 def _time_ms(

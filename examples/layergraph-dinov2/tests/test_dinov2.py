@@ -46,3 +46,16 @@ def test_bad_images_are_refused() -> None:
     with torch.inference_mode(), pytest.raises(ValueError, match=r"\[batch, 3, height, width\]"):
         graphed(torch.randn(1, 1, 56, 56))
     assert graphed.stats.graphs == 0
+
+
+def test_patch_matmul_is_a_recorded_change_undone_by_unwrap() -> None:
+    model = small_model()
+    convolution = model.embeddings.patch_embeddings.projection
+    result = check_adapter(model, "dinov2", pixels, batch_sizes=(2,), patch_matmul=True)
+    assert result.graphed.changes == [
+        "embeddings.patch_embeddings.projection: patch convolution as one matrix product "
+        "(patch_matmul)"
+    ]
+    assert "forward" in vars(convolution)
+    result.graphed.unwrap()
+    assert "forward" not in vars(convolution)

@@ -1,7 +1,9 @@
 """A layergraph adapter for transformers' ``Dinov2Model``, shipped as its own package.
 
 The whole forward is captured per (batch, tokens): patch embedding, the position embedding
-interpolated to the image size, the layers and the final norm.
+interpolated to the image size, the layers and the final norm. With ``patch_matmul=True`` the
+patch convolution runs as one matrix product, a change made to the model through the
+wrapper's ledger and undone by ``unwrap()``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from torch import nn
 
 import layergraph
 from layergraph.keys import CallInputs
+from layergraph_adapters.patch_embedding import PatchMatmul
 
 
 class Dinov2Adapter(layergraph.Adapter):
     """Graphs a transformers ``Dinov2Model``."""
 
     name = "dinov2"
+
+    def __init__(self, patch_matmul: bool = False) -> None:
+        self.patch_matmul = patch_matmul
 
     def recognizes(self, model: nn.Module) -> bool:
         if "transformers" not in sys.modules:  # never import what the user did not
@@ -29,14 +35,14 @@ class Dinov2Adapter(layergraph.Adapter):
 
         return isinstance(model, Dinov2Model)
 
-    def plan(self, model: nn.Module) -> layergraph.CapturePlan:
+    def plan(self, model: nn.Module, context: layergraph.PlanContext) -> layergraph.CapturePlan:
         from transformers import Dinov2Model
 
         if not isinstance(model, Dinov2Model):
             raise layergraph.AdapterMismatch(
                 f"the dinov2 adapter serves transformers' Dinov2Model, got {type(model).__name__}"
             )
-        return Dinov2Plan(model)
+        return Dinov2Plan(model, patch_matmul=self.patch_matmul)
 
     def example_models(self) -> list[str]:
         return ["dinov2-small"]
@@ -60,6 +66,15 @@ class Dinov2Adapter(layergraph.Adapter):
 
 class Dinov2Plan(layergraph.WholeForward):
     """The model's whole forward; the key's sequence is the token count."""
+
+    def __init__(self, model: nn.Module, patch_matmul: bool) -> None:
+        super().__init__(model)
+        convolution = model.embeddings.patch_embeddings.projection
+        self._rewrites = [PatchMatmul(convolution)] if patch_matmul else []
+
+    def change_model(self, changes: layergraph.ChangeLedger, serve: Callable[..., Any]) -> None:
+        for rewrite in self._rewrites:  # each undone by unwrap(), newest first
+            changes.apply(rewrite)
 
     def sequence_of(self, call: CallInputs) -> Hashable:
         patch = self.owner.config.patch_size

@@ -1,0 +1,114 @@
+"""The output of a graph that stopped early, completed by the whole model when read.
+
+A feature graph (``feature_layers``) computes the hidden states a VLM reads and stops there: it
+has no ``last_hidden_state``, no ``pooler_output``, and no hidden states past the deepest one
+needed. Returning ``None`` for those would be a silent wrong answer to a caller who reads them.
+:func:`with_rest_on_demand` returns the output as a subclass of its own class that, the first
+time one of those is read, runs the model's whole forward on the same inputs (eagerly) and
+answers from it; reading only what the graph computed costs nothing more.
+
+Covered: attribute access (``out.last_hidden_state``), string and integer indexing, iteration
+over ``hidden_states``, and ``to_tuple()``. A transformers ``ModelOutput`` (a dataclass and an
+ordered dict) is what it is for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["with_rest_on_demand"]
+
+_COMPUTE = "_layergraph_compute"
+_WHOLE = "_layergraph_whole"
+
+
+def with_rest_on_demand(output: Any, compute: Callable[[], Any]) -> Any:
+    """``output`` whose ``None`` fields (and ``None`` hidden states) come from ``compute()``.
+
+    ``compute`` runs at most once, the first time a missing value is read. ``output`` is
+    returned as it is if it is not a dataclass output or misses nothing.
+    """
+    if not dataclasses.is_dataclass(output):
+        return output
+    names = [field.name for field in dataclasses.fields(output)]
+    hidden = getattr(output, "hidden_states", None)
+    if all(getattr(output, name) is not None for name in names) and (
+        hidden is None or all(h is not None for h in hidden)
+    ):
+        return output
+    cls = _on_demand_class(type(output))
+    values = {name: getattr(output, name) for name in names}
+    if isinstance(hidden, tuple):
+        values["hidden_states"] = _HiddenStates(hidden)
+    completed = cls(**values)
+    object.__setattr__(completed, _COMPUTE, compute)
+    object.__setattr__(completed, _WHOLE, None)
+    if isinstance(hidden, tuple):
+        values["hidden_states"].owner = completed
+    return completed
+
+
+def _whole(output: Any) -> Any:
+    """The whole model's output for the same inputs, computed on first need."""
+    whole = object.__getattribute__(output, _WHOLE)
+    if whole is None:
+        whole = object.__getattribute__(output, _COMPUTE)()
+        object.__setattr__(output, _WHOLE, whole)
+    return whole
+
+
+class _HiddenStates(tuple):
+    """Hidden states with gaps that the whole model's hidden states fill when read."""
+
+    owner: Any = None
+    """The output these hidden states belong to, whose whole counterpart fills the gaps."""
+
+    def _filled(self) -> tuple[Any, ...]:
+        if all(h is not None for h in tuple.__iter__(self)):
+            return tuple(tuple.__iter__(self))
+        return tuple(_whole(self.owner).hidden_states)
+
+    def __getitem__(self, index: Any) -> Any:
+        value = tuple.__getitem__(self, index)
+        if isinstance(index, slice):
+            return self._filled()[index] if any(v is None for v in value) else value
+        return self._filled()[index] if value is None else value
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._filled())
+
+
+@functools.cache
+def _on_demand_class(base: type) -> type:
+    """A subclass of the output class ``base`` that fills its ``None`` fields on reading."""
+    names = frozenset(field.name for field in dataclasses.fields(base))
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        value = base.__getattribute__(self, name)
+        if value is None and name in names and _COMPUTE in base.__getattribute__(self, "__dict__"):
+            return getattr(_whole(self), name)
+        return value
+
+    def __getitem__(self: Any, key: Any) -> Any:
+        if isinstance(key, str):
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+    def to_tuple(self: Any) -> tuple[Any, ...]:
+        whole = _whole(self)
+        return whole.to_tuple() if hasattr(whole, "to_tuple") else tuple(whole)
+
+    return type(
+        f"{base.__name__}WithRestOnDemand",
+        (base,),
+        {
+            "__getattribute__": __getattribute__,
+            "__getitem__": __getitem__,
+            "to_tuple": to_tuple,
+            "__module__": __name__,
+            "__doc__": f"A {base.__name__} whose missing values the whole model computes.",
+        },
+    )

@@ -1,0 +1,42 @@
+"""Warnings that name the user's line, not the line inside layergraph that noticed the problem.
+
+A call reaches layergraph's warnings through frames of layergraph, its adapters, PyTorch's
+module machinery and transformers; how many depends on the path (a forward, a capture, a
+compiled layer), so no fixed ``stacklevel`` is right. :func:`warn` counts the frames instead.
+``warnings.warn``'s ``skip_file_prefixes`` (Python 3.12) would do the same by file name, but
+layergraph supports Python 3.10.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+__all__ = ["INTERNAL_PACKAGES", "user_stacklevel", "warn"]
+
+INTERNAL_PACKAGES: tuple[str, ...] = ("layergraph", "layergraph_adapters", "torch", "transformers")
+"""Packages whose frames a warning skips: the first frame of any other module is the user's."""
+
+
+def _internal(module_name: str) -> bool:
+    return any(
+        module_name == package or module_name.startswith(package + ".")
+        for package in INTERNAL_PACKAGES
+    )
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller of this function name
+    the first frame outside :data:`INTERNAL_PACKAGES` (the outermost frame if there is none).
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and _internal(frame.f_globals.get("__name__", "")):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn(message, category)``, attributed to the user's line."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())
