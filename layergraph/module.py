@@ -313,7 +313,12 @@ class GraphedModule(nn.Module):
         return self._runner.keys
 
     def release(self) -> None:
-        """Drop every graph and the shared pool; later calls capture again."""
+        """Drop every graph and the shared pool; later calls capture again.
+
+        Forward hooks added to (or removed from) the model after wrapping make calls run
+        eagerly, since a replay would skip them (or replay them); after ``release()`` the
+        hooks the model has then are captured with the new graphs.
+        """
         self._runner.release()
 
     @contextlib.contextmanager

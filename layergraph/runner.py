@@ -490,10 +490,12 @@ class GraphRunner:
             )
 
     def release(self) -> None:
-        """Drop every graph and the pool; the next call captures afresh."""
+        """Drop every graph and the pool; the next call captures afresh, with the forward hooks
+        the model has then (they become the baseline: no graph holds the older ones)."""
         with self._lock:
             self._entries.clear()
             self._pool = None
+            self._hooks.accept()
 
 
 def _state_tensors(state: Any) -> list[Any]:

@@ -161,6 +161,8 @@ def test_generic_adapter_graphs_a_module_list_on_gpu() -> None:
     model = Encoder().cuda().half().eval()
     graphed = layergraph.wrap(model, adapter="sequential", stack="layers")
     with torch.inference_mode():
+        graphed(torch.randn(2, 10, 64, device="cuda", dtype=torch.float16))  # checks the list
+        graphed.release()
         for batch in (1, 3):
             x = torch.randn(batch, 10, 64, device="cuda", dtype=torch.float16)
             assert relative_error(graphed(x), model(x)) <= DEFAULT_TOLERANCE[torch.float16]
