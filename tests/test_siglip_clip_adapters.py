@@ -535,3 +535,16 @@ def test_compiled_region_of_a_tower_is_one_graph(fuse_qkv: bool) -> None:
     # Every layer, the head and the norms in one graph; the fusion check runs outside it.
     assert len(graphs) == 1
     assert sum(node.op == "call_function" for node in graphs[0].graph.nodes) > 3 * 10
+
+
+def test_image_sizes_with_equal_token_counts_are_told_apart_in_keys() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    graphed = layergraph.wrap(model, adapter="clip", backend=SimulatedGraphs())
+    with torch.inference_mode():
+        for height, width in ((56, 72), (72, 56)):  # 7x9 and 9x7 patches: 64 tokens each
+            pixels = torch.randn(1, 3, height, width)
+            graphed(pixel_values=pixels, interpolate_pos_encoding=True)
+    assert sorted(str(key) for key in graphed.keys) == [
+        "(batch=1, sequence=64 tokens (56x72))",
+        "(batch=1, sequence=64 tokens (72x56))",
+    ]
