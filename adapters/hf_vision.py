@@ -289,12 +289,11 @@ class VisionTowerPlan(CapturePlan):
         return ImageTokens(patches + self.prefix_tokens, height, width)
 
     def eager_reason(self, call: CallInputs) -> str | None:
-        _, kwargs = call.rebuild(call.tensors)
-        if kwargs.get("output_attentions"):
+        if call.argument("output_attentions"):
             return "attention weights were asked for (output_attentions=True)"
         if self.feature_layers is None:
             return None
-        asked = kwargs.get("output_hidden_states")
+        asked = call.argument("output_hidden_states")
         deepest = self.feature_layers[-1]
         if not asked:
             return (
@@ -319,17 +318,16 @@ class VisionTowerPlan(CapturePlan):
         _, channels, height, width = pixels.shape
         if channels != self.channels:
             raise ValueError(f"expected {self.channels} channels, got {channels}")
-        _, kwargs = call.rebuild(call.tensors)
-        if (height, width) != self.image_size and not self._resizes(kwargs):
+        if (height, width) != self.image_size and not self._resizes(call):
             raise ValueError(
                 f"image size {height}x{width} differs from the model's "
                 f"{self.image_size[0]}x{self.image_size[1]}; pass interpolate_pos_encoding=True "
                 f"to take other sizes"
             )
 
-    def _resizes(self, kwargs: dict[str, Any]) -> bool:
+    def _resizes(self, call: CallInputs) -> bool:
         """Whether the tower takes images of other sizes in this call."""
-        return bool(kwargs.get("interpolate_pos_encoding"))
+        return bool(call.argument("interpolate_pos_encoding"))
 
     def layers(self) -> list[nn.Module]:
         return list(getattr(self._parent, self._layers_name))

@@ -163,7 +163,7 @@ class InternViTPlan(VisionTowerPlan):
         with self.bound(state):
             return super().region(*args, **kwargs)
 
-    def _resizes(self, kwargs: dict[str, Any]) -> bool:
+    def _resizes(self, call: CallInputs) -> bool:
         return True  # InternViT interpolates its position embedding to any tile size
 
     def key_state(self, key: ShapeKey, call: CallInputs) -> AttentionState:
