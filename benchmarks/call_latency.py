@@ -1,0 +1,119 @@
+"""Latency of one call with a wait for its result, and the throughput of a loop, on a GPU.
+
+For each model and batch size: eager, a hand-written wrapper (copy the input into a
+``torch.cuda.graph``'s static input, replay, clone the output) and ``layergraph.wrap`` with its
+defaults, graphs captured ahead. Two ways a user feels a call:
+
+- ``wait``: each call is followed by a wait for its result (``end.synchronize()``), so the
+  host work before a replay shows; median of ``--iters`` calls, each between two CUDA events
+  on an idle stream;
+- ``loop``: calls back to back, each between its own two events, with one wait at the end
+  (:func:`layergraph.timing.median_ms`), which hides host work behind the GPU's.
+
+    python3 benchmarks/call_latency.py --json latency.json --label main
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import layergraph
+from layergraph.plugins import get_registry
+from layergraph.reference import plain_graph
+from layergraph.timing import median_ms
+
+MODELS = ("vit_base_patch16_224", "clip-vit-l-336")
+
+
+def waited_ms(fn: Callable[[], Any], iters: int, warmup: int = 20) -> float:
+    """Median milliseconds of ``fn`` with a wait for its result after each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hand_written(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Copy in, replay, clone out: what a user writes around one ``torch.cuda.graph``."""
+    run = plain_graph(model, *args, **kwargs)
+
+    def call() -> Any:
+        out = run(*args, **kwargs)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+
+    return call
+
+
+def measure(name: str, batch: int, iters: int) -> list[dict[str, Any]]:
+    example = get_registry().example_model(name)
+    device = torch.device("cuda")
+    model = example.build(torch.bfloat16, device)
+    args, kwargs = example.inputs(batch, torch.bfloat16, device)
+    rows = []
+    with torch.inference_mode():
+        graphed = layergraph.wrap(model)
+        graphed.capture(*args, batch_sizes=[batch], progress=False, **kwargs)
+        with graphed.original() as original:
+            methods = {
+                "eager": lambda: original(*args, **kwargs),
+                "hand-written": hand_written(original, args, kwargs),
+            }
+            for method, fn in methods.items():
+                rows.append(_row(name, batch, method, fn, iters))
+        rows.append(_row(name, batch, "layergraph", lambda: graphed(*args, **kwargs), iters))
+        assert graphed.stats.eager_total == 0, dict(graphed.stats.eager_calls)
+    return rows
+
+
+def _row(name: str, batch: int, method: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
+    return {
+        "model": name,
+        "batch": batch,
+        "method": method,
+        "wait_ms": waited_ms(fn, iters),
+        "loop_ms": median_ms(fn, device=torch.device("cuda"), iters=iters),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--label", default="", help="names this code version in the output")
+    parser.add_argument("--json", help="write the rows here")
+    options = parser.parse_args()
+    rows = [
+        {"label": options.label, **row}
+        for name in options.models.split(",")
+        for batch in map(int, options.batch_sizes.split(","))
+        for row in measure(name, batch, options.iters)
+    ]
+    print(f"| {options.label} | model | batch | method | wait ms | loop ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(
+            f"| {options.label} | {row['model']} | {row['batch']} | {row['method']} | "
+            f"{row['wait_ms']:.3f} | {row['loop_ms']:.3f} |"
+        )
+    if options.json:
+        with open(options.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
