@@ -14,6 +14,7 @@ from torch import nn
 from .adapter import Adapter, CapturePlan, PlanContext
 from .compiling import RECOMPILE_LIMIT, CompileBudget, compile_options, compiled_call
 from .graphs import CudaGraphs, GraphBackend
+from .guards import NoticeMoves
 from .keys import ShapeKey
 from .ledger import ChangeLedger
 from .plugins import get_registry
@@ -122,6 +123,7 @@ def wrap(
     try:
         plan.change_model(changes, route)
         _compile_layers(plan, adapter_object, compile_layers, budget, changes)
+        changes.apply(NoticeMoves(plan.owner))
         runner = GraphRunner(
             plan,
             options,

@@ -8,6 +8,7 @@ Tolerance: float32 on the same kernels, 1e-5 absolute.
 from __future__ import annotations
 
 import threading
+import unittest.mock
 import warnings
 import weakref
 from typing import Any
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import layergraph
+import layergraph.guards
 from layergraph import GraphMismatchError
 from layergraph.testing import SimulatedGraphs
 
@@ -195,8 +197,7 @@ def test_a_failed_capture_is_tried_again_once_the_model_changed() -> None:
     graphed = wrap(model, backend=OutOfMemoryOnce(), batch_sizes=[8])
     check(graphed, model, 7)
     assert graphed.stats.failed_captures == 1 and graphed.stats.graphs == 0
-    for parameter in model.parameters():
-        parameter.data = parameter.data.clone()
+    model._apply(torch.clone)  # what to() runs: every parameter re-allocated
     check(graphed, model, 7)
     stats = graphed.stats
     assert stats.graphs == 1 and stats.replays == 1 and stats.eager_total == 1
@@ -240,6 +241,28 @@ def test_debug_mode_notices_a_moved_buffer() -> None:
     entry.static_inputs[0].set_(torch.zeros(2, 8))
     with torch.no_grad(), pytest.raises(RuntimeError, match="no longer have their captured"):
         graphed(torch.randn(2, 8))
+
+
+def test_moves_are_noticed_where_they_happen_and_the_rest_in_debug_mode() -> None:
+    """to() and its kin are counted as they run, so a call reads no address unless something
+    moved; a parameter's data set by hand is not counted, and debug mode names it."""
+    model = stack()
+    graphed = wrap(model, batch_sizes=[2])
+    check(graphed, model, 2)
+    watch = graphed._runner._watch
+    with unittest.mock.patch.object(
+        layergraph.guards, "addresses", side_effect=AssertionError("read")
+    ):
+        check(graphed, model, 2)  # nothing moved: no address is read
+    model.half().float()
+    check(graphed, model, 2)
+    assert graphed.stats.invalidations == 1 and watch.tensors[0].dtype == torch.float32
+    debugged = wrap(stack(), batch_sizes=[2], debug=True)
+    check(debugged, debugged.module, 2)
+    weight = debugged.module[0].weight
+    weight.data = weight.data.clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="no longer have their captured"):
+        debugged(torch.randn(2, 8))
 
 
 def test_empty_and_non_tensor_inputs_get_clear_errors() -> None:
@@ -346,8 +369,7 @@ def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
         if event == "call":
             check(graphed, model, batch)
         elif event == "move weights":
-            for parameter in model.parameters():
-                parameter.data = parameter.data.clone()
+            model._apply(torch.clone)  # what to() runs: every parameter re-allocated
         elif event == "release":
             graphed.release()
         elif 8 not in [key.batch for key in graphed.keys]:

@@ -52,10 +52,10 @@ def test_patch_matmul_is_a_recorded_change_undone_by_unwrap() -> None:
     model = small_model()
     convolution = model.embeddings.patch_embeddings.projection
     result = check_adapter(model, "dinov2", pixels, batch_sizes=(2,), patch_matmul=True)
-    assert result.graphed.changes == [
+    assert (
         "embeddings.patch_embeddings.projection: patch convolution as one matrix product "
         "(patch_matmul)"
-    ]
+    ) in result.graphed.changes
     assert "forward" in vars(convolution)
     result.graphed.unwrap()
     assert "forward" not in vars(convolution)
