@@ -4,9 +4,8 @@ For each model and batch size: eager, a hand-written wrapper (copy the input int
 ``torch.cuda.graph``'s static input, replay, clone the output) and ``layergraph.wrap`` with its
 defaults, graphs captured ahead. Two ways a user feels a call:
 
-- ``wait``: each call is followed by a wait for its result (``end.synchronize()``), so the
-  host work before a replay shows; median of ``--iters`` calls, each between two CUDA events
-  on an idle stream;
+- ``wait``: each call is followed by a wait for its result, so the host work before a replay
+  shows; median of ``--iters`` calls (:func:`layergraph.timing.waited_ms`);
 - ``loop``: calls back to back, each between its own two events, with one wait at the end
   (:func:`layergraph.timing.median_ms`), which hides host work behind the GPU's.
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -26,25 +24,9 @@ import torch
 import layergraph
 from layergraph.plugins import get_registry
 from layergraph.reference import plain_graph
-from layergraph.timing import median_ms
+from layergraph.timing import median_ms, waited_ms
 
 MODELS = ("vit_base_patch16_224", "clip-vit-l-336")
-
-
-def waited_ms(fn: Callable[[], Any], iters: int, warmup: int = 20) -> float:
-    """Median milliseconds of ``fn`` with a wait for its result after each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def hand_written(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -84,7 +66,7 @@ def _row(name: str, batch: int, method: str, fn: Callable[[], Any], iters: int) 
         "model": name,
         "batch": batch,
         "method": method,
-        "wait_ms": waited_ms(fn, iters),
+        "wait_ms": waited_ms(fn, device=torch.device("cuda"), warmup=20, iters=iters),
         "loop_ms": median_ms(fn, device=torch.device("cuda"), iters=iters),
     }
 

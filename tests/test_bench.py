@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,25 @@ def test_markdown_holds_ratios_rates_and_memory() -> None:
     assert cells[10:15] == ["0.870x", "0.750x", "11.7", "50.0", "6 %"]
     row8 = next(line for line in text.splitlines() if line.startswith("| 8 |"))
     assert "| - |" in row8  # no compile measured
+
+
+def test_markdown_shows_latency_with_a_wait_next_to_the_loop() -> None:
+    report = sample_report()
+    assert "with a wait" not in report.to_markdown()  # none measured (no GPU, older reports)
+    report.rows[0].eager_wait_ms = 3.1
+    report.rows[0].layergraph_wait_ms = 0.78
+    report.rows[0].plain_graph_wait_ms = 0.72
+    text = report.to_markdown()
+    row = [line for line in text.splitlines() if line.startswith("| 1 |")][-1]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells == ["1", "3.100", "0.780", "0.720", "1.083x", "1.014x"]
+    assert "One call with a wait for its result" in text
+
+
+def test_waited_latency_off_the_gpu_is_wall_clock_time() -> None:
+    from layergraph.timing import waited_ms
+
+    assert waited_ms(lambda: time.sleep(0.002), device=torch.device("cpu"), iters=5) >= 2.0
 
 
 def test_json_and_plot_are_written(tmp_path: Path) -> None:

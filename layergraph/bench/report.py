@@ -57,6 +57,10 @@ def _describe_option(name: str, value: Any) -> str:
 class BenchRow:
     """One batch size: median latencies in milliseconds (``None``: not measured) and FLOPs.
 
+    The ``*_ms`` fields time calls back to back (the throughput of a loop, which hides host
+    work); the ``*_wait_ms`` fields time calls each waited for (the latency a waiting caller
+    feels).
+
     ``relative_error`` and ``tuned_error`` compare layergraph's output, without and with the
     report's speed options (:attr:`BenchReport.tuned_options`), to eager's.
     """
@@ -71,6 +75,13 @@ class BenchRow:
     tuned_ms: float | None = None
     relative_error: float | None = None
     tuned_error: float | None = None
+    eager_wait_ms: float | None = None
+    """Eager, each call waited for (:func:`~layergraph.timing.waited_ms`); GPU only."""
+    layergraph_wait_ms: float | None = None
+    """layergraph, each call waited for: the host work before each replay counts."""
+    plain_graph_wait_ms: float | None = None
+    """The hand-written graph as a user wraps it (copy in, replay, clone out), each call
+    waited for."""
 
     def ratio(self, numerator: str, denominator: str) -> float | None:
         """``numerator / denominator`` of two latency fields, if both were measured."""
@@ -208,7 +219,29 @@ class BenchReport:
                 f"{_x(row.ratio('tuned_ms', 'compile_ms'))} | {eager:.1f} | "
                 f"{'-' if achieved is None else f'{achieved:.1f}'} | {share} |"
             )
+        if any(row.layergraph_wait_ms is not None for row in self.rows):
+            lines += ["", *self._waited_table()]
         return "\n".join(lines) + "\n"
+
+    def _waited_table(self) -> list[str]:
+        """The latency of one call waited for, next to the same calls back to back."""
+        lines = [
+            "One call with a wait for its result (the first three columns), and the same calls "
+            "back to back (the last two); the hand-written graph clones its output, as "
+            "layergraph does.",
+            "",
+            "| batch | eager ms, wait | layergraph ms, wait | hand-written ms, wait | "
+            "layergraph vs hand-written, wait | layergraph vs hand-written, loop |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in self.rows:
+            lines.append(
+                f"| {row.batch} | {_ms(row.eager_wait_ms)} | {_ms(row.layergraph_wait_ms)} | "
+                f"{_ms(row.plain_graph_wait_ms)} | "
+                f"{_x(row.ratio('layergraph_wait_ms', 'plain_graph_wait_ms'))} | "
+                f"{_x(row.ratio('layergraph_ms', 'plain_graph_ms'))} |"
+            )
+        return lines
 
     def plot(self, path: str | Path) -> None:
         """A PNG of latency against batch size, one line per method measured."""

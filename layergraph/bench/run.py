@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..module import wrap
 from ..plugins import get_registry
 from ..reference import compiled_reduce_overhead, plain_graph
-from ..timing import median_ms
+from ..timing import median_ms, waited_ms
 from ..validation import first_tensor, relative_error
 from .report import BenchReport, BenchRow
 
@@ -37,13 +38,14 @@ def run_benchmark(
 
     On a GPU: eager; layergraph with every batch size captured ahead into one pool (capture
     time and pool size recorded, and the largest batch captured alone for comparison); the
-    whole forward captured by hand; with ``tuned`` (``wrap`` options such as
-    ``{"compile_region": True, "fuse_qkv": True}``), layergraph again with those speed
-    options, after the plain measurements since some of them change the model in place until
-    unwrapped; and, with ``compile=True``, torch.compile with ``mode="reduce-overhead"``
-    (which compiles once per batch size, for a long time) last of all, once layergraph's graphs
-    are released. Without a GPU only eager is measured, in float32. ``on_row`` is called with the
-    report after each batch size, for live display.
+    whole forward captured by hand; each of these three also with a wait for every call's
+    result (the ``*_wait_ms`` fields, the latency a waiting caller feels); with ``tuned``
+    (``wrap`` options such as ``{"compile_region": True, "fuse_qkv": True}``), layergraph
+    again with those speed options, after the plain measurements since some of them change the
+    model in place until unwrapped; and, with ``compile=True``, torch.compile with
+    ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time) last of
+    all, once layergraph's graphs are released. Without a GPU only eager is measured, in
+    float32. ``on_row`` is called with the report after each batch size, for live display.
     """
     example = get_registry().example_model(model_name)
     cuda = torch.cuda.is_available()
@@ -196,11 +198,18 @@ def _measure(
         )
         if graphed is None:
             return row
+        row.eager_wait_ms = waited_ms(lambda: original(*args, **kwargs), device=device, iters=iters)
         by_hand = plain_graph(original, *args, **kwargs)
         row.plain_graph_ms = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
+        row.plain_graph_wait_ms = waited_ms(
+            lambda: pytree.tree_map_only(torch.Tensor, torch.clone, by_hand(*args, **kwargs)),
+            device=device,
+            iters=iters,
+        )
     got = graphed(*args, **kwargs)
     row.relative_error = relative_error(first_tensor(got), first_tensor(expected))
     row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
+    row.layergraph_wait_ms = waited_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
     if graphed.stats.eager_total:
         raise RuntimeError(f"layergraph ran eagerly during the benchmark: {graphed.stats}")
     return row
