@@ -1,8 +1,12 @@
 """The graphs of one wrapped model, and everything the runner knows about each key.
 
-A stream of odd shapes must not exhaust the GPU: at most ``max_graphs`` graphs are held, the
-least recently used dropped first, and a shape is captured only once it has been seen
-``capture_after`` times (the count of sightings is itself bounded).
+A stream of odd shapes must not exhaust the GPU, nor keep it capturing: at most ``max_graphs``
+graphs are held, and a shape is captured only once it has been seen ``capture_after`` times.
+When all ``max_graphs`` are held, a shape displaces the least used graph only if it has been
+seen more often than that graph has been replayed; otherwise its calls run eagerly. Counts
+are halved every :data:`_HALVE_EVERY` calls, so that they follow traffic that changes. (Left
+to drop the least recently used graph instead, a stream of more sizes than ``max_graphs``
+captured and evicted a graph on almost every call.)
 
 Everything known about one lookup (a bucket and a call signature) lives in :class:`GraphCache`,
 in exactly one of its tables: a graph (:class:`GraphEntry`, which carries what replays learn
@@ -27,6 +31,8 @@ from .keys import ShapeKey
 __all__ = ["GraphCache", "GraphEntry", "ReplayRecord"]
 
 _SIGHTINGS_KEPT = 4096
+_HALVE_EVERY = 1024
+"""Calls after which every count (sightings and graphs' uses) is halved."""
 
 
 @dataclass(slots=True)
@@ -35,6 +41,9 @@ class ReplayRecord:
 
     validated: bool = False
     """Whether a replay was compared with eager and agreed (``validate=True``)."""
+    uses: int = 0
+    """Calls that needed this graph (its sightings before capture included), halved with
+    every other count; what a shape without a graph must exceed to displace it."""
     held: HeldOutputs = field(default_factory=HeldOutputs)
     """The outputs handed out by the last replay, when they are the graph's own buffers."""
 
@@ -61,11 +70,12 @@ class GraphEntry:
 
 
 class GraphCache:
-    """Graph entries by lookup (bucket, call signature), least recently used first out; the
+    """Graph entries by lookup (bucket, call signature), the least used displaced first; the
     sightings of lookups not captured yet; the lookups whose capture failed.
 
-    A lookup is in at most one of the three tables. Capturing it (:meth:`admit` saying yes)
-    takes it out of the sightings; :meth:`fail` records a lookup that has no graph.
+    A lookup is in at most one of the three tables once a call is done: storing its graph
+    (:meth:`add`, after :meth:`admit` said yes) takes it out of the sightings, its count
+    becoming the graph's uses; :meth:`fail` records a lookup that has no graph.
     """
 
     def __init__(self, max_graphs: int, capture_after: int) -> None:
@@ -73,44 +83,78 @@ class GraphCache:
         self.capture_after = capture_after
         self._graphs: OrderedDict[Hashable, GraphEntry] = OrderedDict()
         """Captured graphs, least recently used first (:meth:`get` moves one to the end), so
-        that :meth:`add` drops the first when ``max_graphs`` are held. An entry holds all there
-        is to know about its graph (buffers, the plan's per-key state, validation, held
-        outputs): removing it forgets all of that, and nothing else refers to the lookup."""
+        that among equally used graphs :meth:`add` drops the least recently used. An entry
+        holds all there is to know about its graph (buffers, the plan's per-key state,
+        validation, uses, held outputs): removing it forgets all of that, and nothing else
+        refers to the lookup."""
         self._sightings: OrderedDict[Hashable, int] = OrderedDict()
-        """Calls seen of each lookup without a graph, below ``capture_after``; least recently
+        """Calls seen of each lookup without a graph (halved with every count); least recently
         seen first, so that the oldest is forgotten beyond ``_SIGHTINGS_KEPT`` lookups."""
         self._failures: dict[Hashable, str] = {}
         """Why capturing each lookup failed (it ran out of device memory): such a lookup runs
         eagerly until :meth:`clear`. Few: each failure drops every graph."""
+        self._calls = 0
+        """Calls counted since the cache was made, for halving the counts."""
 
     def get(self, lookup: Hashable) -> GraphEntry | None:
-        """The entry for ``lookup``, now the most recently used; ``None`` if absent."""
+        """The entry for ``lookup``, now the most recently used, its use counted; ``None`` if
+        absent (the caller then asks :meth:`admit`)."""
         entry = self._graphs.get(lookup)
         if entry is not None:
             self._graphs.move_to_end(lookup)
+            entry.record.uses += 1
+            self._count_call()
         return entry
 
     def failure(self, lookup: Hashable) -> str | None:
         """Why capturing ``lookup`` failed, or ``None`` if it did not."""
         return self._failures.get(lookup)
 
-    def admit(self, lookup: Hashable) -> int | None:
-        """Count a sighting of ``lookup``; ``None`` if it may be captured now, else the count."""
+    def admit(self, lookup: Hashable) -> str | None:
+        """Count a sighting of ``lookup``, which has no graph; ``None`` if it may be captured
+        now, else why its call runs eagerly."""
         seen = self._sightings.pop(lookup, 0) + 1
-        if seen >= self.capture_after:
-            return None
         self._sightings[lookup] = seen
         if len(self._sightings) > _SIGHTINGS_KEPT:
             self._sightings.popitem(last=False)
-        return seen
+        self._count_call()
+        if seen < self.capture_after:
+            return f"shape not yet seen {self.capture_after} times (capture_after)"
+        victim = self._victim()
+        if victim is not None and seen <= self._graphs[victim].record.uses:
+            return (
+                f"shape seen no more often than each of the {self.max_graphs} graphs held is "
+                f"used (max_graphs)"
+            )
+        return None
 
     def add(self, lookup: Hashable, entry: GraphEntry) -> GraphEntry | None:
-        """Store ``entry``; return the least recently used entry it displaced, if any."""
+        """Store ``entry``, its uses starting at the lookup's sightings; return the entry it
+        displaced (the least used, the least recently used among equals), if any."""
         evicted = None
-        if lookup not in self._graphs and len(self._graphs) >= self.max_graphs:
-            _, evicted = self._graphs.popitem(last=False)
+        if lookup not in self._graphs:
+            victim = self._victim()
+            if victim is not None:
+                evicted = self._graphs.pop(victim)
+        entry.record.uses = self._sightings.pop(lookup, 0)
         self._graphs[lookup] = entry
         return evicted
+
+    def _victim(self) -> Hashable | None:
+        """The graph a new one would displace when ``max_graphs`` are held, else ``None``."""
+        if len(self._graphs) < self.max_graphs:
+            return None
+        return min(self._graphs, key=lambda lookup: self._graphs[lookup].record.uses)
+
+    def _count_call(self) -> None:
+        """Count one call; every :data:`_HALVE_EVERY` calls, halve every count."""
+        self._calls += 1
+        if self._calls % _HALVE_EVERY:
+            return
+        for entry in self._graphs.values():
+            entry.record.uses //= 2
+        for lookup in list(self._sightings):
+            self._sightings[lookup] //= 2
 
     def fail(self, lookup: Hashable, reason: str) -> None:
         """Record that capturing ``lookup`` failed for ``reason``; it must have no graph."""

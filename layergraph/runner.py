@@ -41,8 +41,9 @@ class RunnerOptions:
       size, no padding, no splitting.
     - ``lazy``: capture a key the first time a call needs it. Off: only keys captured through
       :meth:`GraphRunner.capture` replay; other calls run eagerly.
-    - ``max_graphs``: no more graphs than this; capturing another drops the least recently
-      used one.
+    - ``max_graphs``: no more graphs than this; once all are held, a new key displaces the
+      least used graph only after it was seen more often than that graph was used, and runs
+      eagerly until then (:class:`~layergraph.cache.GraphCache`).
     - ``capture_after``: capture a key only once calls have needed it this many times (the
       calls before run eagerly), so that rare shapes do not take graph memory.
     - ``static_output``: return views of the graph's own output buffers (no copy). They are
@@ -282,8 +283,9 @@ class GraphRunner:
         key = ShapeKey(bucket, self.plan.sequence_of(call))
         if not self.options.lazy:
             return None, f"no graph captured for {key} and lazy capture is off"
-        if self._entries.admit(lookup) is not None:
-            return None, f"shape not yet seen {self.options.capture_after} times (capture_after)"
+        refusal = self._entries.admit(lookup)
+        if refusal is not None:
+            return None, refusal
         return self._capture(key, lookup, call)
 
     def _capture(

@@ -32,7 +32,8 @@ class GraphStats:
     outputs were concatenated. A call whose outputs could not be joined and that ran eagerly
     instead is counted in :attr:`eager_calls`, not here."""
     evictions: int = 0
-    """Graphs dropped as the least recently used, to keep at most ``max_graphs``."""
+    """Graphs displaced by a shape seen more often than they were used, to keep at most
+    ``max_graphs``."""
     invalidations: int = 0
     """Times every graph was dropped because the model's parameters or buffers moved or were
     replaced (``model.to(...)``, ``load_state_dict(..., assign=True)``), or because the forward

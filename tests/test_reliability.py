@@ -172,7 +172,10 @@ def test_a_graph_captured_again_after_eviction_is_validated_again() -> None:
         model, backend=WrongAfterCaptures(good=2), batch_sizes=None, max_graphs=1, validate=True
     )
     check(graphed, model, 2)
-    check(graphed, model, 3)  # evicts the graph of 2
+    for _ in range(2):
+        check(graphed, model, 3)  # seen twice, more often than 2's graph was used: evicts it
+    for _ in range(2):
+        check(graphed, model, 2)  # eager until seen more often than 3's graph was used
     with pytest.raises(GraphMismatchError, match="batch 2"):
         check(graphed, model, 2)
     assert graphed.stats.evictions == 2 and graphed.stats.graphs == 0
@@ -203,13 +206,32 @@ def test_a_failed_capture_is_tried_again_once_the_model_changed() -> None:
     assert stats.graphs == 1 and stats.replays == 1 and stats.eager_total == 1
 
 
-def test_least_recently_used_graphs_are_dropped_first() -> None:
+def test_a_shape_displaces_the_least_used_graph_only_once_seen_more_often() -> None:
     model = stack()
     graphed = wrap(model, batch_sizes=None, max_graphs=2)
     for batch in (1, 2, 1, 3):
         check(graphed, model, batch)
+    assert sorted(key.batch for key in graphed.keys) == [1, 2]  # 3, seen once, runs eagerly
+    check(graphed, model, 3)  # seen twice: displaces 2 (used once), not 1 (used twice)
     assert sorted(key.batch for key in graphed.keys) == [1, 3]
-    assert graphed.stats.evictions == 1
+    stats = graphed.stats
+    assert stats.evictions == 1 and stats.captures == 3
+    (reason,) = stats.eager_calls
+    assert stats.eager_calls[reason] == 1 and "max_graphs" in reason
+
+
+def test_more_sizes_than_graphs_do_not_thrash() -> None:
+    """3000 calls of 12 sizes with room for 4 graphs: a few captures, not one per call."""
+    model = stack()
+    graphed = wrap(model, batch_sizes=None, max_graphs=4)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        batch = int(torch.randint(1, 13, (1,), generator=generator))
+        with torch.no_grad():
+            graphed(torch.randn(batch, 8))
+    stats = graphed.stats
+    assert stats.graphs == 4 and stats.captures <= 60, stats
+    assert stats.replays + stats.eager_total == 3000
 
 
 def test_a_shape_is_captured_only_after_it_was_seen_enough() -> None:
@@ -230,7 +252,7 @@ def test_a_stream_of_odd_shapes_keeps_memory_bounded() -> None:
     assert graphed.stats.graphs == 0
     for batch in [5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 5]:
         check(graphed, model, batch)
-    assert graphed.stats.graphs == 4 and graphed.stats.evictions == 1
+    assert graphed.stats.graphs == 4 and graphed.stats.evictions == 0  # 9 is used less
 
 
 def test_debug_mode_notices_a_moved_buffer() -> None:
@@ -364,7 +386,7 @@ def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
     """
     model = stack()
     backend = FailOnRequest()
-    graphed = wrap(model, backend=backend, batch_sizes=[2, 4, 8], max_graphs=2)
+    graphed = wrap(model, backend=backend, batch_sizes=[2, 4, 8], max_graphs=3)
     for event, batch in events:
         if event == "call":
             check(graphed, model, batch)

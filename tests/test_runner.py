@@ -77,12 +77,12 @@ def test_batch_above_every_bucket_is_split_into_chunks(mlp_stack: nn.Sequential)
 def test_exact_mode_captures_each_batch_and_respects_max_graphs(mlp_stack: nn.Sequential) -> None:
     graphed = wrap_simulated(mlp_stack, batch_sizes=None, max_graphs=2)
     with torch.no_grad():
-        for batch in (3, 5, 7, 3):
+        for batch in (3, 5, 7, 3, 7):  # 7 displaces 5 once seen more often than 5 was used
             x = torch.randn(batch, 16)
             torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
     stats = graphed.stats
-    assert stats.graphs == 2 and stats.replays == 4 and stats.captures == 4
-    assert stats.evictions == 2 and stats.eager_total == 0
+    assert stats.graphs == 2 and stats.replays == 4 and stats.captures == 3
+    assert stats.evictions == 1 and stats.eager_total == 1
     assert sorted(key.batch for key in graphed.keys) == [3, 7]
 
 
