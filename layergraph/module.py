@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from .ledger import ChangeLedger
 from .plugins import get_registry
 from .runner import DEFAULT_BATCH_SIZES, GraphRunner, RunnerOptions
 from .stats import GraphStats
+from .warm_start import load_warm_start, save_warm_start
 
 __all__ = ["RECOMPILE_LIMIT", "GraphedModule", "unwrap", "wrap"]
 
@@ -40,6 +42,7 @@ def wrap(
     compile_layers: bool | dict[str, Any] = False,
     compile_region: bool | dict[str, Any] = False,
     compile_budget: float | None = None,
+    warm_start: str | os.PathLike[str] | None = None,
     backend: GraphBackend | None = None,
     **adapter_options: Any,
 ) -> GraphedModule:
@@ -71,6 +74,12 @@ def wrap(
     warning; a compilation under way is not interrupted
     (:class:`~layergraph.compiling.CompileBudget`). ``None`` (the default) sets no cap.
     :attr:`GraphedModule.compile_budget` tells what was spent.
+
+    ``warm_start`` names a file written by :meth:`GraphedModule.save_warm_start` in another
+    process: Inductor's caches are filled from it before anything compiles, so the compiled
+    layers or region of shapes compiled there start in seconds
+    (:mod:`layergraph.warm_start`; a file made on another GPU or with other versions is not
+    loaded, with a warning).
 
     Dynamo may keep up to :data:`~layergraph.compiling.RECOMPILE_LIMIT` compiled versions of the
     compiled layers or region (PyTorch's default limit is 8, a global setting left as it is);
@@ -116,6 +125,12 @@ def wrap(
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
     if compile_budget is not None and compile_layers is False and compile_region is False:
         raise ValueError("compile_budget limits compile_layers or compile_region: set one")
+    if warm_start is not None and compile_layers is False and compile_region is False:
+        raise ValueError(
+            "warm_start holds compiled code for compile_layers or compile_region: set one"
+        )
+    if warm_start is not None:
+        load_warm_start(warm_start)
     budget = CompileBudget(compile_budget)
     plan = adapter_object.plan(model, PlanContext(registry))
     changes = ChangeLedger(model)
@@ -303,6 +318,15 @@ class GraphedModule(nn.Module):
         whether it is reached (``exhausted``); nothing is spent without compiled layers or
         region."""
         return self._compile_budget
+
+    def save_warm_start(self, path: str | os.PathLike[str]) -> int:
+        """Save what this process compiled (Inductor's cache artifacts) to ``path``, for
+        ``wrap(..., warm_start=path)`` in another process on the same GPU and versions.
+
+        Capture the shapes to serve first. Returns the bytes written; see
+        :mod:`layergraph.warm_start`.
+        """
+        return save_warm_start(path)
 
     @property
     def stats(self) -> GraphStats:

@@ -1,0 +1,97 @@
+"""Warm starts: Inductor's artifacts saved by one process and loaded by a fresh one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.warm_start import (
+    WarmStartMismatch,
+    load_warm_start,
+    save_warm_start,
+    warm_start_origin,
+)
+
+PROCESS = textwrap.dedent(
+    """
+    import json, sys, torch, layergraph
+    from torch._dynamo.utils import counters
+    from layergraph.testing import SimulatedGraphs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    path, load = sys.argv[1], sys.argv[2] == "load"
+    graphed = layergraph.wrap(
+        model.eval(), adapter="sequential", backend=SimulatedGraphs(), batch_sizes=[2],
+        compile_region=True, warm_start=path if load else None,
+    )
+    with torch.inference_mode():
+        graphed(torch.randn(2, 8))
+    if not load:
+        graphed.save_warm_start(path)
+    print(json.dumps(dict(counters["inductor"])))
+    """
+)
+
+
+def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, int]:
+    """A fresh process with an Inductor cache of its own (a new machine's, say)."""
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
+    result = subprocess.run(
+        [sys.executable, "-c", PROCESS, str(tmp_path / "warm.lgws"), mode],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path) -> None:
+    cold = run_process(tmp_path, "first-machine", "save")
+    assert cold.get("fxgraph_cache_miss", 0) >= 1
+    warm = run_process(tmp_path, "second-machine", "load")
+    assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0
+
+
+def test_a_file_made_elsewhere_is_not_loaded_and_says_why(tmp_path: Path) -> None:
+    path = tmp_path / "elsewhere.lgws"
+    origin = {**warm_start_origin(), "device": "NVIDIA H200", "torch": "2.11.0+cu130"}
+    path.write_bytes(b"layergraph warm start 1\n" + json.dumps({"origin": origin}).encode())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_warm_start(path) is False
+    (warning,) = caught
+    assert warning.category is WarmStartMismatch
+    assert "device 'NVIDIA H200'" in str(warning.message) and "torch '2.11.0+cu130'" in str(
+        warning.message
+    )
+    assert warning.filename == __file__
+
+
+def test_bad_files_and_options_get_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-warm-start"
+    path.write_bytes(b"something else")
+    with pytest.raises(ValueError, match="not a layergraph warm-start file"):
+        load_warm_start(path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="warm_start holds compiled code"):
+        layergraph.wrap(model, warm_start=path)
+
+
+def test_saving_before_anything_compiled_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    with pytest.raises(RuntimeError, match="nothing was compiled in this process"):
+        save_warm_start(tmp_path / "empty.lgws")
