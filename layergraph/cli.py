@@ -45,6 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an example model of an adapter (see --list-models), or timm:NAME",
     )
     bench.add_argument("--list-models", action="store_true", help="list the model names")
+    bench.add_argument(
+        "--stream",
+        default=None,
+        metavar="COUNT:LOW-HIGH",
+        help="instead, serve COUNT requests of LOW to HIGH images (uniform) with eager, "
+        "layergraph and exact keys, each call waited for (e.g. 120:1-13)",
+    )
+    bench.add_argument("--seed", type=int, default=0, help="the --stream mix's random seed")
     bench.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     bench.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     bench.add_argument("--iters", type=int, default=100, help="timed calls per measurement")
@@ -221,6 +229,26 @@ def _literal(text: str) -> Any:
         return text
 
 
+def _bench_stream(console: Console, args: argparse.Namespace) -> int:
+    """``bench --stream``: one request mix served by eager, layergraph and exact keys."""
+    import torch
+
+    from .bench.stream import parse_stream, run_stream
+
+    requests = parse_stream(args.stream, args.seed)
+    with console.status(f"serving {len(requests)} requests three ways..."):
+        report = run_stream(args.model, requests, dtype=getattr(torch, _DTYPES[args.dtype]))
+    text = report.to_markdown()
+    console.print(text, markup=False, highlight=False)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report.to_dict(), handle, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(text)
+    return 0
+
+
 def _bench(console: Console, args: argparse.Namespace) -> int:
     import torch
     from rich.live import Live
@@ -238,6 +266,8 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
         console.print(
             "[yellow]No CUDA GPU here: only the eager path is measured (float32, CPU).[/]"
         )
+    if args.stream is not None:
+        return _bench_stream(console, args)
 
     def table(report: BenchReport) -> Table:
         view = Table(title=f"{report.model} on {report.device}, {report.dtype}")

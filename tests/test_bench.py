@@ -211,3 +211,37 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
     ):
         done = bench(*wrong)
         assert done.returncode == 2 and message in done.stderr
+
+
+def test_stream_requests_are_drawn_reproducibly_and_bad_specs_named() -> None:
+    from layergraph.bench.stream import parse_stream
+
+    requests = parse_stream("120:1-13", seed=3)
+    assert len(requests) == 120 and min(requests) >= 1 and max(requests) <= 13
+    assert requests == parse_stream("120:1-13", seed=3) != parse_stream("120:1-13", seed=4)
+    for bad in ("120", "x:1-2", "5:3-1", "0:1-2"):
+        with pytest.raises(ValueError, match="stream"):
+            parse_stream(bad)
+
+
+def test_stream_serves_every_method_and_checks_every_answer() -> None:
+    from layergraph.bench.stream import run_stream
+    from layergraph.testing import SimulatedGraphs
+
+    report = run_stream("timm:test_vit3", [1, 3, 2, 3, 5], backend=SimulatedGraphs())
+    methods = {row.method: row for row in report.rows}
+    assert list(methods) == ["eager", "layergraph", "exact keys"]
+    assert methods["eager"].graphs is None and methods["eager"].second_pass_s > 0
+    assert methods["layergraph"].graphs == 4  # buckets 1, 2, 4 and 8
+    assert methods["layergraph"].padded_calls == 6  # 3, 3 and 5, in each of the two passes
+    assert methods["exact keys"].graphs == 4 and methods["exact keys"].padded_calls == 0
+    assert all(row.worst_error <= 1e-4 for row in report.rows)
+    text = report.to_markdown()
+    assert "5 requests of 1 to 5 images (14 in all)" in text and "| exact keys |" in text
+
+
+def test_bench_stream_command_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    result = bench("--model", "timm:test_vit3", "--stream", "4:1-3", "--json", str(out))
+    assert "requests of" in result.stdout
+    assert json.loads(out.read_text())["requests"] and result.returncode == 0

@@ -4,10 +4,20 @@
     report = run_benchmark("vit_base_patch16_224", [1, 2, 4, 8, 16, 32])
     print(report.to_markdown())
 
-The same runs from the command line as ``layergraph bench``.
+The same runs from the command line as ``layergraph bench``; ``layergraph bench --stream
+120:1-13`` serves a stream of mixed request sizes instead (:func:`run_stream`).
 """
 
 from .report import BenchReport, BenchRow
 from .run import run_benchmark
+from .stream import StreamReport, StreamRow, parse_stream, run_stream
 
-__all__ = ["BenchReport", "BenchRow", "run_benchmark"]
+__all__ = [
+    "BenchReport",
+    "BenchRow",
+    "StreamReport",
+    "StreamRow",
+    "parse_stream",
+    "run_benchmark",
+    "run_stream",
+]
