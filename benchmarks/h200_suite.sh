@@ -10,7 +10,13 @@
 #            layergraph, the hand-written graph, layergraph tuned (compiled region with
 #            Inductor's coordinate-descent tuning, patch matmul, fused GELU, and fused q/k/v for
 #            the transformers towers) and torch.compile reduce-overhead; bench:MODEL runs one;
-#   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone.
+#   tp:      InternViT-6B split across every GPU of the machine, and on one GPU alone;
+#   cuda:    the CUDA-marked tests alone (the first step of checks);
+#   traffic: InternViT-300M serving a stream of 120 requests of 1 to 13 tiles (eager, default
+#            wrap, buckets of powers of two, exact keys, and default wrap with the speed
+#            options), then the speed options' cold and warm start at batches 1 and 8;
+#   fixed:MODEL: `layergraph bench` of MODEL at batches 1 to 64, eager against default wrap and
+#            the hand-written graph, with a wait per call and in a loop (no compiling).
 # Pass part names to run only those (default: all). Parts other than tp run side by side, one
 # per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
 # is stopped if it runs past 4 minutes. All of them take longer than one 10-minute device
@@ -106,6 +112,37 @@ bench() {  # bench [MODEL]: every benchmark model, or MODEL alone
   return $status
 }
 
+cuda() {
+  local log="$out/log-cuda.txt" status=0
+  versions >>"$log" 2>&1
+  step "$log" python3 -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$results/cuda-tests.xml" || status=1
+  pack
+  return $status
+}
+
+traffic() {
+  local log="$out/log-traffic.txt" status=0
+  local speed=(--compile-region --inductor-option coordinate_descent_tuning=True --fuse-qkv
+    --patch-matmul --fuse-gelu approximate)
+  versions >>"$log" 2>&1
+  step "$log" layergraph bench --model internvit-300m --stream 120:1-13 "${speed[@]}" \
+    --json "$results/stream-internvit-300m.json" || status=1
+  pack
+  step "$log" layergraph bench --model internvit-300m --start 1,8 "${speed[@]}" \
+    --json "$results/start-internvit-300m.json" || status=1
+  pack
+  return $status
+}
+
+fixed() {  # fixed MODEL
+  local log="$out/log-fixed-$1.txt" status=0
+  versions >>"$log" 2>&1
+  step "$log" layergraph bench --model "$1" --batch-sizes 1,2,3,4,8,13,16,32,64 --iters 30 \
+    --json "$results/fixed-$1.json" || status=1
+  pack
+  return $status
+}
+
 tp() {
   local log="$out/log-tp.txt" status=0
   step "$log" timeout -k 10 240 torchrun --nproc-per-node "$gpus" benchmarks/tp_internvit.py \
@@ -121,7 +158,7 @@ tp() {
 
 for part in "${parts[@]}"; do
   case $part in
-    checks | tests | profile | bench | tp | bench:vit_base_patch16_224 | bench:siglip-so400m-384 | bench:internvit-300m) ;;
+    checks | tests | profile | bench | tp | cuda | traffic | bench:* | fixed:*) ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

@@ -12,7 +12,9 @@ Everything known about one lookup (a bucket and a call signature) lives in :clas
 in exactly one of its tables: a graph (:class:`GraphEntry`, which carries what replays learn
 about it, :class:`ReplayRecord`), a count of sightings, or the reason its capture failed.
 Dropping a graph therefore forgets all there was to know about it: a key captured again is
-validated again.
+validated again. Measured costs (:class:`~layergraph.policy.Costs`) are about the shape, not
+the graph: they live on the entry while it lives, and in a table of their own after (a graph
+measured slower than eager is not captured again), until the model changes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from .guards import HeldOutputs
 from .keys import ShapeKey
+from .policy import Costs
 
 __all__ = ["GraphCache", "GraphEntry", "ReplayRecord"]
 
@@ -65,6 +68,8 @@ class GraphEntry:
     """The plan's per-key buffers (attention metadata, workspaces), kept alive with the graph."""
     addresses: tuple[int, ...] = field(default=(), repr=False)
     """Data pointers of every buffer the graph reads or writes, as captured (debug checks)."""
+    costs: Costs | None = None
+    """Its replay and an eager call of its batch, measured at capture."""
     record: ReplayRecord = field(default_factory=ReplayRecord, repr=False)
     """The mutable part: validation and held outputs."""
 
@@ -93,8 +98,14 @@ class GraphCache:
         self._failures: dict[Hashable, str] = {}
         """Why capturing each lookup failed (it ran out of device memory): such a lookup runs
         eagerly until :meth:`clear`. Few: each failure drops every graph."""
+        self._costs: OrderedDict[Hashable, Costs] = OrderedDict()
+        """Measured costs of lookups without a graph (never captured, displaced, or measured
+        slower than eager), least recently measured first."""
         self._calls = 0
         """Calls counted since the cache was made, for halving the counts."""
+        self.generation = 0
+        """Counts changes to the set of graphs held, so that decisions taken over that set
+        (the policy's routes) know when to be taken again."""
 
     def get(self, lookup: Hashable) -> GraphEntry | None:
         """The entry for ``lookup``, now the most recently used, its use counted; ``None`` if
@@ -136,9 +147,43 @@ class GraphCache:
             victim = self._victim()
             if victim is not None:
                 evicted = self._graphs.pop(victim)
+                self._keep_costs(victim, evicted)
         entry.record.uses = self._sightings.pop(lookup, 0)
+        self._costs.pop(lookup, None)
         self._graphs[lookup] = entry
+        self.generation += 1
         return evicted
+
+    def costs(self, lookup: Hashable) -> Costs | None:
+        """What was measured of ``lookup``, with or without a graph; ``None`` if nothing."""
+        entry = self._graphs.get(lookup)
+        if entry is not None:
+            return entry.costs
+        return self._costs.get(lookup)
+
+    def measured(self, lookup: Hashable, costs: Costs) -> None:
+        """Record ``costs`` of ``lookup``, which has no graph."""
+        self._costs.pop(lookup, None)
+        self._costs[lookup] = costs
+        if len(self._costs) > _SIGHTINGS_KEPT:
+            self._costs.popitem(last=False)
+
+    def held_with(self, signature: Hashable) -> dict[int, GraphEntry]:
+        """The graphs held for calls of ``signature``, by their batch size."""
+        return {bucket: entry for (bucket, sig), entry in self._graphs.items() if sig == signature}
+
+    def costs_by_batch(self) -> dict[int, Costs]:
+        """Every measurement, with a graph held or not, by batch size (of the lookups of one
+        batch size, the one measured last)."""
+        measured = {lookup[0]: costs for lookup, costs in self._costs.items()}
+        measured.update(
+            (lookup[0], entry.costs) for lookup, entry in self._graphs.items() if entry.costs
+        )
+        return dict(sorted(measured.items()))
+
+    def _keep_costs(self, lookup: Hashable, entry: GraphEntry) -> None:
+        if entry.costs is not None:
+            self.measured(lookup, entry.costs)
 
     def _victim(self) -> Hashable | None:
         """The graph a new one would displace when ``max_graphs`` are held, else ``None``."""
@@ -163,17 +208,23 @@ class GraphCache:
 
     def remove(self, lookup: Hashable) -> None:
         """Drop the graph of ``lookup``, if any, with all that was known about it."""
-        self._graphs.pop(lookup, None)
+        if self._graphs.pop(lookup, None) is not None:
+            self.generation += 1
 
     def drop_graphs(self) -> None:
-        """Drop every graph; sightings and failures stay."""
+        """Drop every graph; sightings, failures and measured costs stay."""
+        for lookup, entry in self._graphs.items():
+            self._keep_costs(lookup, entry)
         self._graphs.clear()
+        self.generation += 1
 
     def clear(self) -> None:
-        """Forget everything: graphs, sightings and failures."""
+        """Forget everything: graphs, sightings, failures and measured costs."""
         self._graphs.clear()
         self._sightings.clear()
         self._failures.clear()
+        self._costs.clear()
+        self.generation += 1
 
     def __len__(self) -> int:
         return len(self._graphs)

@@ -50,9 +50,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="COUNT:LOW-HIGH",
         help="instead, serve COUNT requests of LOW to HIGH images (uniform) with eager, "
-        "layergraph and exact keys, each call waited for (e.g. 120:1-13)",
+        "layergraph, buckets of powers of two and exact keys (and layergraph tuned, with the "
+        "tuning flags), each call waited for (e.g. 120:1-13)",
     )
     bench.add_argument("--seed", type=int, default=0, help="the --stream mix's random seed")
+    bench.add_argument(
+        "--start",
+        default=None,
+        type=_batch_sizes,
+        metavar="BATCHES",
+        help="instead, time the start of layergraph with the speed options at these batch sizes "
+        "(e.g. 1,8) in two fresh processes with empty Inductor caches: cold, which saves a "
+        "warm-start file, and warm, which loads it; needs --compile-layers or --compile-region",
+    )
     bench.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     bench.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     bench.add_argument("--iters", type=int, default=100, help="timed calls per measurement")
@@ -122,6 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if any("=" not in option for option in args.inductor_option):
             parser.error("--inductor-option takes NAME=VALUE")
+    if args.command == "bench" and args.start is not None:
+        if not (args.compile_layers or args.compile_region):
+            parser.error(
+                "--start needs --compile-layers or --compile-region: a warm start holds what "
+                "they compiled, and without compiling there is nothing to warm-start"
+            )
+        if args.stream is not None:
+            parser.error("--start and --stream are separate runs: choose one")
     try:
         from rich.console import Console
     except ImportError:
@@ -221,6 +239,19 @@ def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """Comma-separated batch sizes (``"1,8"``), each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated batch sizes of at least 1, e.g. 1,8"
+        )
+    return sizes
+
+
 def _literal(text: str) -> Any:
     """``text`` as a Python literal (``True``, ``4``, ``'x'``), or as the string itself."""
     try:
@@ -230,14 +261,18 @@ def _literal(text: str) -> Any:
 
 
 def _bench_stream(console: Console, args: argparse.Namespace) -> int:
-    """``bench --stream``: one request mix served by eager, layergraph and exact keys."""
+    """``bench --stream``: one request mix served by eager, layergraph (and tuned, with
+    the tuning flags), fixed buckets and exact keys."""
     import torch
 
     from .bench.stream import parse_stream, run_stream
 
     requests = parse_stream(args.stream, args.seed)
-    with console.status(f"serving {len(requests)} requests three ways..."):
-        report = run_stream(args.model, requests, dtype=getattr(torch, _DTYPES[args.dtype]))
+    tuned = _tuned_options(args)
+    with console.status(f"serving {len(requests)} requests {4 + bool(tuned)} ways..."):
+        report = run_stream(
+            args.model, requests, dtype=getattr(torch, _DTYPES[args.dtype]), tuned=tuned
+        )
     text = report.to_markdown()
     console.print(text, markup=False, highlight=False)
     if args.json:
@@ -246,6 +281,73 @@ def _bench_stream(console: Console, args: argparse.Namespace) -> int:
     if args.markdown:
         with open(args.markdown, "w") as handle:
             handle.write(text)
+    return 0
+
+
+def _bench_start(console: Console, args: argparse.Namespace) -> int:
+    """``bench --start``: a cold and a warm start of the speed options, in fresh processes."""
+    import torch
+    from rich.table import Table
+
+    from .bench.report import describe_options
+    from .bench.start import run_start
+
+    if not torch.cuda.is_available():
+        console.print(
+            "[yellow]No CUDA GPU here: the starts run on the CPU in float32 with simulated "
+            "graphs; compiling and Inductor's caches are real, capture is not.[/]"
+        )
+    options = _tuned_options(args)
+    with console.status("cold start: compiling with empty caches...") as status:
+        report = run_start(
+            args.model,
+            args.start,
+            options,
+            dtype=getattr(torch, _DTYPES[args.dtype]),
+            on_process=lambda process: status.update(
+                f"{process} start: "
+                + ("compiling with empty caches..." if process == "cold" else "from the file...")
+            ),
+        )
+    sizes = ", ".join(map(str, report.batch_sizes))
+    table = Table(
+        "start",
+        "wrap to graphs s",
+        "cold / this",
+        "model build s",
+        "whole process s",
+        "graphs",
+        "Inductor cache hits",
+        "Inductor cache misses",
+        "worst error",
+        title=f"{report.model} on {report.device}, {report.dtype}, batch sizes {sizes}: "
+        f"layergraph, {describe_options(report.options)}",
+    )
+    for row in (report.cold, report.warm):
+        table.add_row(
+            row.process,
+            f"{row.start_s:.2f}",
+            f"{report.cold.start_s / row.start_s:.2f}x",
+            f"{row.build_s:.2f}",
+            f"{row.process_s:.2f}",
+            str(row.graphs),
+            str(row.hits),
+            str(row.misses),
+            f"{row.worst_error:.2e}",
+        )
+    console.print(table)
+    console.print(
+        f"warm-start file: {(report.cold.file_bytes or 0) / 2**20:.1f} MiB; each start in a "
+        f"fresh process with empty Inductor and Triton caches"
+    )
+    for row in (report.cold, report.warm):
+        for warning in row.warnings:
+            console.print(f"[yellow]{row.process}: {warning}[/]", highlight=False)
+    if args.json:
+        report.write_json(args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(report.to_markdown())
     return 0
 
 
@@ -262,6 +364,8 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
             console.print(name)
         console.print("timm:NAME (any timm VisionTransformer or Eva)")
         return 0
+    if args.start is not None:
+        return _bench_start(console, args)
     if not torch.cuda.is_available():
         console.print(
             "[yellow]No CUDA GPU here: only the eager path is measured (float32, CPU).[/]"

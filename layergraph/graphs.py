@@ -7,6 +7,7 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,11 +49,20 @@ class GraphBackend(Protocol):
     def release_memory(self) -> None:
         """Give memory no longer held by any graph or tensor back to the device."""
 
+    def time_eager(self, fn: Callable[[], Any], rows: int) -> tuple[Any, float]:
+        """Run ``fn``, an eager call of ``rows`` rows, waiting for the device before and
+        after; return its result and the milliseconds it took."""
+
+    def time_replay(self, fn: Callable[[], Any], rows: int) -> float:
+        """Milliseconds of ``fn``, a replay of a graph of ``rows`` rows with its input copies,
+        waited for as in :meth:`time_eager`."""
+
     def mark_done(self) -> Any:
-        """A marker, on the caller's stream, after the work just launched (a CUDA event)."""
+        """A marker, on the caller's stream, after the work just launched (a CUDA event and
+        the stream it was recorded on)."""
 
     def wait_for(self, marker: Any) -> None:
-        """Make the caller's stream wait for ``marker`` before its next work."""
+        """Make the caller's stream wait for the latest ``marker`` before its next work."""
 
 
 @dataclass(eq=False)
@@ -90,6 +100,10 @@ class CudaGraphs:
     """
 
     device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+        """Recorded after each call's work; waited for by the next call if on another stream."""
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -130,13 +144,29 @@ class CudaGraphs:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
+    def time_eager(self, fn: Callable[[], Any], rows: int) -> tuple[Any, float]:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, (time.perf_counter() - started) * 1e3
+
+    def time_replay(self, fn: Callable[[], Any], rows: int) -> float:
+        return self.time_eager(fn, rows)[1]
+
     def mark_done(self) -> Any:
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        stream = torch.cuda.current_stream()
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(stream)
+        return stream
 
     def wait_for(self, marker: Any) -> None:
-        torch.cuda.current_stream().wait_event(marker)
+        """Wait for the last :meth:`mark_done` (one event, recorded again by each); nothing
+        to do on the stream that recorded it, which runs its work in order anyway."""
+        stream = torch.cuda.current_stream()
+        if stream != marker:
+            stream.wait_event(self._event)
 
     def pool_bytes(self, pool: CudaPool) -> int:
         pool_id = tuple(pool.handle)

@@ -14,6 +14,7 @@ called through pluggy, so the options of :data:`hookimpl` (``wrapper``, ``hookwr
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROJECT_NAME",
     "attention_metadata",
+    "capture_context",
     "hookimpl",
     "hookspec",
     "recognize_model",
@@ -106,4 +108,19 @@ def recognize_model(model: nn.Module) -> str | None:
     first error kept); if no other adapter of its kind (dedicated, or generic) recognises the
     model, it raises ``UnknownAdapterError`` naming the adapter and its error, rather than
     falling through to a generic adapter.
+    """
+
+
+@hookspec
+def capture_context(model: nn.Module) -> AbstractContextManager[Any] | None:
+    """A context to enter around every warm-up and capture of ``model``'s graphs, or ``None``.
+
+    For frameworks whose code takes another path while a CUDA stream is being captured than
+    it takes eagerly, where that path is slower or differs and the eager one is safe to
+    capture. layergraph's own ``transformers`` plugin uses it for transformers 5.9 to 5.17,
+    whose attention-mask helpers build a mask only under capture (one that no fused attention
+    kernel accepts, so SDPA falls back to float32 matrix products). Called before each capture
+    (``model`` is the wrapped model); every plugin's context that is not ``None`` is entered, in
+    pluggy's order. Eager calls, measured or not, never run inside it. Must not import a
+    framework the user has not imported.
     """

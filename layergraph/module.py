@@ -7,7 +7,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from .guards import NoticeMoves
 from .keys import ShapeKey
 from .ledger import ChangeLedger
 from .plugins import get_registry
-from .runner import DEFAULT_BATCH_SIZES, GraphRunner, RunnerOptions
+from .runner import GraphRunner, RunnerOptions
 from .stats import GraphStats
 from .warm_start import load_warm_start, save_warm_start
 
@@ -30,7 +30,7 @@ def wrap(
     model: nn.Module,
     adapter: str | Adapter = "auto",
     *,
-    batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES,
+    batch_sizes: Sequence[int] | Literal["auto"] | None = "auto",
     lazy: bool = True,
     max_graphs: int = 32,
     capture_after: int = 1,
@@ -144,6 +144,7 @@ def wrap(
             options,
             backend if backend is not None else CudaGraphs(),
             captured_region=_compiled_region(plan, compile_region, budget),
+            capture_contexts=functools.partial(registry.capture_contexts, model),
         )
     except BaseException:
         changes.undo_all()

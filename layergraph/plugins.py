@@ -18,6 +18,7 @@ import inspect
 import os
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -288,6 +289,11 @@ class AdapterRegistry:
         if metadata is None:
             metadata = self.attention_backend(backend).default_metadata(layout, device)
         return metadata
+
+    def capture_contexts(self, model: torch.nn.Module) -> list[AbstractContextManager[Any]]:
+        """Every plugin's context for capturing ``model``'s graphs (the ``capture_context``
+        hook), to be entered around each warm-up and capture."""
+        return list(self.plugin_manager.hook.capture_context(model=model))
 
     def recognize(self, model: torch.nn.Module) -> str:
         """The name of the adapter that serves ``model``; a clear error if none does.

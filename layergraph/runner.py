@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
@@ -18,6 +20,7 @@ from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend
 from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
+from .policy import Costs, Route, cheapest_route
 from .progress import track
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
@@ -26,6 +29,10 @@ from .warn import warn
 __all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "RunnerOptions", "StaleOutputWarning"]
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+"""A common choice of fixed buckets (``batch_sizes=DEFAULT_BATCH_SIZES``): powers of two."""
+
+_MEASURED_RUNS = 3
+"""Eager calls and replays timed at each capture; the fastest of each is kept."""
 
 
 class StaleOutputWarning(UserWarning):
@@ -36,9 +43,14 @@ class StaleOutputWarning(UserWarning):
 class RunnerOptions:
     """How a runner captures and serves graphs; the keyword options of :func:`layergraph.wrap`.
 
-    - ``batch_sizes``: the captured batch sizes a smaller batch is padded up to; a batch larger
-      than all of them is split into chunks of the largest. ``None``: one graph per exact batch
-      size, no padding, no splitting.
+    - ``batch_sizes``: ``"auto"`` (the default): each batch size that comes gets a graph of its
+      own, kept only if measured faster than eager; a batch without one is served by the
+      cheapest combination of graphs held (padded, or in chunks) when measured faster than
+      eager, else eagerly (:mod:`layergraph.policy`). A sequence of sizes: fixed buckets, a
+      smaller batch padded up to the next, a batch larger than all split into chunks of the
+      largest. ``None``: one graph per exact batch size, no padding, no splitting. In every
+      mode a graph measured slower than an eager call of its own batch is dropped at capture,
+      and its calls run eagerly.
     - ``lazy``: capture a key the first time a call needs it. Off: only keys captured through
       :meth:`GraphRunner.capture` replay; other calls run eagerly.
     - ``max_graphs``: no more graphs than this; once all are held, a new key displaces the
@@ -57,7 +69,7 @@ class RunnerOptions:
       outputs, per-key state, the model's parameters) still has its captured address.
     """
 
-    batch_sizes: Sequence[int] | None = DEFAULT_BATCH_SIZES
+    batch_sizes: Sequence[int] | Literal["auto"] | None = "auto"
     lazy: bool = True
     max_graphs: int = 32
     capture_after: int = 1
@@ -74,6 +86,15 @@ class RunnerOptions:
             raise ValueError(f"warmup_runs must be at least 1, got {self.warmup_runs}")
         if self.capture_after < 1:
             raise ValueError(f"capture_after must be at least 1, got {self.capture_after}")
+        if isinstance(self.batch_sizes, str) and self.batch_sizes != "auto":
+            raise ValueError(
+                f"batch_sizes must be 'auto', None or a sequence of sizes, got {self.batch_sizes!r}"
+            )
+
+    @property
+    def measured(self) -> bool:
+        """Whether batch sizes are served the way measured fastest (``batch_sizes="auto"``)."""
+        return self.batch_sizes == "auto"
 
 
 class GraphRunner:
@@ -82,10 +103,16 @@ class GraphRunner:
     Workflow of a call: the arguments are split into batched tensors and the rest
     (:class:`~layergraph.keys.CallInputs`); anything a graph cannot serve (no CUDA, training
     mode, gradients, another device or dtype, unsupported arguments) runs the plan's region
-    eagerly and is counted with its reason. Otherwise the batch is mapped to its bucket, the
-    key's graph is found or captured, the inputs are copied into the graph's static buffers
-    (padding rows zeroed), the graph is replayed on the caller's stream, and the padding rows
-    are sliced off the outputs, which are cloned unless ``static_output`` is set.
+    eagerly and is counted with its reason. Otherwise the batch is mapped to its graph or
+    graphs (its own, a bucket, chunks: ``batch_sizes``), the key's graph is found or captured,
+    the inputs are copied into the graph's static buffers (padding rows zeroed), the graph is
+    replayed on the caller's stream, and the padding rows are sliced off the outputs, which are
+    cloned unless ``static_output`` is set.
+
+    Each capture measures the graph's replay against an eager call of the same batch
+    (:class:`~layergraph.policy.Costs`); a graph slower than eager is dropped and its batch
+    runs eagerly from then on. With ``batch_sizes="auto"`` those measurements also choose how
+    a batch without a graph of its own is served (:mod:`layergraph.policy`).
 
     All graphs share one memory pool. The runner does not know the model: the plan supplies the
     region and its checks. Before each call it checks, cheaply, that the model's parameters and
@@ -115,13 +142,20 @@ class GraphRunner:
         backend: GraphBackend,
         captured_region: Callable[..., Any] | None = None,
         hooks: HookFingerprint | None = None,
+        capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
     ) -> None:
         self.plan = plan
         self._captured_region = captured_region or plan.region
         """What warm-up and capture run: the plan's region, or a compiled version of it."""
+        self._capture_contexts = capture_contexts or tuple
+        """The contexts plugins enter around each warm-up and capture
+        (:func:`~layergraph.hookspecs.capture_context`)."""
         self.options = options
         self.backend = backend
-        self.buckets = BatchBuckets(options.batch_sizes)
+        self.buckets = BatchBuckets(None if options.measured else options.batch_sizes)
+        self._routes: dict[Any, tuple[int, Route | None]] = {}
+        """The cheapest route over the graphs held, by lookup, with the cache's generation it
+        was chosen in (:func:`~layergraph.policy.cheapest_route`)."""
         self._entries = GraphCache(options.max_graphs, options.capture_after)
         """Every graph, and everything known about each key: its graph with that graph's
         validation, its sightings, or its failed capture."""
@@ -159,7 +193,7 @@ class GraphRunner:
             if reason is None:
                 return self._serve(call, args, kwargs, fresh=False)
         explain = reason.startswith("input ")  # the model would fail on such inputs
-        return self._run_eagerly(reason, args, kwargs, explain_errors=explain)
+        return self._run_eagerly(reason, args, kwargs, explain_errors=explain, batch=call.batch)
 
     def _forget_everything(self) -> None:
         """The model changed under the graphs (parameters moved, hooks accepted): drop every
@@ -178,39 +212,121 @@ class GraphRunner:
         self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any], fresh: bool
     ) -> Any:
         """Serve one call from its bucket's graph; ``fresh`` forces cloned outputs."""
+        if self.options.measured:
+            return self._serve_measured(call, args, kwargs, fresh)
         bucket = self.buckets.bucket_for(call.batch)
         if bucket != call.batch and not self.plan.batch_independent:
             reason = f"batch {call.batch} needs padding or splitting, which this model forbids"
-            return self._run_eagerly(reason, args, kwargs)
+            return self._run_eagerly(reason, args, kwargs, batch=call.batch)
         if bucket is None:
             largest = self.buckets.largest
             entry, reason = self._entry_for(largest, call.sliced(0, largest))
         else:
             entry, reason = self._entry_for(bucket, call)
         if entry is None:
-            return self._run_eagerly(reason, args, kwargs)
+            return self._run_eagerly(reason, args, kwargs, batch=call.batch)
         if bucket != call.batch and entry.not_per_row is not None:
             reason = _not_per_row_reason(entry.not_per_row, call.batch, split=bucket is None)
-            return self._run_eagerly(reason, args, kwargs)
+            return self._run_eagerly(reason, args, kwargs, batch=call.batch)
         if bucket is None:
-            return self._serve_split(call, args, kwargs)
-        return self._replay(entry, call, fresh)
+            spans = self.buckets.chunks(call.batch)
+            buckets = [self.buckets.bucket_for(stop - start) for start, stop in spans]
+            described = "chunks " + "+".join(map(str, buckets))
+            return self._serve_chunks(call, args, kwargs, spans, described)
+        return self._replay(entry, call, fresh, count=True)
 
-    def _serve_split(self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Chunks of the largest bucket, each output cloned before the next chunk replays.
+    def _serve_measured(
+        self, call: CallInputs, args: tuple[Any, ...], kwargs: dict[str, Any], fresh: bool
+    ) -> Any:
+        """Serve one call the way measured fastest (``batch_sizes="auto"``): its own graph,
+        captured if admitted; else the cheapest route over the graphs held, if measured faster
+        than eager; else eagerly. A batch's eager time is measured on its first eager call."""
+        entry, reason = self._entry_for(call.batch, call)
+        if entry is not None:
+            return self._replay(entry, call, fresh, count=True)
+        route = self._held_route(call)
+        if route is None:
+            return self._run_eagerly(reason, args, kwargs, batch=call.batch)
+        lookup = (call.batch, call.signature)
+        costs = self._entries.costs(lookup)
+        if costs is None:
+            self._count_eager(reason, call.batch)
+            with self._hooks.adopting():
+                output, eager_ms = self.backend.time_eager(
+                    lambda: self.plan.region(*args, **kwargs), call.batch
+                )
+            self._entries.measured(lookup, Costs(eager_ms))
+            return output
+        if route.cost_ms >= costs.eager_ms:
+            reason = f"{reason}; the graphs held ({route}) were measured slower than eager"
+            return self._run_eagerly(reason, args, kwargs, batch=call.batch)
+        if len(route.pieces) == 1:
+            entry = self._entries.get((route.pieces[0], call.signature))
+            return self._replay(entry, call, fresh, count=True)
+        spans = [(start, stop) for start, stop, _ in route.chunks]
+        return self._serve_chunks(call, args, kwargs, spans, str(route), sizes=route.pieces)
+
+    def _held_route(self, call: CallInputs) -> Route | None:
+        """The cheapest way to serve ``call`` with the graphs held for its signature (padded,
+        or in chunks), or ``None`` if none may; chosen again whenever the graphs change."""
+        if not self.plan.batch_independent:
+            return None
+        lookup = (call.batch, call.signature)
+        generation = self._entries.generation
+        chosen = self._routes.get(lookup)
+        if chosen is not None and chosen[0] == generation:
+            return chosen[1]
+        graph_ms = {
+            batch: entry.costs.graph_ms
+            for batch, entry in self._entries.held_with(call.signature).items()
+            if entry.not_per_row is None
+            and entry.costs is not None
+            and entry.costs.graph_ms is not None
+        }
+        route = cheapest_route(call.batch, graph_ms)
+        if len(self._routes) >= 4 * self.options.max_graphs + 64:
+            self._routes.clear()
+        self._routes[lookup] = (generation, route)
+        return route
+
+    def _serve_chunks(
+        self,
+        call: CallInputs,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        spans: Sequence[tuple[int, int]],
+        described: str,
+        sizes: Sequence[int] | None = None,
+    ) -> Any:
+        """Rows ``spans`` of the call, each served by a graph (of ``sizes``, in order, or its
+        bucket's) and its output cloned before the next replays; the outputs joined.
 
         Outputs the chunks cannot be joined by (not one row per input in some chunk's graph)
         send the whole call to eager instead.
         """
-        chunks = [call.sliced(start, stop) for start, stop in self.buckets.chunks(call.batch)]
-        parts = [self._serve(chunk, *chunk.rebuild(chunk.tensors), fresh=True) for chunk in chunks]
+        chunks = [call.sliced(start, stop) for start, stop in spans]
+        if sizes is None:
+            parts = [
+                self._serve(chunk, *chunk.rebuild(chunk.tensors), fresh=True) for chunk in chunks
+            ]
+        else:
+            parts = []
+            for chunk, size in zip(chunks, sizes):
+                entry = self._entries.get((size, chunk.signature))
+                parts.append(self._replay(entry, chunk, fresh=True))
         try:
             joined = _concatenate(parts, [chunk.batch for chunk in chunks])
         except _NotPerRow as problem:
             reason = _not_per_row_reason(str(problem), call.batch, split=True)
-            return self._run_eagerly(reason, args, kwargs)
+            return self._run_eagerly(reason, args, kwargs, batch=call.batch)
         self._stats.split_calls += 1
+        self._stats.served[(call.batch, described)] += 1
         return joined
+
+    def _count_eager(self, reason: str, batch: int | None) -> None:
+        self._stats.eager_calls[reason] += 1
+        if batch is not None:
+            self._stats.served[(batch, "eager")] += 1
 
     def _run_eagerly(
         self,
@@ -218,13 +334,14 @@ class GraphRunner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         explain_errors: bool = False,
+        batch: int | None = None,
     ) -> Any:
-        """Run the region eagerly, counting ``reason``.
+        """Run the region eagerly, counting ``reason`` (and ``batch``'s way, when known).
 
         With ``explain_errors``, an error raised by the model is re-raised as a ``ValueError``
         that names ``reason`` first (an input unlike the model's), the model's error chained.
         """
-        self._stats.eager_calls[reason] += 1
+        self._count_eager(reason, batch)
         with self._hooks.adopting():
             if not explain_errors:
                 return self.plan.region(*args, **kwargs)
@@ -279,6 +396,9 @@ class GraphRunner:
         failure = self._entries.failure(lookup)
         if failure is not None:
             return None, failure
+        costs = self._entries.costs(lookup)
+        if costs is not None and costs.graph_ms is not None and not costs.graph_pays:
+            return None, f"the graph of batch {bucket} was measured slower than eager"
         self.plan.check_inputs(call)
         key = ShapeKey(bucket, self.plan.sequence_of(call))
         if not self.options.lazy:
@@ -293,13 +413,17 @@ class GraphRunner:
     ) -> tuple[GraphEntry | None, str]:
         """Capture ``key``; on running out of memory, drop every graph and say so instead."""
         try:
-            return self._capture_entry(key, lookup, call), ""
+            entry = self._capture_entry(key, lookup, call)
         except Exception as error:
             if not self.backend.is_out_of_memory(error):
                 # The failed capture's frames hold its half-built graph and the tensors of its
                 # private pool; clear them, so that the error held by the caller keeps no memory.
                 traceback.clear_frames(error.__traceback__)
                 raise
+        else:
+            if entry is None:
+                return None, f"the graph of batch {key.batch} was measured slower than eager"
+            return entry, ""
         reason = f"capture of {key} ran out of device memory"
         self._drop_graphs()
         self.backend.release_memory()
@@ -309,7 +433,9 @@ class GraphRunner:
 
     def _capture_entry(
         self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
-    ) -> GraphEntry:
+    ) -> GraphEntry | None:
+        """Capture and measure ``key``'s graph; store and return it, or, if it was measured
+        slower than eager, record the costs and return ``None``."""
         if not len(self._entries):
             # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
             # to capture into a pool whose graphs were all released if any of its memory is
@@ -331,9 +457,18 @@ class GraphRunner:
 
         if self._done is not None:
             self.backend.wait_for(self._done)
-        with self._hooks.adopting():
+        with self._hooks.adopting(), contextlib.ExitStack() as contexts:
+            for context in self._capture_contexts():
+                contexts.enter_context(context)
             graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
         leaves, spec = pytree.tree_flatten(output)
+        costs = self._measure(graph, static, leaves, args, kwargs)
+        self._stats.captures += 1
+        self._stats.capture_seconds += time.perf_counter() - started
+        if not costs.graph_pays:
+            self._stats.slower_graphs += 1
+            self._entries.measured(lookup, costs)
+            return None
         entry = GraphEntry(
             key=key,
             graph=graph,
@@ -343,14 +478,42 @@ class GraphRunner:
             not_per_row=_not_per_row(leaves, key.batch),
             state=state,
             addresses=addresses((*static, *leaves, *_state_tensors(state), *self._watch.tensors)),
+            costs=costs,
         )
         if self._entries.add(lookup, entry) is not None:
             self._stats.evictions += 1
-        self._stats.captures += 1
-        self._stats.capture_seconds += time.perf_counter() - started
         return entry
 
-    def _replay(self, entry: GraphEntry, call: CallInputs, fresh: bool) -> Any:
+    def _measure(
+        self,
+        graph: Any,
+        static: Sequence[torch.Tensor],
+        leaves: Sequence[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Costs:
+        """The fastest of a few eager calls on the graph's inputs, and of a few replays with
+        their input copies and output clones, each waited for."""
+        rows = static[0].shape[0]
+        with self._hooks.adopting():
+            eager_ms = min(
+                self.backend.time_eager(lambda: self.plan.region(*args, **kwargs), rows)[1]
+                for _ in range(_MEASURED_RUNS)
+            )
+
+        def replay() -> None:
+            _load(static, static)
+            self.backend.replay(graph)
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    leaf.clone()
+
+        graph_ms = min(self.backend.time_replay(replay, rows) for _ in range(_MEASURED_RUNS))
+        return Costs(eager_ms, graph_ms)
+
+    def _replay(self, entry: GraphEntry, call: CallInputs, fresh: bool, count: bool = False) -> Any:
+        """Replay ``entry``'s graph on ``call``'s rows (padded up to its batch); with ``count``,
+        the call's way is counted (chunks count theirs once, as a whole)."""
         if self.options.debug:
             self._check_addresses(entry)
         if self.options.static_output and entry.record.held.any_alive():
@@ -370,6 +533,9 @@ class GraphRunner:
         if rows < entry.key.batch:  # padded, so every tensor output is one row per input
             self._stats.padded_calls += 1
             leaves = [leaf[:rows] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        if count:
+            way = "graph" if rows == entry.key.batch else f"padded to {entry.key.batch}"
+            self._stats.served[(rows, way)] += 1
         if self.options.static_output and not fresh:
             leaves = [
                 leaf.view_as(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
@@ -431,9 +597,11 @@ class GraphRunner:
     ) -> list[ShapeKey]:
         """Capture graphs now for the example call's sequence, largest batch first.
 
-        Every size in ``batch_sizes`` (default: the runner's buckets, or the example's batch in
-        exact mode) is captured from the example's rows, repeated as needed. Capturing the
-        largest first lets the smaller graphs reuse its pool memory. Returns the keys captured.
+        Every size in ``batch_sizes`` (default: the runner's buckets, or the example's batch
+        with ``batch_sizes="auto"`` or ``None``) is captured from the example's rows, repeated
+        as needed. Capturing the largest first lets the smaller graphs reuse its pool memory.
+        Returns the keys of the graphs held: a graph measured slower than eager is not kept
+        (``stats.costs`` says by how much).
         """
         call = CallInputs(args, kwargs)
         reason = self._eager_reason(call)
@@ -457,9 +625,10 @@ class GraphRunner:
                         )
                     key = ShapeKey(size, self.plan.sequence_of(example))
                     entry, reason = self._capture(key, lookup, example)
-                    if entry is None:
+                    if entry is None and self._entries.failure(lookup) is not None:
                         raise RuntimeError(f"cannot capture graphs: {reason}")
-                keys.append(entry.key)
+                if entry is not None:
+                    keys.append(entry.key)
         return keys
 
     def accept_current_hooks(self) -> None:
@@ -488,6 +657,8 @@ class GraphRunner:
                 self._stats,
                 graphs=len(self._entries),
                 eager_calls=self._stats.eager_calls.copy(),
+                served=self._stats.served.copy(),
+                costs=self._entries.costs_by_batch(),
                 pool_bytes=pool_bytes,
             )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .policy import Costs
+
 __all__ = ["GraphStats"]
 
 
@@ -38,6 +40,10 @@ class GraphStats:
     """Times every graph was dropped because the model's parameters or buffers moved or were
     replaced (``model.to(...)``, ``load_state_dict(..., assign=True)``), or because the forward
     hooks graphs are captured with were changed (``accept_current_hooks()``)."""
+    slower_graphs: int = 0
+    """Graphs measured slower than an eager call of their own batch at capture, and dropped:
+    their batch runs eagerly (or, with ``batch_sizes="auto"``, through other graphs where
+    those are faster)."""
     failed_captures: int = 0
     """Captures that ran out of device memory; each dropped every graph, and its key runs
     eagerly until the model changes or the graphs are released."""
@@ -47,6 +53,15 @@ class GraphStats:
     eager_calls: Counter[str] = field(default_factory=Counter)
     """Calls that ran the model eagerly, by reason ("model is in training mode", "shape not yet
     seen 2 times (capture_after)"...). :attr:`eager_total` is their sum."""
+    served: Counter[tuple[int, str]] = field(default_factory=Counter)
+    """Calls by batch size and the way each was served: ``"graph"`` (its own), ``"padded to
+    16"``, ``"chunks 32+8"`` (several graphs), ``"eager"`` (the reason is in
+    :attr:`eager_calls`). Calls that ran eagerly before their batch was known (arguments a
+    graph cannot take) are only in :attr:`eager_calls`."""
+    costs: dict[int, Costs] = field(default_factory=dict)
+    """What was measured, by batch size: an eager call and a replay of the batch's own graph
+    (at capture), or an eager call alone (a batch served through other graphs or eagerly);
+    read when the statistics were taken, forgotten when the model changes."""
     capture_seconds: float = 0.0
     """Wall-clock seconds spent capturing, warm-up runs included."""
     pool_bytes: int = 0
@@ -63,8 +78,14 @@ class GraphStats:
             f"graphs={self.graphs} captures={self.captures} replays={self.replays} "
             f"padded={self.padded_calls} split={self.split_calls} eager={self.eager_total} "
             f"evicted={self.evictions} invalidated={self.invalidations} "
-            f"failed={self.failed_captures} "
+            f"slower={self.slower_graphs} failed={self.failed_captures} "
             f"pool={self.pool_bytes / 2**20:.1f} MiB capture={self.capture_seconds:.3f} s"
         ]
         lines += [f"  eager x{n}: {reason}" for reason, n in self.eager_calls.most_common()]
+        for batch in sorted({batch for batch, _ in self.served} | set(self.costs)):
+            ways = ", ".join(
+                f"{way} x{n}" for (size, way), n in self.served.most_common() if size == batch
+            )
+            measured = f" ({self.costs[batch]})" if batch in self.costs else ""
+            lines.append(f"  batch {batch}: {ways or 'not called'}{measured}")
         return "\n".join(lines)

@@ -15,6 +15,7 @@ one of the pool's graphs lives. It does not simulate kernels, streams or memory.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,14 +48,26 @@ class _SimulatedPool:
 
 
 class SimulatedGraphs:
-    """A graph backend that serves CPU tensors by re-running the captured function."""
+    """A graph backend that serves CPU tensors by re-running the captured function.
+
+    Costs, which the runner measures to choose how each batch size is served
+    (:mod:`layergraph.policy`), are wall-clock time for eager calls and nothing for replays,
+    unless given: ``eager_ms(rows)`` and ``replay_ms(rows)`` make them a function of the batch,
+    so that a test decides which way wins.
+    """
 
     device_type = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        eager_ms: Callable[[int], float] | None = None,
+        replay_ms: Callable[[int], float] | None = None,
+    ) -> None:
         self.captures = 0
         self.replays = 0
         self.memory_releases = 0
+        self.eager_ms = eager_ms
+        self.replay_ms = replay_ms
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -98,6 +111,16 @@ class SimulatedGraphs:
 
     def release_memory(self) -> None:
         self.memory_releases += 1
+
+    def time_eager(self, fn: Callable[[], Any], rows: int) -> tuple[Any, float]:
+        started = time.perf_counter()
+        result = fn()
+        elapsed = (time.perf_counter() - started) * 1e3
+        return result, elapsed if self.eager_ms is None else self.eager_ms(rows)
+
+    def time_replay(self, fn: Callable[[], Any], rows: int) -> float:
+        """The replay's cost; ``fn`` is not run (it would only write the same values again)."""
+        return 0.0 if self.replay_ms is None else self.replay_ms(rows)
 
     def mark_done(self) -> None:
         return None

@@ -172,7 +172,7 @@ def test_metadata_hook_override_is_used(monkeypatch: pytest.MonkeyPatch) -> None
     )
     with torch.inference_mode():
         graphed(pixel_values=tiles(2))
-    assert calls == [("sdpa", SequenceLayout.uniform(2, TOKENS))]
+    assert set(calls) == {("sdpa", SequenceLayout.uniform(2, TOKENS))}  # graph, eager calls
     (entry,) = graphed._runner._entries
     assert entry.state.metadata == AttentionMetadata(max_seqlen=TOKENS)
 

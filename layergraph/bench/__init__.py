@@ -5,19 +5,25 @@
     print(report.to_markdown())
 
 The same runs from the command line as ``layergraph bench``; ``layergraph bench --stream
-120:1-13`` serves a stream of mixed request sizes instead (:func:`run_stream`).
+120:1-13`` serves a stream of mixed request sizes instead (:func:`run_stream`), and
+``layergraph bench --compile-region --start 1,8`` times a cold and a warm start of the speed
+options, each in a fresh process (:func:`run_start`).
 """
 
 from .report import BenchReport, BenchRow
 from .run import run_benchmark
+from .start import StartReport, StartRow, run_start
 from .stream import StreamReport, StreamRow, parse_stream, run_stream
 
 __all__ = [
     "BenchReport",
     "BenchRow",
+    "StartReport",
+    "StartRow",
     "StreamReport",
     "StreamRow",
     "parse_stream",
     "run_benchmark",
+    "run_start",
     "run_stream",
 ]

@@ -82,6 +82,9 @@ class BenchRow:
     plain_graph_wait_ms: float | None = None
     """The hand-written graph as a user wraps it (copy in, replay, clone out), each call
     waited for."""
+    layergraph_served: str | None = None
+    """How layergraph served this batch size (``GraphStats.served``): ``"graph"``, or
+    ``"eager"`` where its graph was measured slower than eager."""
 
     def ratio(self, numerator: str, denominator: str) -> float | None:
         """``numerator / denominator`` of two latency fields, if both were measured."""

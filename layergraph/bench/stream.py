@@ -1,11 +1,12 @@
-"""A stream of requests of mixed sizes, as a server meets them, served three ways.
+"""A stream of requests of mixed sizes, as a server meets them, served four ways.
 
 A fixed-batch benchmark shows graphs at their best; served traffic mixes sizes (InternVL's
 dynamic tiling sends 1 to 13 tiles per image), and padding a batch up to a captured size costs
 real work where the GPU is already busy. :func:`run_stream` sends one stream of requests, each
-one call waited for, to eager, to ``layergraph.wrap`` with its defaults, and to ``wrap`` with
-exact keys (``batch_sizes=None``, a graph per batch size), and checks every answer against
-eager. Each method serves the stream twice: the first pass pays for captures, the second is
+one call waited for, to eager, to ``layergraph.wrap`` with its defaults (the measured policy,
+:mod:`layergraph.policy`), to ``wrap`` with fixed buckets of powers of two, and to ``wrap``
+with exact keys (``batch_sizes=None``, a graph per batch size), and checks every answer
+against eager. Each method serves the stream twice: the first pass pays for captures, the second is
 the steady state.
 """
 
@@ -22,6 +23,7 @@ import torch
 from ..graphs import GraphBackend
 from ..module import wrap
 from ..plugins import get_registry
+from ..runner import DEFAULT_BATCH_SIZES
 from ..validation import DEFAULT_TOLERANCE, first_tensor, relative_error
 
 __all__ = ["StreamReport", "StreamRow", "parse_stream", "run_stream"]
@@ -58,6 +60,10 @@ class StreamRow:
     eager_calls: int | None = None
     padded_calls: int | None = None
     pool_bytes: int | None = None
+    served: list[tuple[int, str, int]] | None = None
+    """Calls by batch size and the way each was served (``GraphStats.served``)."""
+    costs: dict[int, str] | None = None
+    """What the runner measured, by batch size (``GraphStats.costs``)."""
 
 
 @dataclass
@@ -105,12 +111,15 @@ def run_stream(
     *,
     dtype: torch.dtype = torch.bfloat16,
     backend: GraphBackend | None = None,
+    tuned: dict[str, Any] | None = None,
 ) -> StreamReport:
-    """Serve ``requests`` (images per request) with eager, default ``wrap`` and exact keys.
+    """Serve ``requests`` (images per request) with eager, default ``wrap``, fixed buckets of
+    powers of two (padding up to 1, 2, 4, 8, 16, 32) and exact keys.
 
     Without a GPU only eager is served (in float32), unless ``backend`` supplies graphs (the
-    tests' simulated ones). Raises ``AssertionError`` if an answer differs from eager's beyond
-    the dtype's tolerance.
+    tests' simulated ones). ``tuned``, ``wrap`` options such as ``compile_region=True``, adds
+    a row for default ``wrap`` with them. Raises ``AssertionError`` if an answer differs from
+    eager's beyond the dtype's tolerance.
     """
     example = get_registry().example_model(model_name)
     cuda = torch.cuda.is_available()
@@ -130,7 +139,14 @@ def run_stream(
         report.rows.append(_serve("eager", model, calls, expected, device))
         if not cuda and backend is None:
             return report
-        for method, options in (("layergraph", {}), ("exact keys", {"batch_sizes": None})):
+        methods: list[tuple[str, dict[str, Any]]] = [
+            ("layergraph", {}),
+            ("powers of two", {"batch_sizes": DEFAULT_BATCH_SIZES}),
+            ("exact keys", {"batch_sizes": None}),
+        ]
+        if tuned:
+            methods.append(("layergraph tuned", tuned))
+        for method, options in methods:
             graphed = wrap(model, adapter=example.adapter, backend=backend, **options)
             row = _serve(method, graphed, calls, expected, device)
             stats = graphed.stats
@@ -142,6 +158,8 @@ def run_stream(
                     eager_calls=stats.eager_total,
                     padded_calls=stats.padded_calls,
                     pool_bytes=stats.pool_bytes,
+                    served=[(batch, way, n) for (batch, way), n in sorted(stats.served.items())],
+                    costs={batch: str(costs) for batch, costs in stats.costs.items()},
                 )
             )
             graphed.unwrap()
