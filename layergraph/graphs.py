@@ -57,12 +57,9 @@ class GraphBackend(Protocol):
         """Milliseconds of ``fn``, a replay of a graph of ``rows`` rows with its input copies,
         waited for as in :meth:`time_eager`."""
 
-    def mark_done(self) -> Any:
-        """A marker, on the caller's stream, after the work just launched (a CUDA event and
-        the stream it was recorded on)."""
-
-    def wait_for(self, marker: Any) -> None:
-        """Make the caller's stream wait for the latest ``marker`` before its next work."""
+    def follow(self, previous: Any) -> Any:
+        """Order the caller's stream after the previous call's work, ``previous`` being what
+        this method returned then (``None`` at first); return the marker of this call."""
 
 
 @dataclass(eq=False)
@@ -95,15 +92,15 @@ class CudaGraphs:
     workspace behind each time. Capture runs on the stream of the pool's capture lane
     (:mod:`layergraph.capture_lanes`), whose cuBLAS workspaces outlive the pool's graphs, and
     replay is launched on whichever stream is current for the caller.
-    Calls from different streams are ordered through events (:meth:`mark_done`,
-    :meth:`wait_for`), since their replays share static buffers.
+    Calls from different streams are ordered through an event (:meth:`follow`), since their
+    replays share static buffers.
     """
 
     device_type = "cuda"
 
     def __init__(self) -> None:
         self._event: torch.cuda.Event | None = None
-        """Recorded after each call's work; waited for by the next call if on another stream."""
+        """Recorded on the previous call's stream when a call comes on another one."""
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -154,19 +151,18 @@ class CudaGraphs:
     def time_replay(self, fn: Callable[[], Any], rows: int) -> float:
         return self.time_eager(fn, rows)[1]
 
-    def mark_done(self) -> Any:
+    def follow(self, previous: Any) -> Any:
+        """The marker is the stream of the call. A call on another stream than the previous
+        one records an event on that stream (after the previous call's work, and whatever
+        was queued there since) and waits for it; a call on the same stream has nothing to
+        wait for, its work runs in order."""
         stream = torch.cuda.current_stream()
-        if self._event is None:
-            self._event = torch.cuda.Event()
-        self._event.record(stream)
-        return stream
-
-    def wait_for(self, marker: Any) -> None:
-        """Wait for the last :meth:`mark_done` (one event, recorded again by each); nothing
-        to do on the stream that recorded it, which runs its work in order anyway."""
-        stream = torch.cuda.current_stream()
-        if stream != marker:
+        if previous is not None and stream != previous:
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(previous)
             stream.wait_event(self._event)
+        return stream
 
     def pool_bytes(self, pool: CudaPool) -> int:
         pool_id = tuple(pool.handle)

@@ -13,8 +13,8 @@ of assuming:
 - each capture measures the graph's replay and an eager call of the same batch
   (:class:`Costs`); a graph slower than eager is dropped, and its batch runs eagerly;
 - a batch without a graph of its own is served by the cheapest combination of the graphs
-  held (:func:`cheapest_route`) when that is measured faster than eager, else eagerly. Its
-  eager time is measured on its first eager call.
+  held (:func:`cheapest_route`) when that is measured faster than eager by a margin
+  (:data:`ROUTE_MARGIN`), else eagerly. Its eager time is measured on its first eager call.
 
 This module holds the decision only: it knows batch sizes and milliseconds, never graphs or
 tensors, so all of it runs and is tested on the CPU.
@@ -25,7 +25,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Costs", "Route", "cheapest_route"]
+__all__ = ["ROUTE_MARGIN", "Costs", "Route", "cheapest_route"]
+
+ROUTE_MARGIN = 0.95
+"""A batch goes through other graphs (padded, or in chunks) only if their replays sum to less
+than this share of its eager time: that sum adds measurements of other batches, and near
+parity a single call is safer than several."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +50,9 @@ class Costs:
         return self.graph_ms is not None and self.graph_ms <= self.eager_ms
 
     def __str__(self) -> str:
-        graph = "-" if self.graph_ms is None else f"{self.graph_ms:.3f}"
-        return f"eager {self.eager_ms:.3f} ms, graph {graph} ms"
+        if self.graph_ms is None:
+            return f"eager {self.eager_ms:.3f} ms, no graph"
+        return f"eager {self.eager_ms:.3f} ms, graph {self.graph_ms:.3f} ms"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend
 from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
-from .policy import Costs, Route, cheapest_route
+from .policy import ROUTE_MARGIN, Costs, Route, cheapest_route
 from .progress import track
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
@@ -257,8 +257,8 @@ class GraphRunner:
                 )
             self._entries.measured(lookup, Costs(eager_ms))
             return output
-        if route.cost_ms >= costs.eager_ms:
-            reason = f"{reason}; the graphs held ({route}) were measured slower than eager"
+        if route.cost_ms >= costs.eager_ms * ROUTE_MARGIN:
+            reason = f"{reason}; the graphs held ({route}) were not measured faster than eager"
             return self._run_eagerly(reason, args, kwargs, batch=call.batch)
         if len(route.pieces) == 1:
             entry = self._entries.get((route.pieces[0], call.signature))
@@ -455,8 +455,7 @@ class GraphRunner:
             with self.plan.bound(state):
                 return self._captured_region(*args, **kwargs)
 
-        if self._done is not None:
-            self.backend.wait_for(self._done)
+        self._done = self.backend.follow(self._done)
         with self._hooks.adopting(), contextlib.ExitStack() as contexts:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
@@ -523,8 +522,7 @@ class GraphRunner:
                 f"that are still referenced (static_output=True); clone them to keep them",
                 StaleOutputWarning,
             )
-        if self._done is not None:
-            self.backend.wait_for(self._done)
+        self._done = self.backend.follow(self._done)
         _load(entry.static_inputs, call.tensors)
         self.backend.replay(entry.graph)
         self._stats.replays += 1
@@ -543,7 +541,6 @@ class GraphRunner:
             entry.record.held.track(leaves)
         else:
             leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self._done = self.backend.mark_done()
         output = pytree.tree_unflatten(list(leaves), entry.output_spec)
         if self.options.validate:
             self._validate_once(entry, call, output)
@@ -684,9 +681,11 @@ def _load(static: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> No
     """Copy a call's tensors into a graph's static inputs and zero the padding rows."""
     for buffer, tensor in zip(static, tensors):
         rows = tensor.shape[0]
+        if rows == buffer.shape[0]:
+            buffer.copy_(tensor)
+            continue
         buffer[:rows].copy_(tensor)
-        if rows < buffer.shape[0]:
-            buffer[rows:].zero_()
+        buffer[rows:].zero_()
 
 
 def _not_per_row(leaves: Sequence[Any], rows: int) -> str | None:

@@ -122,10 +122,7 @@ class SimulatedGraphs:
         """The replay's cost; ``fn`` is not run (it would only write the same values again)."""
         return 0.0 if self.replay_ms is None else self.replay_ms(rows)
 
-    def mark_done(self) -> None:
-        return None
-
-    def wait_for(self, marker: Any) -> None:
+    def follow(self, previous: Any) -> None:
         return None
 
     def pool_bytes(self, pool: _SimulatedPool) -> int:

@@ -178,7 +178,7 @@ def test_a_size_runs_eagerly_when_the_graphs_held_would_be_slower(
             torch.testing.assert_close(graphed(x), mlp_stack(x), atol=ATOL, rtol=0)
     stats = graphed.stats
     assert stats.served[(1, "eager")] == 3
-    assert any("measured slower than eager" in reason for reason in stats.eager_calls)
+    assert any("not measured faster than eager" in reason for reason in stats.eager_calls)
 
 
 def test_rows_that_depend_on_each_other_are_never_padded(mlp_stack: nn.Sequential) -> None:

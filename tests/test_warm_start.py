@@ -9,6 +9,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from layergraph.warm_start import (
 
 PROCESS = textwrap.dedent(
     """
-    import json, sys, torch, layergraph
+    import json, os, sys, torch, layergraph
+    from pathlib import Path
     from torch._dynamo.utils import counters
     from layergraph.testing import SimulatedGraphs
 
@@ -34,16 +36,18 @@ PROCESS = textwrap.dedent(
         model.eval(), adapter="sequential", backend=SimulatedGraphs(), batch_sizes=[2],
         compile_region=True, warm_start=path if load else None,
     )
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    before = sorted(str(f.relative_to(cache)) for f in cache.rglob("*") if f.is_file())
     with torch.inference_mode():
         graphed(torch.randn(2, 8))
     if not load:
         graphed.save_warm_start(path)
-    print(json.dumps(dict(counters["inductor"])))
+    print(json.dumps({**counters["inductor"], "files_before_compiling": before}))
     """
 )
 
 
-def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, int]:
+def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, Any]:
     """A fresh process with an Inductor cache of its own (a new machine's, say)."""
     environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
     result = subprocess.run(
@@ -62,12 +66,23 @@ def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path) -> No
     assert cold.get("fxgraph_cache_miss", 0) >= 1
     warm = run_process(tmp_path, "second-machine", "load")
     assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0
+    assert cold["files_before_compiling"] == []
+    first = {
+        str(f.relative_to(tmp_path / "first-machine"))
+        for f in (tmp_path / "first-machine").rglob("*")
+    }
+    carried = set(warm["files_before_compiling"])
+    assert carried <= first
+    # Compiled kernels come with the file, beside the graphs Inductor's artifacts hold.
+    kernels = {name for name in carried if not name.startswith(("fxgraph/", "aotautograd/"))}
+    assert any(name.endswith(".so") for name in kernels), sorted(carried)
 
 
 def test_a_file_made_elsewhere_is_not_loaded_and_says_why(tmp_path: Path) -> None:
     path = tmp_path / "elsewhere.lgws"
     origin = {**warm_start_origin(), "device": "NVIDIA H200", "torch": "2.11.0+cu130"}
-    path.write_bytes(b"layergraph warm start 1\n" + json.dumps({"origin": origin}).encode())
+    header = json.dumps({"origin": origin, "artifacts_bytes": 0}).encode()
+    path.write_bytes(b"layergraph warm start 2\n" + header + b"\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert load_warm_start(path) is False
