@@ -172,13 +172,18 @@ class GraphCache:
         """The graphs held for calls of ``signature``, by their batch size."""
         return {bucket: entry for (bucket, sig), entry in self._graphs.items() if sig == signature}
 
+    def all_costs(self) -> dict[Hashable, Costs]:
+        """Every measurement, by lookup, with a graph held or not."""
+        measured = dict(self._costs)
+        measured.update(
+            (lookup, entry.costs) for lookup, entry in self._graphs.items() if entry.costs
+        )
+        return measured
+
     def costs_by_batch(self) -> dict[int, Costs]:
         """Every measurement, with a graph held or not, by batch size (of the lookups of one
         batch size, the one measured last)."""
-        measured = {lookup[0]: costs for lookup, costs in self._costs.items()}
-        measured.update(
-            (lookup[0], entry.costs) for lookup, entry in self._graphs.items() if entry.costs
-        )
+        measured = {lookup[0]: costs for lookup, costs in self.all_costs().items()}
         return dict(sorted(measured.items()))
 
     def _keep_costs(self, lookup: Hashable, entry: GraphEntry) -> None:

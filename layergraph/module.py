@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +22,7 @@ from .ledger import ChangeLedger
 from .plugins import get_registry
 from .runner import GraphRunner, RunnerOptions
 from .stats import GraphStats
-from .warm_start import load_warm_start, save_warm_start
+from .warm_start import Measurements, load_warm_start, read_measurements, save_warm_start
 
 __all__ = ["RECOMPILE_LIMIT", "GraphedModule", "unwrap", "wrap"]
 
@@ -76,10 +77,12 @@ def wrap(
     :attr:`GraphedModule.compile_budget` tells what was spent.
 
     ``warm_start`` names a file written by :meth:`GraphedModule.save_warm_start` in another
-    process: Inductor's caches are filled from it before anything compiles, so the compiled
-    layers or region of shapes compiled there start in seconds
-    (:mod:`layergraph.warm_start`; a file made on another GPU or with other versions is not
-    loaded, with a warning).
+    process: Inductor's and Triton's caches are filled from it before anything compiles, so
+    the compiled layers or region of shapes compiled there start without compiling kernels,
+    and the shape policy starts from what was measured there (batch sizes whose graphs were
+    slower than eager are neither captured nor compiled) when the model, adapter and options
+    are the same (:mod:`layergraph.warm_start`; a file made on another GPU or with other
+    versions is not loaded, with a warning).
 
     Dynamo may keep up to :data:`~layergraph.compiling.RECOMPILE_LIMIT` compiled versions of the
     compiled layers or region (PyTorch's default limit is 8, a global setting left as it is);
@@ -125,10 +128,9 @@ def wrap(
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
     if compile_budget is not None and compile_layers is False and compile_region is False:
         raise ValueError("compile_budget limits compile_layers or compile_region: set one")
-    if warm_start is not None and compile_layers is False and compile_region is False:
-        raise ValueError(
-            "warm_start holds compiled code for compile_layers or compile_region: set one"
-        )
+    fingerprint = _fingerprint(
+        model, adapter_object, {**adapter_options, "compile": (compile_layers, compile_region)}
+    )
     if warm_start is not None:
         load_warm_start(warm_start)
     budget = CompileBudget(compile_budget)
@@ -150,7 +152,27 @@ def wrap(
         changes.undo_all()
         raise
     route.target = runner
-    return GraphedModule(model, adapter_object, plan, runner, changes, route, budget)
+    if warm_start is not None:
+        measured = read_measurements(warm_start, fingerprint)
+        if measured is not None:
+            runner.seed(measured.costs)
+    return GraphedModule(model, adapter_object, plan, runner, changes, route, budget, fingerprint)
+
+
+def _fingerprint(model: nn.Module, adapter: Adapter, options: dict[str, Any]) -> str:
+    """What a measurement of ``model`` depends on, hashed: its class, the adapter, the
+    options that change what runs, and every parameter's name, shape and dtype."""
+    parameters = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    described = repr(
+        (
+            type(model).__module__,
+            type(model).__qualname__,
+            adapter.name,
+            sorted((name, repr(value)) for name, value in options.items()),
+            parameters,
+        )
+    )
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def _compile_layers(
@@ -247,6 +269,7 @@ class GraphedModule(nn.Module):
         changes: ChangeLedger,
         route: _Route,
         compile_budget: CompileBudget | None = None,
+        fingerprint: str = "",
     ) -> None:
         super().__init__()
         self.module = model
@@ -256,6 +279,9 @@ class GraphedModule(nn.Module):
         self._changes = changes
         self._route = route
         self._compile_budget = compile_budget or CompileBudget()
+        self.fingerprint = fingerprint
+        """The model, adapter and options as a warm start's measurements know them: a file's
+        measurements are used only by a wrapper of equal fingerprint."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._plan.forward_scope():
@@ -321,13 +347,14 @@ class GraphedModule(nn.Module):
         return self._compile_budget
 
     def save_warm_start(self, path: str | os.PathLike[str]) -> int:
-        """Save what this process compiled (Inductor's cache artifacts) to ``path``, for
-        ``wrap(..., warm_start=path)`` in another process on the same GPU and versions.
+        """Save what this process compiled (Inductor's cache artifacts and cache files) and
+        what this wrapper measured to ``path``, for ``wrap(..., warm_start=path)`` in another
+        process on the same GPU and versions.
 
         Capture the shapes to serve first. Returns the bytes written; see
         :mod:`layergraph.warm_start`.
         """
-        return save_warm_start(path)
+        return save_warm_start(path, Measurements(self.fingerprint, self._runner.measurements()))
 
     @property
     def stats(self) -> GraphStats:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pickle
 import threading
 import time
 import traceback
@@ -627,6 +628,27 @@ class GraphRunner:
                 if entry is not None:
                     keys.append(entry.key)
         return keys
+
+    def measurements(self) -> tuple[tuple[Any, Costs], ...]:
+        """What the policy measured, by lookup, for a warm start; lookups whose call signature
+        cannot be pickled are left out."""
+        with self._lock:
+            kept = []
+            for lookup, costs in self._entries.all_costs().items():
+                try:
+                    pickle.dumps(lookup)
+                except Exception:  # a user's argument value that pickle does not take
+                    continue
+                kept.append((lookup, costs))
+            return tuple(kept)
+
+    def seed(self, measured: Iterable[tuple[Any, Costs]]) -> None:
+        """Start from measurements made elsewhere (a warm start): lookups not measured here
+        take them, so a batch whose graph was slower than eager is not captured."""
+        with self._lock:
+            for lookup, costs in measured:
+                if self._entries.costs(lookup) is None:
+                    self._entries.measured(lookup, costs)
 
     def accept_current_hooks(self) -> None:
         """Capture graphs with the forward hooks registered now, and let calls with them replay.

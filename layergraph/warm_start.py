@@ -12,6 +12,11 @@ and the binaries of Triton kernels outside Inductor, such as layergraph's attent
 before anything compiles, so compiling finds its results in the caches instead of compiling
 kernels again. Dynamo still traces each compiled region or layer once per shape.
 
+The file also holds the shape policy's measurements (:class:`Measurements`: an eager call and
+a replay per batch size, :mod:`layergraph.policy`), for the same model wrapped the same way:
+a replica that loads them does not capture, nor compile, the batch sizes whose graphs were
+measured slower than eager.
+
 Artifacts are only good for the same GPU model and the same torch, Triton and CUDA versions:
 a file made elsewhere is not loaded, with a :class:`WarmStartMismatch` warning saying what
 differs, and compiling runs cold.
@@ -22,18 +27,29 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import sys
 import tarfile
 import time
+from collections.abc import Hashable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .policy import Costs
 from .warn import warn
 
-__all__ = ["WarmStartMismatch", "load_warm_start", "save_warm_start", "warm_start_origin"]
+__all__ = [
+    "Measurements",
+    "WarmStartMismatch",
+    "load_warm_start",
+    "read_measurements",
+    "save_warm_start",
+    "warm_start_origin",
+]
 
 _MAGIC = b"layergraph warm start 2\n"
 
@@ -42,7 +58,18 @@ _STARTED = time.time() - 1.0
 
 
 class WarmStartMismatch(UserWarning):
-    """A warm-start file was made on another GPU or with other versions; it was not loaded."""
+    """A warm-start file was made on another GPU or with other versions, or its measurements
+    for another model; that part of it was not loaded."""
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the shape policy measured for one wrapped model, by lookup (batch size and call
+    signature), and which model that was (a fingerprint of its class, adapter, parameters
+    and options: :attr:`layergraph.GraphedModule.fingerprint`)."""
+
+    model: str
+    costs: tuple[tuple[Hashable, Costs], ...]
 
 
 def warm_start_origin() -> dict[str, str]:
@@ -66,34 +93,69 @@ def _installed(distribution: str) -> str:
         return "none"
 
 
-def save_warm_start(path: str | os.PathLike[str]) -> int:
-    """Write what this process compiled to ``path``: Inductor's cache artifacts and the files
-    it wrote into Inductor's and Triton's cache directories; returns their bytes.
+def save_warm_start(path: str | os.PathLike[str], measurements: Measurements | None = None) -> int:
+    """Write what this process compiled to ``path`` (Inductor's cache artifacts and the files
+    it wrote into Inductor's and Triton's cache directories) and ``measurements``; returns the
+    bytes written after the header.
 
-    Raises ``RuntimeError`` if nothing was compiled in this process yet (compile first:
-    capture the shapes a replica will serve).
+    Raises ``RuntimeError`` if there is nothing to save: nothing compiled in this process yet
+    (capture the shapes a replica will serve first) and no measurements.
     """
     artifacts = torch.compiler.save_cache_artifacts()
-    if artifacts is None or not artifacts[0]:
+    data = artifacts[0] if artifacts is not None else b""
+    if not data and not (measurements and measurements.costs):
         raise RuntimeError(
-            "nothing was compiled in this process: capture the shapes to save with "
-            "compile_layers or compile_region first"
+            "nothing to save: nothing was compiled in this process and nothing measured; "
+            "capture the shapes a replica will serve first"
         )
-    data = artifacts[0]
-    files = _bundle_cache_files()
-    header = json.dumps({"origin": warm_start_origin(), "artifacts_bytes": len(data)}).encode()
-    Path(path).write_bytes(_MAGIC + header + b"\n" + data + files)
-    return len(data) + len(files)
+    files = _bundle_cache_files() if data else b""
+    measured = pickle.dumps(measurements) if measurements is not None else b""
+    sections = {"artifacts_bytes": len(data), "files_bytes": len(files)}
+    header = json.dumps({"origin": warm_start_origin(), **sections}).encode()
+    Path(path).write_bytes(_MAGIC + header + b"\n" + data + files + measured)
+    return len(data) + len(files) + len(measured)
 
 
 def load_warm_start(path: str | os.PathLike[str]) -> bool:
-    """Load a file written by :func:`save_warm_start` into Inductor's caches.
+    """Load the compiled part of a file written by :func:`save_warm_start` into Inductor's and
+    Triton's caches.
 
     Returns whether it was loaded: a file made on another GPU or with other versions is not,
     with a :class:`WarmStartMismatch` warning naming what differs. Raises ``ValueError`` for a
     file that is not a warm-start file.
     """
-    origin, data = _read(Path(path))
+    sections = _read_matching(Path(path))
+    if sections is None:
+        return False
+    artifacts, files, _ = sections
+    if artifacts:
+        torch.compiler.load_cache_artifacts(artifacts)
+        _unbundle_cache_files(files)
+    return True
+
+
+def read_measurements(path: str | os.PathLike[str], model: str) -> Measurements | None:
+    """The measurements a warm-start file holds for ``model`` (a fingerprint), or ``None``: the
+    file holds none, or was made on another GPU or with other versions, or for another model
+    (each with a :class:`WarmStartMismatch` warning)."""
+    sections = _read_matching(Path(path), warn_elsewhere=False)
+    if sections is None or not sections[2]:
+        return None
+    measurements = pickle.loads(sections[2])
+    if measurements.model != model:
+        warn(
+            f"warm start {path} holds measurements of another model or other options; they "
+            f"are not used, each batch size is measured again",
+            WarmStartMismatch,
+        )
+        return None
+    return measurements
+
+
+def _read_matching(path: Path, warn_elsewhere: bool = True) -> tuple[bytes, bytes, bytes] | None:
+    """The sections of a warm-start file made on this GPU with these versions, else ``None``
+    (with a warning naming what differs, if ``warn_elsewhere``)."""
+    origin, sections = _read(path)
     here = warm_start_origin()
     differences = [
         f"{name} {origin.get(name)!r} here {value!r}"
@@ -101,30 +163,34 @@ def load_warm_start(path: str | os.PathLike[str]) -> bool:
         if name != "layergraph" and origin.get(name) != value
     ]
     if differences:
-        warn(
-            f"warm start {path} was made elsewhere ({'; '.join(differences)}); not loaded, "
-            f"compiling runs cold",
-            WarmStartMismatch,
-        )
-        return False
-    artifacts, files = data
-    torch.compiler.load_cache_artifacts(artifacts)
-    _unbundle_cache_files(files)
-    return True
+        if warn_elsewhere:
+            warn(
+                f"warm start {path} was made elsewhere ({'; '.join(differences)}); not "
+                f"loaded, compiling runs cold and each batch size is measured again",
+                WarmStartMismatch,
+            )
+        return None
+    return sections
 
 
-def _read(path: Path) -> tuple[dict[str, Any], tuple[bytes, bytes]]:
-    """The origin of a warm-start file, its Inductor artifacts and its bundle of cache files."""
+def _read(path: Path) -> tuple[dict[str, Any], tuple[bytes, bytes, bytes]]:
+    """The origin of a warm-start file, and its sections: Inductor's artifacts, the bundle of
+    cache files, the pickled measurements."""
     content = path.read_bytes()
     if not content.startswith(_MAGIC):
         raise ValueError(f"{path} is not a layergraph warm-start file of this version")
     header, _, data = content[len(_MAGIC) :].partition(b"\n")
     try:
         fields = json.loads(header)
-        origin, size = fields["origin"], int(fields["artifacts_bytes"])
+        origin = fields["origin"]
+        artifacts, files = int(fields["artifacts_bytes"]), int(fields["files_bytes"])
     except (ValueError, KeyError) as error:
         raise ValueError(f"{path}: its header cannot be read ({error})") from None
-    return origin, (data[:size], data[size:])
+    return origin, (
+        data[:artifacts],
+        data[artifacts : artifacts + files],
+        data[artifacts + files :],
+    )
 
 
 def _cache_directories() -> dict[str, Path]:

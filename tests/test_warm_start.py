@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import layergraph
+from layergraph.testing import SimulatedGraphs
 from layergraph.warm_start import (
     WarmStartMismatch,
     load_warm_start,
@@ -81,7 +82,7 @@ def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path) -> No
 def test_a_file_made_elsewhere_is_not_loaded_and_says_why(tmp_path: Path) -> None:
     path = tmp_path / "elsewhere.lgws"
     origin = {**warm_start_origin(), "device": "NVIDIA H200", "torch": "2.11.0+cu130"}
-    header = json.dumps({"origin": origin, "artifacts_bytes": 0}).encode()
+    header = json.dumps({"origin": origin, "artifacts_bytes": 0, "files_bytes": 0}).encode()
     path.write_bytes(b"layergraph warm start 2\n" + header + b"\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -94,13 +95,13 @@ def test_a_file_made_elsewhere_is_not_loaded_and_says_why(tmp_path: Path) -> Non
     assert warning.filename == __file__
 
 
-def test_bad_files_and_options_get_clear_errors(tmp_path: Path) -> None:
+def test_bad_files_get_clear_errors(tmp_path: Path) -> None:
     path = tmp_path / "not-a-warm-start"
     path.write_bytes(b"something else")
     with pytest.raises(ValueError, match="not a layergraph warm-start file"):
         load_warm_start(path)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="warm_start holds compiled code"):
+    with pytest.raises(ValueError, match="not a layergraph warm-start file"):
         layergraph.wrap(model, warm_start=path)
 
 
@@ -108,5 +109,52 @@ def test_saving_before_anything_compiled_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
-    with pytest.raises(RuntimeError, match="nothing was compiled in this process"):
+    with pytest.raises(RuntimeError, match="nothing was compiled in this process and nothing"):
         save_warm_start(tmp_path / "empty.lgws")
+
+
+def slow_at_eight(rows: int) -> float:
+    """Replays that beat eager (3 ms of launches, 0.5 ms a row) below 8 rows only."""
+    return 1.0 + 0.5 * rows + (100.0 if rows >= 8 else 0.0)
+
+
+def test_a_replica_starts_from_the_measurements_and_skips_graphs_that_lose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first wrapper measures batches 2 and 8 (the graph of 8 loses to eager); a second
+    wrapper of the same model, loading the file, captures 2 but never 8."""
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
+
+    def wrapped(**options: Any) -> layergraph.GraphedModule:
+        backend = SimulatedGraphs(eager_ms=lambda rows: 3 + 0.5 * rows, replay_ms=slow_at_eight)
+        return layergraph.wrap(model, adapter="sequential", backend=backend, **options)
+
+    first = wrapped()
+    with torch.inference_mode():
+        for batch in (2, 8):
+            first(torch.randn(batch, 8))
+    assert first.stats.slower_graphs == 1
+    measured = first.stats.costs
+    path = tmp_path / "measured.lgws"
+    assert first.save_warm_start(path) > 0
+    first.unwrap()
+    replica = wrapped(warm_start=path)
+    assert replica.fingerprint == first.fingerprint
+    assert replica.stats.costs == measured
+    with torch.inference_mode():
+        for batch in (2, 8, 8):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(replica(x), model(x))
+    stats = replica.stats
+    assert stats.captures == 1 and stats.served[(8, "eager")] == 2 and stats.slower_graphs == 0
+    replica.unwrap()
+    bigger = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU()).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stranger = layergraph.wrap(
+            bigger, adapter="sequential", backend=SimulatedGraphs(), warm_start=path
+        )
+    assert stranger.stats.costs == {}
+    assert [w.category for w in caught] == [WarmStartMismatch]
+    assert "measurements of another model" in str(caught[0].message)
