@@ -220,6 +220,9 @@ class VisionTowerPlan(CapturePlan):
         """Indices into ``hidden_states`` (0: embeddings, i: after layer i) the feature graphs
         return, or ``None`` when graphs run the whole tower."""
         self._truncation = threading.Lock()
+        self._output_hooks_installed = False
+        """Whether transformers' hidden-state hooks were installed on the whole tower before its
+        layers were first cut (:func:`_install_output_hooks`)."""
         self._attentions = self.attention_modules()
         if fuse_qkv and len(self._attentions) != self.depth:
             raise AdapterMismatch(
@@ -377,6 +380,9 @@ class VisionTowerPlan(CapturePlan):
         if self._changes is None:
             raise RuntimeError("feature layers are served only while the model is wrapped")
         with self._truncation:
+            if not self._output_hooks_installed:
+                _install_output_hooks(self.owner)
+                self._output_hooks_installed = True
             layers = getattr(self._parent, self._layers_name)
             cut = ReplaceSubmodule(
                 self._parent,
@@ -386,6 +392,23 @@ class VisionTowerPlan(CapturePlan):
             )
             with self._changes.temporarily(cut):
                 yield
+
+
+def _install_output_hooks(tower: nn.Module) -> None:
+    """Install transformers' hidden-state hooks on the whole tower, if not yet done.
+
+    transformers installs the hooks that collect ``hidden_states`` on a model's first call that
+    asks for them, on the layers present at that moment, and never again. Were that first call
+    a feature graph's, with the layers cut, every later call of the whole tower would miss the
+    hidden states of the layers cut away.
+    """
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # transformers without output-capturing hooks collects them inline
+        return
+    for module in tower.modules():
+        if getattr(module, "_can_record_outputs", None):
+            maybe_install_capturing_hooks(module)
 
 
 def _embeddings(tower: nn.Module) -> nn.Module | None:

@@ -170,6 +170,29 @@ def test_feature_layer_graph_stops_early_and_matches_hidden_states() -> None:
     assert "stop after layer 2 of 3" in reason
 
 
+def test_a_feature_graph_first_leaves_the_whole_towers_hidden_states_whole() -> None:
+    """transformers installs its hidden-state hooks on the first call that asks for hidden
+    states, on the layers present then. That first call being the feature graph's, with the
+    layers cut, the whole tower's later calls (eager, or through ``original()``) must still
+    return every layer's hidden state."""
+    model = built(transformers.CLIPVisionModel, clip_config())
+    reference = built(transformers.CLIPVisionModel, clip_config())  # same seed, never wrapped
+    x = images(2)
+    with torch.inference_mode():
+        expected = reference(pixel_values=x, output_hidden_states=True).hidden_states
+        graphed = layergraph.wrap(
+            model, adapter="clip", feature_layers=-2, backend=SimulatedGraphs()
+        )
+        graphed(pixel_values=x, output_hidden_states=True)  # the model's first call
+        with graphed.original() as original:
+            whole = original(pixel_values=x, output_hidden_states=True).hidden_states
+        completed = graphed(pixel_values=x, output_hidden_states=True).hidden_states[3]
+    assert len(whole) == len(expected) == 4
+    for got, want in zip(whole, expected):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(completed, expected[3], rtol=RTOL, atol=ATOL)
+
+
 def test_feature_layers_out_of_range_are_refused() -> None:
     model = built(transformers.CLIPVisionModel, clip_config())
     with pytest.raises(ValueError, match=r"hidden_states has 4 entries"):

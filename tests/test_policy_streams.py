@@ -1,0 +1,124 @@
+"""Streams of mixed batch sizes through every first-party adapter, with the measured policy.
+
+Tiny SigLIP, CLIP (with feature layers), InternViT and timm towers on the CPU, graphs simulated
+with costs that make every way win somewhere: eager pays ``launches`` ms per call, a replay
+a fraction of that, and both pay per row. With few graphs allowed, batch sizes are served by
+their own graph, padded up, split into chunks or run eagerly, and every answer must equal the
+unwrapped model's within float32's tolerance (1e-4 relative: padded rows and chunks change
+which rows a matrix product sees, not what each row computes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+from layergraph.validation import first_tensor, relative_error
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+IMAGE = 32
+
+
+def towers() -> dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]]:
+    return {
+        "siglip": (
+            lambda: transformers.SiglipVisionModel(
+                transformers.SiglipVisionConfig(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=IMAGE,
+                    patch_size=8,
+                )
+            ),
+            {"fuse_qkv": True},
+        ),
+        "clip-features": (
+            lambda: transformers.CLIPVisionModel(
+                transformers.CLIPVisionConfig(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=3,
+                    num_attention_heads=2,
+                    image_size=IMAGE,
+                    patch_size=8,
+                )
+            ),
+            {"feature_layers": -2},
+        ),
+        "internvl": (
+            lambda: transformers.InternVLVisionModel(
+                transformers.InternVLVisionConfig(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=[IMAGE, IMAGE],
+                    patch_size=[16, 16],
+                )
+            ),
+            {"attention": "sdpa"},
+        ),
+        "timm": (
+            lambda: timm.create_model(
+                "vit_tiny_patch16_224", img_size=IMAGE, num_classes=4, depth=2
+            ),
+            {},
+        ),
+    }
+
+
+def answer(name: str, model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """What a caller of ``name`` reads: the logits, the last hidden state, or (for the feature
+    layers' graphs) the second-to-last layer's hidden states."""
+    if name == "timm":
+        return model(pixels)
+    if name == "clip-features":
+        return model(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
+    return first_tensor(model(pixel_values=pixels))
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    name=st.sampled_from(sorted(towers())),
+    stream=st.lists(st.integers(1, 9), min_size=4, max_size=14),
+    max_graphs=st.integers(1, 3),
+    launches=st.sampled_from([0.0, 2.0, 8.0]),
+)
+def test_a_stream_of_mixed_sizes_is_answered_as_eager_would(
+    name: str, stream: list[int], max_graphs: int, launches: float
+) -> None:
+    build, options = towers()[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    backend = SimulatedGraphs(
+        eager_ms=lambda rows: launches + 0.5 * rows, replay_ms=lambda rows: 0.1 + 0.5 * rows
+    )
+    graphed = layergraph.wrap(model, backend=backend, max_graphs=max_graphs, **options)
+    with torch.inference_mode():
+        for batch in stream:
+            pixels = torch.randn(batch, 3, IMAGE, IMAGE)
+            got = answer(name, graphed, pixels)
+            with graphed.original() as original:
+                want = answer(name, original, pixels)
+            assert got.shape == want.shape
+            assert relative_error(got, want) <= 1e-4, (batch, name)
+    stats = graphed.stats
+    assert stats.graphs <= max_graphs
+    assert sum(stats.served.values()) == len(stream)
+    assert sum(n for (_, way), n in stats.served.items() if way == "eager") == stats.eager_total
