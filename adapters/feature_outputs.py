@@ -21,8 +21,25 @@ from typing import Any
 
 __all__ = ["with_rest_on_demand"]
 
-_COMPUTE = "_layergraph_compute"
-_WHOLE = "_layergraph_whole"
+_REST = "_layergraph_rest"
+
+
+class _Rest:
+    """The whole model's output for the same inputs, computed once, on first need.
+
+    Shared by an output and its hidden states, and holding neither: a reference cycle between
+    them would keep a graph's static outputs alive until the garbage collector runs, and
+    ``static_output=True`` would warn of outputs still held that the caller has dropped.
+    """
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute: Callable[[], Any] | None = compute
+        self._whole: Any = None
+
+    def whole(self) -> Any:
+        if self._compute is not None:
+            self._whole, self._compute = self._compute(), None
+        return self._whole
 
 
 def with_rest_on_demand(output: Any, compute: Callable[[], Any]) -> Any:
@@ -40,36 +57,31 @@ def with_rest_on_demand(output: Any, compute: Callable[[], Any]) -> Any:
     ):
         return output
     cls = _on_demand_class(type(output))
+    rest = _Rest(compute)
     values = {name: getattr(output, name) for name in names}
     if isinstance(hidden, tuple):
         values["hidden_states"] = _HiddenStates(hidden)
+        values["hidden_states"].rest = rest
     completed = cls(**values)
-    object.__setattr__(completed, _COMPUTE, compute)
-    object.__setattr__(completed, _WHOLE, None)
-    if isinstance(hidden, tuple):
-        values["hidden_states"].owner = completed
+    object.__setattr__(completed, _REST, rest)
     return completed
 
 
 def _whole(output: Any) -> Any:
     """The whole model's output for the same inputs, computed on first need."""
-    whole = object.__getattribute__(output, _WHOLE)
-    if whole is None:
-        whole = object.__getattribute__(output, _COMPUTE)()
-        object.__setattr__(output, _WHOLE, whole)
-    return whole
+    return object.__getattribute__(output, _REST).whole()
 
 
 class _HiddenStates(tuple):
     """Hidden states with gaps that the whole model's hidden states fill when read."""
 
-    owner: Any = None
-    """The output these hidden states belong to, whose whole counterpart fills the gaps."""
+    rest: _Rest | None = None
+    """The whole model's output for the same inputs, which fills the gaps."""
 
     def _filled(self) -> tuple[Any, ...]:
-        if all(h is not None for h in tuple.__iter__(self)):
+        if all(h is not None for h in tuple.__iter__(self)) or self.rest is None:
             return tuple(tuple.__iter__(self))
-        return tuple(_whole(self.owner).hidden_states)
+        return tuple(self.rest.whole().hidden_states)
 
     def __getitem__(self, index: Any) -> Any:
         value = tuple.__getitem__(self, index)
@@ -88,7 +100,7 @@ def _on_demand_class(base: type) -> type:
 
     def __getattribute__(self: Any, name: str) -> Any:
         value = base.__getattribute__(self, name)
-        if value is None and name in names and _COMPUTE in base.__getattribute__(self, "__dict__"):
+        if value is None and name in names and _REST in base.__getattribute__(self, "__dict__"):
             return getattr(_whole(self), name)
         return value
 

@@ -3,9 +3,10 @@
 Tiny SigLIP, CLIP (with feature layers), InternViT and timm towers on the CPU, graphs simulated
 with costs that make every way win somewhere: eager pays ``launches`` ms per call, a replay
 a fraction of that, and both pay per row. With few graphs allowed, batch sizes are served by
-their own graph, padded up, split into chunks or run eagerly, and every answer must equal the
-unwrapped model's within float32's tolerance (1e-4 relative: padded rows and chunks change
-which rows a matrix product sees, not what each row computes).
+their own graph, padded up, split into chunks or run eagerly, with fresh or static outputs and
+with or without validation, and every answer must equal the unwrapped model's within
+float32's tolerance (1e-4 relative: padded rows and chunks change which rows a matrix product
+sees, not what each row computes).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def answer(name: str, model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
 
 
 @settings(
-    max_examples=12,
+    max_examples=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -99,9 +100,16 @@ def answer(name: str, model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     stream=st.lists(st.integers(1, 9), min_size=4, max_size=14),
     max_graphs=st.integers(1, 3),
     launches=st.sampled_from([0.0, 2.0, 8.0]),
+    static_output=st.booleans(),
+    validate=st.booleans(),
 )
 def test_a_stream_of_mixed_sizes_is_answered_as_eager_would(
-    name: str, stream: list[int], max_graphs: int, launches: float
+    name: str,
+    stream: list[int],
+    max_graphs: int,
+    launches: float,
+    static_output: bool,
+    validate: bool,
 ) -> None:
     build, options = towers()[name]
     torch.manual_seed(0)
@@ -109,11 +117,18 @@ def test_a_stream_of_mixed_sizes_is_answered_as_eager_would(
     backend = SimulatedGraphs(
         eager_ms=lambda rows: launches + 0.5 * rows, replay_ms=lambda rows: 0.1 + 0.5 * rows
     )
-    graphed = layergraph.wrap(model, backend=backend, max_graphs=max_graphs, **options)
+    graphed = layergraph.wrap(
+        model,
+        backend=backend,
+        max_graphs=max_graphs,
+        static_output=static_output,
+        validate=validate,
+        **options,
+    )
     with torch.inference_mode():
         for batch in stream:
             pixels = torch.randn(batch, 3, IMAGE, IMAGE)
-            got = answer(name, graphed, pixels)
+            got = answer(name, graphed, pixels).clone()  # static outputs: the next replay's
             with graphed.original() as original:
                 want = answer(name, original, pixels)
             assert got.shape == want.shape
@@ -122,3 +137,64 @@ def test_a_stream_of_mixed_sizes_is_answered_as_eager_would(
     assert stats.graphs <= max_graphs
     assert sum(stats.served.values()) == len(stream)
     assert sum(n for (_, way), n in stats.served.items() if way == "eager") == stats.eager_total
+
+
+def tiny_llava() -> nn.Module:
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        image_size=IMAGE,
+        patch_size=8,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=299,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="full",
+        image_seq_length=16,
+    )
+    return transformers.LlavaForConditionalGeneration(config).eval()
+
+
+def image_features(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    features = model.get_image_features(pixel_values=pixels)
+    if not isinstance(features, (torch.Tensor, list, tuple)):
+        features = features.pooler_output
+    return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=st.lists(st.integers(1, 6), min_size=4, max_size=10), max_graphs=st.integers(1, 2))
+def test_a_vlm_serves_a_stream_of_image_counts_through_its_own_methods(
+    stream: list[int], max_graphs: int
+) -> None:
+    """LLaVA's ``get_image_features`` and forward, graphed in place (CLIP's feature layer),
+    on image counts that the few graphs allowed serve padded, in chunks or eagerly."""
+    model = tiny_llava()
+    backend = SimulatedGraphs(eager_ms=lambda rows: 4 + rows, replay_ms=lambda rows: rows)
+    graphed = layergraph.wrap(model, backend=backend, max_graphs=max_graphs)
+    with torch.inference_mode():
+        for count in stream:
+            pixels = torch.randn(count, 3, IMAGE, IMAGE)
+            got = image_features(graphed, pixels)
+            with graphed.original() as original:
+                want = image_features(original, pixels)
+            assert relative_error(got, want) <= 1e-4, count
+            prompt = torch.tensor([[1, 2, *[299] * 17 * count, 3]])
+            logits = graphed(input_ids=prompt, pixel_values=pixels).logits
+            with graphed.original() as original:
+                expected = original(input_ids=prompt, pixel_values=pixels).logits
+            assert relative_error(logits, expected) <= 1e-4, count
+    assert sum(graphed.stats.served.values()) == 2 * len(stream)

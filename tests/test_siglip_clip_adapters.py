@@ -8,6 +8,8 @@ same kernels as eager on a zero-padded batch, so 1e-4 relative, 1e-5 absolute.
 from __future__ import annotations
 
 import contextvars
+import gc
+import warnings
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import layergraph  # noqa: E402
+from layergraph.runner import StaleOutputWarning  # noqa: E402
 from layergraph.testing import SimulatedGraphs, check_adapter  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -191,6 +194,25 @@ def test_a_feature_graph_first_leaves_the_whole_towers_hidden_states_whole() -> 
     for got, want in zip(whole, expected):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(completed, expected[3], rtol=RTOL, atol=ATOL)
+
+
+def test_feature_outputs_the_caller_dropped_are_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With static outputs, a feature graph's output that the caller dropped must be gone
+    before the next replay, without waiting for the garbage collector (no reference cycle)."""
+    model = built(transformers.CLIPVisionModel, clip_config())
+    graphed = layergraph.wrap(
+        model, adapter="clip", feature_layers=-2, static_output=True, backend=SimulatedGraphs()
+    )
+    x = images(2)
+    gc.disable()
+    try:
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("error", StaleOutputWarning)
+            for _ in range(3):
+                graphed(pixel_values=x, output_hidden_states=True).hidden_states[2].clone()
+    finally:
+        gc.enable()
+    assert graphed.stats.overwritten_outputs == 0 and graphed.stats.replays == 3
 
 
 def test_feature_layers_out_of_range_are_refused() -> None:
