@@ -43,7 +43,7 @@ def towers() -> dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]]:
                     patch_size=8,
                 )
             ),
-            {"fuse_qkv": True},
+            {"fuse_qkv": True, "patch_matmul": True, "fuse_gelu": True},
         ),
         "clip-features": (
             lambda: transformers.CLIPVisionModel(
@@ -69,7 +69,7 @@ def towers() -> dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]]:
                     patch_size=[16, 16],
                 )
             ),
-            {"attention": "sdpa"},
+            {"attention": "sdpa", "fuse_qkv": True, "fuse_gelu": "approximate"},
         ),
         "timm": (
             lambda: timm.create_model(
@@ -197,4 +197,56 @@ def test_a_vlm_serves_a_stream_of_image_counts_through_its_own_methods(
             with graphed.original() as original:
                 expected = original(input_ids=prompt, pixel_values=pixels).logits
             assert relative_error(logits, expected) <= 1e-4, count
+    assert sum(graphed.stats.served.values()) == 2 * len(stream)
+
+
+def tiny_internvl() -> nn.Module:
+    torch.manual_seed(0)
+    text = transformers.Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=300,
+    )
+    vision = transformers.InternVLVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=[64, 64],
+        patch_size=[16, 16],
+    )
+    config = transformers.InternVLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=299,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
+    )
+    return transformers.InternVLForConditionalGeneration(config).eval()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=st.lists(st.integers(1, 7), min_size=4, max_size=10), max_graphs=st.integers(1, 2))
+def test_internvl_serves_a_stream_of_tile_counts_through_its_own_methods(
+    stream: list[int], max_graphs: int
+) -> None:
+    """InternVL's tiles (1 to 7 per request), through ``get_image_features`` and forward."""
+    model = tiny_internvl()
+    backend = SimulatedGraphs(eager_ms=lambda rows: 4 + rows, replay_ms=lambda rows: rows)
+    graphed = layergraph.wrap(model, backend=backend, max_graphs=max_graphs)
+    with torch.inference_mode():
+        for tiles in stream:
+            pixels = torch.randn(tiles, 3, 64, 64)
+            got = image_features(graphed, pixels)
+            with graphed.original() as original:
+                want = image_features(original, pixels)
+            assert relative_error(got, want) <= 1e-4, tiles
+            prompt = torch.tensor([[1, 2, *[299] * 4 * tiles, 3]])
+            logits = graphed(input_ids=prompt, pixel_values=pixels).logits
+            with graphed.original() as original:
+                expected = original(input_ids=prompt, pixel_values=pixels).logits
+            assert relative_error(logits, expected) <= 1e-4, tiles
     assert sum(graphed.stats.served.values()) == 2 * len(stream)
