@@ -279,15 +279,18 @@ class GraphedModule(nn.Module):
         self._changes = changes
         self._route = route
         self._compile_budget = compile_budget or CompileBudget()
+        self._has_scope = type(plan).forward_scope is not CapturePlan.forward_scope
+        """Whether the plan has a scope to enter around each call (the base class's is empty)."""
+        self._call: Callable[..., Any] = runner if plan.serves_forward else model.__call__
         self.fingerprint = fingerprint
         """The model, adapter and options as a warm start's measurements know them: a file's
         measurements are used only by a wrapper of equal fingerprint."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._has_scope:
+            return self._call(*args, **kwargs)
         with self._plan.forward_scope():
-            if self._plan.serves_forward:
-                return self._runner(*args, **kwargs)
-            return self.module(*args, **kwargs)
+            return self._call(*args, **kwargs)
 
     def capture(
         self,
