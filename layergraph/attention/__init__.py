@@ -12,6 +12,7 @@ from .backends import (
     AttentionBackend,
     Fa3Attention,
     SdpaAttention,
+    SdpaMaskedAttention,
     TritonVarlenAttention,
     choose_backend,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "AttentionMetadata",
     "Fa3Attention",
     "SdpaAttention",
+    "SdpaMaskedAttention",
     "SequenceLayout",
     "TritonVarlenAttention",
     "build_metadata",
