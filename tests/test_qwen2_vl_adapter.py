@@ -1,0 +1,176 @@
+"""The qwen2_vl adapter: Qwen2.5-VL's packed vision tower served per token budget.
+
+On the CPU through simulated graphs: every answer must equal the unwrapped tower's on fresh
+random inputs within 1e-4 relative error (float32; about 1e-7 is seen: the graphs' attention
+is one masked product over all tokens where the tower splits per frame or window).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+from layergraph.validation import relative_error
+
+transformers = pytest.importorskip("transformers")
+qwen2_vl = pytest.importorskip("layergraph_adapters.qwen2_vl")
+
+TOLERANCE = 1e-4
+PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+VISION = dict(
+    depth=4,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=56,  # windows of 2x2 merged tokens: 16 patches
+    out_hidden_size=32,
+    fullatt_block_indexes=[1, 3],
+)
+ENTRIES = [(1, 2, 2), (1, 4, 6), (1, 6, 4), (1, 8, 8), (1, 6, 10), (2, 2, 2), (2, 4, 4)]
+"""(t, h, w) in patches: an image smaller than one window (2x2), images of several windows,
+videos of two frames."""
+
+
+@pytest.fixture
+def registry(layergraph_registry: Any) -> Any:
+    layergraph_registry.add_plugin(qwen2_vl, "qwen2_vl")
+    return layergraph_registry
+
+
+def tower() -> torch.nn.Module:
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2_5_VLVisionConfig(**VISION)
+    return Qwen2_5_VisionTransformerPretrainedModel(config).eval()
+
+
+def call(grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.tensor(grids)
+    return torch.randn(int(grid.prod(-1).sum()), PATCH), grid
+
+
+def check(graphed: Any, model: torch.nn.Module, grids: list[tuple[int, int, int]]) -> None:
+    pixels, grid = call(grids)
+    with torch.inference_mode():
+        out = graphed(pixels, grid_thw=grid)
+        with graphed.original():
+            expected = model(pixels, grid_thw=grid)
+    for name in ("pooler_output", "last_hidden_state"):
+        got, want = getattr(out, name), getattr(expected, name)
+        assert got.shape == want.shape, (grids, name)
+        assert relative_error(got, want) <= TOLERANCE, (grids, name)
+
+
+@pytest.mark.usefixtures("registry")
+def test_random_streams_are_served_by_few_budgets() -> None:
+    model = tower()
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+    )
+    rng = random.Random(0)
+    mixes = set()
+    for _ in range(16):
+        grids = rng.choices(ENTRIES, k=rng.randint(1, 3))
+        mixes.add(tuple(grids))
+        check(graphed, model, grids)
+    stats = graphed.stats
+    assert stats.eager_total == 0, dict(stats.eager_calls)
+    assert stats.graphs <= 6 < len(mixes)
+    assert all(key.batch % 32 == 0 for key in graphed.keys)
+
+
+@pytest.mark.usefixtures("registry")
+def test_equal_token_totals_with_other_images_read_their_own_boundaries() -> None:
+    model = tower()
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
+    )
+    for grids in ([(1, 4, 6), (2, 2, 2), (1, 8, 8)], [(1, 8, 8), (1, 6, 4), (2, 2, 2)]):
+        check(graphed, model, grids)  # 96 tokens each, other frames and windows
+    assert graphed.stats.graphs == 1
+    assert graphed.stats.replays == 2
+
+
+@pytest.mark.usefixtures("registry")
+def test_calls_above_every_budget_are_split_or_run_eagerly_with_the_reason() -> None:
+    model = tower()
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[64, 128]
+    )
+    check(graphed, model, [(1, 8, 8), (1, 6, 10), (2, 4, 4)])  # 188 tokens: 64 + 60 + 64
+    assert graphed.stats.split_calls == 1
+    check(graphed, model, [(1, 16, 12)])  # 192 tokens in one image
+    assert graphed.stats.eager_calls == {
+        "an image of this call is above the largest token budget (128)": 1
+    }
+
+
+@pytest.mark.usefixtures("registry", "runnable_triton")
+def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
+    model = tower()
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", attention="triton", backend=SimulatedGraphs(), batch_sizes=[96]
+    )
+    for grids in ([(1, 2, 2), (2, 4, 4)], [(1, 6, 10), (1, 2, 2)]):
+        check(graphed, model, grids)
+    assert graphed.stats.graphs == 1
+
+
+@pytest.mark.usefixtures("registry")
+def test_the_vlm_image_features_go_through_the_graphs() -> None:
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=VISION,
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=128,
+        ),
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    assert qwen2_vl.Qwen2VLAdapter().recognizes(model)
+    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    for grids in ([(1, 4, 6), (1, 2, 2)], [(1, 8, 8)]):
+        pixels, grid = call(grids)
+        with torch.inference_mode():
+            got = model.get_image_features(pixels, image_grid_thw=grid).pooler_output
+            with graphed.original():
+                want = model.get_image_features(pixels, image_grid_thw=grid).pooler_output
+        assert [t.shape for t in got] == [t.shape for t in want]
+        for part, expected in zip(got, want):
+            assert relative_error(part, expected) <= TOLERANCE
+    assert graphed.stats.replays == 2
+    assert graphed.stats.eager_total == 0
+    graphed.unwrap()
+    assert "forward" not in model.model.visual.__dict__
+
+
+@pytest.mark.usefixtures("registry")
+def test_a_budget_slower_than_eager_sends_its_calls_to_a_larger_one_measured_faster() -> None:
+    model = tower()
+    backend = SimulatedGraphs(
+        eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 20.0 if tokens < 50 else 1.0
+    )
+    graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=backend, budget_step=32)
+    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens: budget 128, faster than eager
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens: budget 32, slower than eager
+    check(graphed, model, [(1, 6, 4), (1, 2, 2)])  # 28 tokens again, other windows
+    stats = graphed.stats
+    assert [key.batch for key in graphed.keys] == [128]
+    assert stats.slower_graphs == 1
+    assert stats.served[(28, "padded to 128")] == 2
+    assert stats.eager_total == 0
