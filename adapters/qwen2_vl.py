@@ -1,22 +1,24 @@
-"""Plugin for the packed vision tower of Qwen2.5-VL, from transformers.
+"""Plugin for the packed vision towers of Qwen2-VL and Qwen2.5-VL, from transformers.
 
-Serves ``Qwen2_5_VisionTransformerPretrainedModel`` and the tower inside ``Qwen2_5_VLModel`` and
-``Qwen2_5_VLForConditionalGeneration`` (``visual``). The tower takes every image and video at
-its own resolution: the patches of all of a call's entries (``grid_thw``) are packed into one
-sequence, attention is block-diagonal per frame in the full-attention layers and per window in
-the others, and a patch merger closes the stack. Wrapping a VLM graphs its tower in place, so
-``generate()`` and ``get_image_features()`` use the graphs; ``unwrap()`` restores it.
+Serves ``Qwen2VisionTransformerPretrainedModel`` and ``Qwen2_5_VisionTransformerPretrainedModel``,
+alone or inside their VLMs (``Qwen2VLModel`` / ``Qwen2_5_VLModel`` at ``visual``, the
+``...ForConditionalGeneration`` classes at ``model.visual``). A tower takes every image and
+video at its own resolution: the patches of all of a call's entries (``grid_thw``) are packed
+into one sequence, attention is block-diagonal per frame (Qwen2-VL: in every layer; Qwen2.5-VL:
+in its full-attention layers, per window in the others), and a patch merger closes the stack.
+Wrapping a VLM graphs its tower in place, so ``generate()`` and ``get_image_features()`` use
+the graphs; ``unwrap()`` restores it.
 
 Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's
-frame boundaries (``cu_seqlens``), windows (``cu_window_seqlens``, ``window_index``) and rotary
-positions (``position_ids``) are computed by transformers' own ``vision_utils`` and written,
-padded, into the budget's buffers, which the tower's forward takes as precomputed arguments
-(transformers 5.17 and later). Padding tokens come last in every order (``window_index`` maps
-them to themselves) and belong to no frame or window: the sequences past the real ones are
-empty. Each attention module hands q, k and v to a backend that reads the boundaries from
-those buffers when it runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton``
-(layergraph's varlen kernel, its grid bounded by the budget and by a window's tokens) or
-``fa3``. Eager calls run the tower's own attention.
+frame boundaries (``cu_seqlens``), rotary positions (``position_ids``) and, for Qwen2.5-VL,
+windows (``cu_window_seqlens``, ``window_index``) are computed by transformers' own
+``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
+takes as precomputed arguments (transformers 5.17 and later). Padding tokens come last in every
+order (``window_index`` maps them to themselves) and belong to no frame or window: the
+sequences past the real ones are empty. Each attention module hands q, k and v to a backend
+that reads the boundaries from those buffers when it runs: ``sdpa_varlen`` (a block-diagonal
+mask, off the GPU), ``triton`` (layergraph's varlen kernel, its grid bounded by the budget and
+by a window's tokens) or ``fa3``. Eager calls run the tower's own attention.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
 or hidden states asked for, and precomputed arguments given by the caller.
@@ -49,7 +51,30 @@ from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
 from layergraph_adapters.versions import require_transformers
 
-_TOWER_CLASSES = ("Qwen2_5_VisionTransformerPretrainedModel",)
+
+@dataclass(frozen=True)
+class _TowerKind:
+    """A served tower class and what its forward computes from ``grid_thw`` besides frame
+    boundaries and rotary positions."""
+
+    module: str
+    name: str
+    windows: bool
+    """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
+
+
+_TOWERS = (
+    _TowerKind(
+        "transformers.models.qwen2_vl.modeling_qwen2_vl",
+        "Qwen2VisionTransformerPretrainedModel",
+        windows=False,
+    ),
+    _TowerKind(
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        windows=True,
+    ),
+)
 _TOWER_PATHS = ("", "visual", "model.visual")
 _PRECOMPUTED = (
     "position_ids",
@@ -65,22 +90,29 @@ _MIN_FRAME_SLOTS = 8
 two. Part of a graph's signature: the Triton kernel's grid grows with it."""
 
 
-def find_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` or its ``visual`` / ``model.visual``, if a Qwen2.5-VL vision tower."""
-    import transformers
+def tower_kind(module: nn.Module) -> _TowerKind | None:
+    """The kind of ``module`` if it is a served tower (its modeling module already imported:
+    an instance cannot exist otherwise)."""
+    for kind in _TOWERS:
+        modeling = sys.modules.get(kind.module)
+        if modeling is not None and isinstance(module, getattr(modeling, kind.name)):
+            return kind
+    return None
 
-    classes = tuple(getattr(transformers, name) for name in _TOWER_CLASSES)
+
+def find_tower(model: nn.Module) -> nn.Module | None:
+    """``model`` or its ``visual`` / ``model.visual``, if a served Qwen vision tower."""
     for path in _TOWER_PATHS:
         candidate: Any = model
         for name in filter(None, path.split(".")):
             candidate = getattr(candidate, name, None)
-        if isinstance(candidate, classes):
+        if isinstance(candidate, nn.Module) and tower_kind(candidate) is not None:
             return candidate
     return None
 
 
 class Qwen2VLAdapter(Adapter):
-    """Graphs the Qwen2.5-VL vision tower, alone or inside its VLM, per token budget.
+    """Graphs a Qwen2-VL or Qwen2.5-VL vision tower, alone or inside its VLM, per token budget.
 
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
@@ -104,11 +136,22 @@ class Qwen2VLAdapter(Adapter):
         tower = find_tower(model)
         if tower is None:
             raise AdapterMismatch(
-                f"the qwen2_vl adapter serves transformers' {', '.join(_TOWER_CLASSES)} and "
+                f"the qwen2_vl adapter serves transformers' "
+                f"{', '.join(kind.name for kind in _TOWERS)} and "
                 f"models holding one as visual or model.visual; got "
                 f"{type(model).__module__}.{type(model).__name__}"
             )
         return Qwen2VLPlan(tower, self, context)
+
+
+@dataclass(frozen=True, eq=False)
+class _WindowBuffers:
+    """A budget's windows: the order that groups tokens by window, and the windows' metadata."""
+
+    index: torch.Tensor
+    tail: torch.Tensor
+    """``0 .. budget / merge unit``: what ``index`` holds past the real tokens."""
+    metadata: AttentionMetadata
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,13 +163,10 @@ class PackedBuffers:
     pixels: torch.Tensor
     grid_thw: torch.Tensor
     position_ids: torch.Tensor
-    window_index: torch.Tensor
     cu_seqlens: torch.Tensor
-    cu_window_seqlens: torch.Tensor
-    tail: torch.Tensor
-    """``0 .. budget / merge unit``: what ``window_index`` holds past the real tokens."""
     full: AttentionMetadata
-    window: AttentionMetadata
+    window: _WindowBuffers | None
+    """``None`` for a tower without windows."""
     backend: AttentionBackend
     workspace: torch.Tensor | None
     fixed: dict[str, Any]
@@ -144,9 +184,10 @@ class _HostCall:
 
     grids: tuple[tuple[int, int, int], ...]
     position_ids: torch.Tensor
-    window_index: torch.Tensor
     cu_seqlens: torch.Tensor
-    cu_window_seqlens: torch.Tensor
+    window_index: torch.Tensor | None
+    cu_window_seqlens: torch.Tensor | None
+    """Both ``None`` for a tower without windows."""
 
 
 class Qwen2VLPlan(CapturePlan, Packing):
@@ -154,8 +195,10 @@ class Qwen2VLPlan(CapturePlan, Packing):
     reads the budget's boundaries; the plan is its own :class:`~layergraph.packing.Packing`."""
 
     def __init__(self, tower: nn.Module, adapter: Qwen2VLAdapter, context: PlanContext) -> None:
-        config = tower.config
+        kind = tower_kind(tower)
+        assert kind is not None, "find_tower returned the tower"
         self.owner = tower
+        self.windows = kind.windows
         self.packing = self
         self._forward = own_forward(tower)
         self._attentions = [block.attn for block in tower.blocks]
@@ -167,11 +210,12 @@ class Qwen2VLPlan(CapturePlan, Packing):
             )
         self.budget_step = adapter.budget_step
         self.largest_budget = adapter.max_tokens
-        side = tower.window_size // tower.spatial_merge_size // tower.patch_size
-        self.window_tokens = max(side, 1) ** 2 * self.unit
-        """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
-        self.heads = config.num_heads
-        self.head_dim = config.hidden_size // config.num_heads
+        if self.windows:
+            side = tower.window_size // tower.spatial_merge_size // tower.patch_size
+            self.window_tokens = max(side, 1) ** 2 * self.unit
+            """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
+        self.heads = self._attentions[0].num_heads
+        self.head_dim = self._attentions[0].head_dim
         candidates = (
             SdpaMaskedAttention(),
             *(b for b in context.registry.attention_backends() if b.reads_boundaries),
@@ -263,7 +307,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         )
 
     def _host_call(self, grid: torch.Tensor) -> _HostCall:
-        """The call's boundaries, windows and positions, by transformers' own functions."""
+        """The call's boundaries, positions and windows, by transformers' own functions."""
         from transformers.vision_utils import (
             get_vision_cu_seqlens,
             get_vision_position_ids,
@@ -272,14 +316,16 @@ class Qwen2VLPlan(CapturePlan, Packing):
 
         tower = self.owner
         grid = grid.cpu()
-        window_index, cu_window_seqlens = get_vision_window_index(
-            grid, tower.spatial_merge_size, tower.window_size, tower.patch_size
-        )
+        window_index = cu_window_seqlens = None
+        if self.windows:
+            window_index, cu_window_seqlens = get_vision_window_index(
+                grid, tower.spatial_merge_size, tower.window_size, tower.patch_size
+            )
         return _HostCall(
             grids=tuple(tuple(map(int, row)) for row in grid.tolist()),
             position_ids=get_vision_position_ids(grid, tower.spatial_merge_size),
-            window_index=window_index,
             cu_seqlens=get_vision_cu_seqlens(grid),
+            window_index=window_index,
             cu_window_seqlens=cu_window_seqlens,
         )
 
@@ -316,7 +362,14 @@ class Qwen2VLPlan(CapturePlan, Packing):
         def ints(size: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
 
-        cu_seqlens, cu_window_seqlens = ints(slots + 1), ints(windows + 1)
+        cu_seqlens = ints(slots + 1)
+        window = None
+        if self.windows:
+            window = _WindowBuffers(
+                index=ints(windows, torch.long),
+                tail=torch.arange(windows, device=device),
+                metadata=AttentionMetadata(self.window_tokens, ints(windows + 1), ints(windows)),
+            )
         workspace = (
             torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
             if backend.needs_workspace
@@ -327,12 +380,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
             grid_thw=ints(3, torch.long).view(1, 3),
             position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
-            window_index=ints(windows, torch.long),
             cu_seqlens=cu_seqlens,
-            cu_window_seqlens=cu_window_seqlens,
-            tail=torch.arange(windows, device=device),
             full=AttentionMetadata(budget, cu_seqlens, ints(slots)),
-            window=AttentionMetadata(self.window_tokens, cu_window_seqlens, ints(windows)),
+            window=window,
             backend=backend,
             workspace=workspace,
             fixed=fixed,
@@ -345,28 +395,26 @@ class Qwen2VLPlan(CapturePlan, Packing):
         buffers.pixels[tokens:].zero_()
         buffers.position_ids[:tokens].copy_(host.position_ids)
         buffers.position_ids[tokens:].zero_()
-        buffers.window_index[:merged].copy_(host.window_index)
-        buffers.window_index[merged:].copy_(buffers.tail[merged:])
-        for metadata, offsets in (
-            (buffers.full, host.cu_seqlens),
-            (buffers.window, host.cu_window_seqlens),
-        ):
-            padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
-            padded[: offsets.numel()] = offsets
-            metadata.cu_seqlens.copy_(padded)
-            metadata.seq_lens.copy_(padded.diff())
+        _load_boundaries(buffers.full, host.cu_seqlens, tokens)
+        window = buffers.window
+        if window is not None:
+            window.index[:merged].copy_(host.window_index)
+            window.index[merged:].copy_(window.tail[merged:])
+            _load_boundaries(window.metadata, host.cu_window_seqlens, tokens)
 
     def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (buffers.pixels,), {
+        kwargs = {
             **buffers.fixed,
             "grid_thw": buffers.grid_thw,
             "position_ids": buffers.position_ids,
             "cu_seqlens": buffers.cu_seqlens,
             "max_seqlen": buffers.full.max_seqlen,
-            "window_index": buffers.window_index,
-            "cu_window_seqlens": buffers.cu_window_seqlens,
-            "max_window_seqlen": buffers.window.max_seqlen,
         }
+        if buffers.window is not None:
+            kwargs["window_index"] = buffers.window.index
+            kwargs["cu_window_seqlens"] = buffers.window.metadata.cu_seqlens
+            kwargs["max_window_seqlen"] = buffers.window.metadata.max_seqlen
+        return (buffers.pixels,), kwargs
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
         rows = {budget: call.size, budget // self.unit: call.size // self.unit}
@@ -377,6 +425,15 @@ class Qwen2VLPlan(CapturePlan, Packing):
             return leaf
 
         return pytree.tree_map(real, output)
+
+
+def _load_boundaries(metadata: AttentionMetadata, offsets: torch.Tensor, tokens: int) -> None:
+    """Write a call's boundaries into ``metadata`` in place: the sequences past the real ones
+    are empty (they start and end at the last real token)."""
+    padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
+    padded[: offsets.numel()] = offsets
+    metadata.cu_seqlens.copy_(padded)
+    metadata.seq_lens.copy_(padded.diff())
 
 
 def _routed_attention(module: nn.Module) -> Callable[..., Any]:
@@ -398,7 +455,9 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
         buffers = _current.get()
         if buffers is None:
             return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
-        metadata = buffers.full if cu_seqlens is buffers.cu_seqlens else buffers.window
+        metadata = buffers.full
+        if buffers.window is not None and cu_seqlens is not buffers.cu_seqlens:
+            metadata = buffers.window.metadata
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
         q, k = rotate(q, k, *position_embeddings)

@@ -1,4 +1,4 @@
-"""The qwen2_vl adapter: Qwen2.5-VL's packed vision tower served per token budget.
+"""The qwen2_vl adapter: Qwen2-VL's and Qwen2.5-VL's packed vision towers served per token budget.
 
 On the CPU through simulated graphs: every answer must equal the unwrapped tower's on fresh
 random inputs within 1e-4 relative error (float32; about 1e-7 is seen: the graphs' attention
@@ -34,6 +34,26 @@ VISION = dict(
     out_hidden_size=32,
     fullatt_block_indexes=[1, 3],
 )
+VISION_QWEN2 = dict(
+    depth=4,
+    embed_dim=32,
+    hidden_size=32,  # the merger's output
+    mlp_ratio=2,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+"""Qwen2-VL's tower (full attention in every layer) and Qwen2.5-VL's (windows)."""
 ENTRIES = [(1, 2, 2), (1, 4, 6), (1, 6, 4), (1, 8, 8), (1, 6, 10), (2, 2, 2), (2, 4, 4)]
 """(t, h, w) in patches: an image smaller than one window (2x2), images of several windows,
 videos of two frames."""
@@ -45,14 +65,30 @@ def registry(layergraph_registry: Any) -> Any:
     return layergraph_registry
 
 
-def tower() -> torch.nn.Module:
+def tower(kind: str = "qwen2_5_vl") -> torch.nn.Module:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
     )
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
 
     torch.manual_seed(0)
+    if kind == "qwen2_vl":
+        config = transformers.Qwen2VLVisionConfig(**VISION_QWEN2)
+        return Qwen2VisionTransformerPretrainedModel(config).eval()
     config = transformers.Qwen2_5_VLVisionConfig(**VISION)
     return Qwen2_5_VisionTransformerPretrainedModel(config).eval()
+
+
+def vlm(kind: str) -> torch.nn.Module:
+    """A VLM of ``kind`` with a one-layer text model."""
+    torch.manual_seed(0)
+    if kind == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(vision_config=VISION_QWEN2, text_config=TEXT)
+        return transformers.Qwen2VLForConditionalGeneration(config).eval()
+    config = transformers.Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def call(grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +108,10 @@ def check(graphed: Any, model: torch.nn.Module, grids: list[tuple[int, int, int]
         assert relative_error(got, want) <= TOLERANCE, (grids, name)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.usefixtures("registry")
-def test_random_streams_are_served_by_few_budgets() -> None:
-    model = tower()
+def test_random_streams_are_served_by_few_budgets(kind: str) -> None:
+    model = tower(kind)
     graphed = layergraph.wrap(
         model, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
     )
@@ -90,9 +127,10 @@ def test_random_streams_are_served_by_few_budgets() -> None:
     assert all(key.batch % 32 == 0 for key in graphed.keys)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.usefixtures("registry")
-def test_equal_token_totals_with_other_images_read_their_own_boundaries() -> None:
-    model = tower()
+def test_equal_token_totals_with_other_images_read_their_own_boundaries(kind: str) -> None:
+    model = tower(kind)
     graphed = layergraph.wrap(
         model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
     )
@@ -127,22 +165,12 @@ def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
     assert graphed.stats.graphs == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.usefixtures("registry")
-def test_the_vlm_image_features_go_through_the_graphs() -> None:
-    config = transformers.Qwen2_5_VLConfig(
-        vision_config=VISION,
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=128,
-        ),
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+def test_the_vlm_image_features_go_through_the_graphs(kind: str) -> None:
+    model = vlm(kind)
     assert qwen2_vl.Qwen2VLAdapter().recognizes(model)
+    assert qwen2_vl.Qwen2VLAdapter().recognizes(model.model)  # the tower at visual
     graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
     for grids in ([(1, 4, 6), (1, 2, 2)], [(1, 8, 8)]):
         pixels, grid = call(grids)
