@@ -1,24 +1,28 @@
-"""Plugin for the packed vision towers of Qwen2-VL and Qwen2.5-VL, from transformers.
+"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, from transformers.
 
-Serves ``Qwen2VisionTransformerPretrainedModel`` and ``Qwen2_5_VisionTransformerPretrainedModel``,
-alone or inside their VLMs (``Qwen2VLModel`` / ``Qwen2_5_VLModel`` at ``visual``, the
-``...ForConditionalGeneration`` classes at ``model.visual``). A tower takes every image and
-video at its own resolution: the patches of all of a call's entries (``grid_thw``) are packed
-into one sequence, attention is block-diagonal per frame (Qwen2-VL: in every layer; Qwen2.5-VL:
-in its full-attention layers, per window in the others), and a patch merger closes the stack.
-Wrapping a VLM graphs its tower in place, so ``generate()`` and ``get_image_features()`` use
-the graphs; ``unwrap()`` restores it.
+Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
+and ``Qwen3VLVisionModel``, alone or inside their VLMs (the ``...VLModel`` classes at
+``visual``, the ``...ForConditionalGeneration`` classes at ``model.visual``). A tower takes
+every image and video at its own resolution: the patches of all of a call's entries
+(``grid_thw``) are packed into one sequence, attention is block-diagonal per frame (Qwen2-VL,
+Qwen3-VL: in every layer; Qwen2.5-VL: in its full-attention layers, per window in the others),
+and a patch merger closes the stack; Qwen3-VL also adds a learned position table interpolated
+to each grid and returns deep-stack features (intermediate layers, each through its own
+merger). Wrapping a VLM graphs its tower in place, so ``generate()`` and
+``get_image_features()`` use the graphs; ``unwrap()`` restores it.
 
 Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's
-frame boundaries (``cu_seqlens``), rotary positions (``position_ids``) and, for Qwen2.5-VL,
-windows (``cu_window_seqlens``, ``window_index``) are computed by transformers' own
+frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL windows
+(``cu_window_seqlens``, ``window_index``) and for Qwen3-VL the position table's rows and
+weights per patch (``interp_indices``, ``interp_weights``) are computed by transformers' own
 ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
-takes as precomputed arguments (transformers 5.17 and later). Padding tokens come last in every
-order (``window_index`` maps them to themselves) and belong to no frame or window: the
-sequences past the real ones are empty. Each attention module hands q, k and v to a backend
-that reads the boundaries from those buffers when it runs: ``sdpa_varlen`` (a block-diagonal
-mask, off the GPU), ``triton`` (layergraph's varlen kernel, its grid bounded by the budget and
-by a window's tokens) or ``fa3``. Eager calls run the tower's own attention.
+takes as precomputed arguments (transformers 5.17 and later). Padding tokens come last in
+every order (``window_index`` maps them to themselves), read no position table row (zero
+weights) and belong to no frame or window: the sequences past the real ones are empty. Each
+attention module hands q, k and v to a backend that reads the boundaries from those buffers
+when it runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's
+varlen kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. Eager
+calls run the tower's own attention.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
 or hidden states asked for, and precomputed arguments given by the caller.
@@ -61,6 +65,9 @@ class _TowerKind:
     name: str
     windows: bool
     """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
+    learned_positions: bool = False
+    """Whether a learned position table is interpolated to each grid (``interp_indices``,
+    ``interp_weights``: the table's rows each patch reads and their weights)."""
 
 
 _TOWERS = (
@@ -74,6 +81,12 @@ _TOWERS = (
         "Qwen2_5_VisionTransformerPretrainedModel",
         windows=True,
     ),
+    _TowerKind(
+        "transformers.models.qwen3_vl.modeling_qwen3_vl",
+        "Qwen3VLVisionModel",
+        windows=False,
+        learned_positions=True,
+    ),
 )
 _TOWER_PATHS = ("", "visual", "model.visual")
 _PRECOMPUTED = (
@@ -83,6 +96,8 @@ _PRECOMPUTED = (
     "window_index",
     "cu_window_seqlens",
     "max_window_seqlen",
+    "interp_indices",
+    "interp_weights",
 )
 """The tower's arguments that replace what it computes from ``grid_thw``."""
 _MIN_FRAME_SLOTS = 8
@@ -112,7 +127,8 @@ def find_tower(model: nn.Module) -> nn.Module | None:
 
 
 class Qwen2VLAdapter(Adapter):
-    """Graphs a Qwen2-VL or Qwen2.5-VL vision tower, alone or inside its VLM, per token budget.
+    """Graphs a Qwen2-VL, Qwen2.5-VL or Qwen3-VL vision tower, alone or inside its VLM, per token
+    budget.
 
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
@@ -167,6 +183,10 @@ class PackedBuffers:
     full: AttentionMetadata
     window: _WindowBuffers | None
     """``None`` for a tower without windows."""
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
+    """Both ``None`` for a tower without learned positions; zero weights past the real
+    tokens."""
     backend: AttentionBackend
     workspace: torch.Tensor | None
     fixed: dict[str, Any]
@@ -188,6 +208,9 @@ class _HostCall:
     window_index: torch.Tensor | None
     cu_window_seqlens: torch.Tensor | None
     """Both ``None`` for a tower without windows."""
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
+    """Both ``None`` for a tower without learned positions."""
 
 
 class Qwen2VLPlan(CapturePlan, Packing):
@@ -199,6 +222,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         assert kind is not None, "find_tower returned the tower"
         self.owner = tower
         self.windows = kind.windows
+        self.learned_positions = kind.learned_positions
         self.packing = self
         self._forward = own_forward(tower)
         self._attentions = [block.attn for block in tower.blocks]
@@ -310,6 +334,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         """The call's boundaries, positions and windows, by transformers' own functions."""
         from transformers.vision_utils import (
             get_vision_cu_seqlens,
+            get_vision_interpolation_indices_and_weights,
             get_vision_position_ids,
             get_vision_window_index,
         )
@@ -321,12 +346,23 @@ class Qwen2VLPlan(CapturePlan, Packing):
             window_index, cu_window_seqlens = get_vision_window_index(
                 grid, tower.spatial_merge_size, tower.window_size, tower.patch_size
             )
+        interp_indices = interp_weights = None
+        if self.learned_positions:
+            interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
+                grid,
+                num_grid_per_side=tower.num_grid_per_side,
+                mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners,
+                spatial_merge_size=tower.spatial_merge_size,
+            )
         return _HostCall(
             grids=tuple(tuple(map(int, row)) for row in grid.tolist()),
             position_ids=get_vision_position_ids(grid, tower.spatial_merge_size),
             cu_seqlens=get_vision_cu_seqlens(grid),
             window_index=window_index,
             cu_window_seqlens=cu_window_seqlens,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
         )
 
     def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
@@ -346,7 +382,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
-        pixels, _, fixed = call.parts
+        pixels, host, fixed = call.parts
         device, slots = pixels.device, call.signature[-1]
         windows = budget // self.unit
         backend = choose_backend(
@@ -370,6 +406,11 @@ class Qwen2VLPlan(CapturePlan, Packing):
                 tail=torch.arange(windows, device=device),
                 metadata=AttentionMetadata(self.window_tokens, ints(windows + 1), ints(windows)),
             )
+        interp_indices = interp_weights = None
+        if host.interp_weights is not None:
+            taps, weights = host.interp_weights.shape[1], host.interp_weights.dtype
+            interp_indices = torch.zeros(budget, taps, dtype=torch.long, device=device)
+            interp_weights = torch.zeros(budget, taps, dtype=weights, device=device)
         workspace = (
             torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
             if backend.needs_workspace
@@ -383,6 +424,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
             cu_seqlens=cu_seqlens,
             full=AttentionMetadata(budget, cu_seqlens, ints(slots)),
             window=window,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
             backend=backend,
             workspace=workspace,
             fixed=fixed,
@@ -401,6 +444,11 @@ class Qwen2VLPlan(CapturePlan, Packing):
             window.index[:merged].copy_(host.window_index)
             window.index[merged:].copy_(window.tail[merged:])
             _load_boundaries(window.metadata, host.cu_window_seqlens, tokens)
+        if buffers.interp_indices is not None:
+            buffers.interp_indices[:tokens].copy_(host.interp_indices)
+            buffers.interp_indices[tokens:].zero_()
+            buffers.interp_weights[:tokens].copy_(host.interp_weights)
+            buffers.interp_weights[tokens:].zero_()
 
     def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs = {
@@ -414,6 +462,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
             kwargs["window_index"] = buffers.window.index
             kwargs["cu_window_seqlens"] = buffers.window.metadata.cu_seqlens
             kwargs["max_window_seqlen"] = buffers.window.metadata.max_seqlen
+        if buffers.interp_indices is not None:
+            kwargs["interp_indices"] = buffers.interp_indices
+            kwargs["interp_weights"] = buffers.interp_weights
         return (buffers.pixels,), kwargs
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:

@@ -1,4 +1,5 @@
-"""The qwen2_vl adapter: Qwen2-VL's and Qwen2.5-VL's packed vision towers served per token budget.
+"""The qwen2_vl adapter: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's packed vision towers served per
+token budget.
 
 On the CPU through simulated graphs: every answer must equal the unwrapped tower's on fresh
 random inputs within 1e-4 relative error (float32; about 1e-6 is seen: the graphs' attention
@@ -214,3 +215,83 @@ def test_a_budget_slower_than_eager_sends_its_calls_to_a_larger_one_measured_fas
     assert stats.slower_graphs == 1
     assert stats.served[(28, "padded to 128")] == 2
     assert stats.eager_total == 0
+
+
+VISION_QWEN3 = dict(
+    depth=4,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=32,
+    num_position_embeddings=16,  # a 4x4 table, interpolated to every grid
+    deepstack_visual_indexes=[1, 2],
+)
+
+
+def qwen3_vlm() -> torch.nn.Module:
+    """A Qwen3-VL with a one-layer text model."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3VLConfig(
+        vision_config=VISION_QWEN3, text_config=dict(TEXT, head_dim=16)
+    )
+    return sharpen(transformers.Qwen3VLForConditionalGeneration(config).eval())
+
+
+@pytest.mark.usefixtures("registry")
+def test_qwen3_vl_learned_positions_and_deepstack_features_equal_the_towers() -> None:
+    model = qwen3_vlm().model.visual
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+    )
+    rng = random.Random(0)
+    for grids in (
+        [(1, 4, 6), (2, 2, 2), (1, 8, 8)],
+        [(1, 8, 8), (1, 6, 4), (2, 2, 2)],  # 96 tokens again, other grids
+        *(rng.choices(ENTRIES, k=rng.randint(1, 3)) for _ in range(6)),
+    ):
+        pixels, grid = call(grids)
+        with torch.inference_mode():
+            out = graphed(pixels, grid_thw=grid)
+            with graphed.original():
+                expected = model(pixels, grid_thw=grid)
+        got_leaves = [out.last_hidden_state, out.pooler_output, *out.deepstack_features]
+        want_leaves = [
+            expected.last_hidden_state,
+            expected.pooler_output,
+            *expected.deepstack_features,
+        ]
+        assert len(got_leaves) == len(want_leaves) == 4
+        for got, want in zip(got_leaves, want_leaves):
+            assert got.shape == want.shape, grids
+            assert relative_error(got, want) <= TOLERANCE, grids
+    assert graphed.stats.eager_total == 0, dict(graphed.stats.eager_calls)
+    assert graphed.stats.replays == 8
+
+
+@pytest.mark.usefixtures("registry")
+def test_qwen3_vl_image_features_and_their_deepstack_features_go_through_the_graphs() -> None:
+    model = qwen3_vlm()
+    adapter = qwen2_vl.Qwen2VLAdapter()
+    assert adapter.recognizes(model) and adapter.recognizes(model.model)
+    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    for grids in ([(1, 4, 6), (1, 2, 2)], [(1, 8, 8)]):
+        pixels, grid = call(grids)
+        with torch.inference_mode():
+            got = model.get_image_features(pixels, image_grid_thw=grid)
+            with graphed.original():
+                want = model.get_image_features(pixels, image_grid_thw=grid)
+        got_parts = [*got.pooler_output, *(p for f in got.deepstack_features for p in f)]
+        want_parts = [*want.pooler_output, *(p for f in want.deepstack_features for p in f)]
+        assert len(got_parts) == len(want_parts) == 3 * len(grids)
+        for part, expected in zip(got_parts, want_parts):
+            assert part.shape == expected.shape
+            assert relative_error(part, expected) <= TOLERANCE
+        assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+    assert graphed.stats.replays == 2
+    assert graphed.stats.eager_total == 0
+    graphed.unwrap()
+    assert "forward" not in model.model.visual.__dict__
+
