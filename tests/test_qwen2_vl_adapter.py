@@ -295,3 +295,34 @@ def test_qwen3_vl_image_features_and_their_deepstack_features_go_through_the_gra
     graphed.unwrap()
     assert "forward" not in model.model.visual.__dict__
 
+
+@pytest.mark.usefixtures("registry")
+def test_generate_reads_the_image_features_from_the_graphs() -> None:
+    text = dict(
+        TEXT,
+        bos_token_id=1,
+        eos_token_id=127,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3]),
+    )
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=VISION,
+        text_config=text,
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+        vision_end_token_id=123,
+    )
+    torch.manual_seed(0)
+    model = sharpen(transformers.Qwen2_5_VLForConditionalGeneration(config).eval())
+    pixels, grid = call([(1, 4, 6), (1, 2, 2)])  # 6 and 1 merged tokens
+    prompt = torch.tensor([[2, 122, *[120] * 6, 123, 3, 122, 120, 123, 4]])
+    inputs = dict(input_ids=prompt, pixel_values=pixels, image_grid_thw=grid)
+    with torch.inference_mode():
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+        assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
+        assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
+    assert graphed.stats.replays == 2  # the forward's and generate's prefill
+    assert graphed.stats.eager_total == 0
+    assert graphed.unwrap() is model
