@@ -383,12 +383,18 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
         view.add_column("vs hand-written")
         view.add_column("tuned vs hand-written")
         for row in report.rows:
-            cells = [getattr(row, method) for method in labels]
+            cells = [
+                "-"
+                if getattr(row, method) is None
+                else f"{getattr(row, method):.3f}"
+                + (" (eager)" if method == "layergraph_ms" and row.served_eagerly else "")
+                for method in labels
+            ]
             speedup = row.ratio("eager_ms", "layergraph_ms")
             ratios = (row.ratio(m, "plain_graph_ms") for m in ("layergraph_ms", "tuned_ms"))
             view.add_row(
                 str(row.batch),
-                *("-" if cell is None else f"{cell:.3f}" for cell in cells),
+                *cells,
                 "-" if speedup is None else f"{speedup:.2f}x",
                 *("-" if ratio is None else f"{ratio:.3f}" for ratio in ratios),
             )

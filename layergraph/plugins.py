@@ -139,9 +139,15 @@ class AdapterRegistry:
         pluggy documents and one plugin's failure stays its own. A plugin that pluggy refuses,
         or whose hook raises, is unregistered and recorded under ``name``; nothing it
         registered is kept. An adapter whose name is taken is recorded under that name and the
-        plugin's other adapters are kept.
+        plugin's other adapters are kept. Raises ``ValueError`` for a plugin object registered
+        already (from the entry points, say), which stays as it is.
         """
         manager = self.plugin_manager
+        if manager.is_registered(plugin):
+            raise ValueError(
+                f"plugin {name!r} is registered already (as {manager.get_name(plugin)!r}); "
+                f"its adapters and backends are available"
+            )
         adapters: list[tuple[AdapterFactory, AdapterInfo]] = []
         backends: list[AttentionBackend] = []
         try:

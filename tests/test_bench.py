@@ -103,6 +103,16 @@ def test_markdown_holds_ratios_rates_and_memory() -> None:
     assert "| - |" in row8  # no compile measured
 
 
+def test_markdown_marks_batches_layergraph_served_eagerly() -> None:
+    report = sample_report()
+    report.rows[0].layergraph_served = "graph"
+    report.rows[1].layergraph_served = "eager"
+    rows = [line for line in report.to_markdown().splitlines() if line.startswith("| ")]
+    assert "| 1.120 (eager) |" in next(row for row in rows if row.startswith("| 8 |"))
+    assert "(eager)" not in next(row for row in rows if row.startswith("| 1 |"))
+    assert not BenchRow(batch=2, eager_ms=1.0, gflop=1.0).served_eagerly  # not recorded
+
+
 def test_markdown_shows_latency_with_a_wait_next_to_the_loop() -> None:
     report = sample_report()
     assert "with a wait" not in report.to_markdown()  # none measured (no GPU, older reports)

@@ -158,6 +158,26 @@ def test_duplicate_adapter_name_keeps_the_first(installed_plugin: Callable[..., 
     assert failures and "already taken by layergraph" in failures[0].error
 
 
+def test_a_plugin_added_twice_is_refused_and_stays_registered() -> None:
+    """Adding a plugin object that is registered already (from the entry points, say) must not
+    take it out again: it raises, and its adapters stay."""
+
+    class Twice(layergraph.Adapter):
+        name = "twice"
+
+    class Plugin:
+        @layergraph.hookimpl
+        def register_adapters(self, register: Callable[..., None]) -> None:
+            register(Twice)
+
+    plugin = Plugin()
+    registry = AdapterRegistry()
+    registry.add_plugin(plugin, "twice-plugin")
+    with pytest.raises(ValueError, match="'again' is registered already \\(as 'twice-plugin'\\)"):
+        registry.add_plugin(plugin, "again")
+    assert registry.factory("twice") is Twice
+
+
 def test_local_plugin_can_be_added_and_removed() -> None:
     class Local(layergraph.Adapter):
         name = "local"

@@ -27,48 +27,24 @@ from layergraph.validation import first_tensor, relative_error
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 
-IMAGE = 32
+from test_internvl_adapter import tiny_vlm, vision_config  # noqa: E402
+from test_siglip_clip_adapters import IMAGE, clip_config, siglip_config, tiny_llava  # noqa: E402
 
 
 def towers() -> dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]]:
+    """Each tower's builder (the adapters' tests' tiny configurations, 32x32 images) and the
+    ``wrap`` options it is streamed with."""
     return {
         "siglip": (
-            lambda: transformers.SiglipVisionModel(
-                transformers.SiglipVisionConfig(
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    image_size=IMAGE,
-                    patch_size=8,
-                )
-            ),
+            lambda: transformers.SiglipVisionModel(siglip_config()),
             {"fuse_qkv": True, "patch_matmul": True, "fuse_gelu": True},
         ),
         "clip-features": (
-            lambda: transformers.CLIPVisionModel(
-                transformers.CLIPVisionConfig(
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=3,
-                    num_attention_heads=2,
-                    image_size=IMAGE,
-                    patch_size=8,
-                )
-            ),
+            lambda: transformers.CLIPVisionModel(clip_config()),
             {"feature_layers": -2},
         ),
         "internvl": (
-            lambda: transformers.InternVLVisionModel(
-                transformers.InternVLVisionConfig(
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    image_size=[IMAGE, IMAGE],
-                    patch_size=[16, 16],
-                )
-            ),
+            lambda: transformers.InternVLVisionModel(vision_config(image_size=[IMAGE, IMAGE])),
             {"attention": "sdpa", "fuse_qkv": True, "fuse_gelu": "approximate"},
         ),
         "timm": (
@@ -139,35 +115,6 @@ def test_a_stream_of_mixed_sizes_is_answered_as_eager_would(
     assert sum(n for (_, way), n in stats.served.items() if way == "eager") == stats.eager_total
 
 
-def tiny_llava() -> nn.Module:
-    torch.manual_seed(0)
-    text = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        image_size=IMAGE,
-        patch_size=8,
-    )
-    config = transformers.LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=299,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="full",
-        image_seq_length=16,
-    )
-    return transformers.LlavaForConditionalGeneration(config).eval()
-
-
 def image_features(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     features = model.get_image_features(pixel_values=pixels)
     if not isinstance(features, (torch.Tensor, list, tuple)):
@@ -175,78 +122,39 @@ def image_features(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
 
 
+VLMS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
+    "llava": (lambda: tiny_llava("clip"), IMAGE, 17),
+    "internvl": (tiny_vlm, 64, 4),
+}
+"""Each VLM's builder, its image (or tile) size and its image tokens per image: LLaVA with
+CLIP's feature layer, InternVL's tiles."""
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=st.lists(st.integers(1, 6), min_size=4, max_size=10), max_graphs=st.integers(1, 2))
+@given(
+    name=st.sampled_from(sorted(VLMS)),
+    stream=st.lists(st.integers(1, 7), min_size=4, max_size=10),
+    max_graphs=st.integers(1, 2),
+)
 def test_a_vlm_serves_a_stream_of_image_counts_through_its_own_methods(
-    stream: list[int], max_graphs: int
+    name: str, stream: list[int], max_graphs: int
 ) -> None:
-    """LLaVA's ``get_image_features`` and forward, graphed in place (CLIP's feature layer),
-    on image counts that the few graphs allowed serve padded, in chunks or eagerly."""
-    model = tiny_llava()
+    """A VLM's ``get_image_features`` and forward, its tower graphed in place, on image (or
+    tile) counts that the few graphs allowed serve padded, in chunks or eagerly."""
+    build, size, tokens = VLMS[name]
+    model = build()
     backend = SimulatedGraphs(eager_ms=lambda rows: 4 + rows, replay_ms=lambda rows: rows)
     graphed = layergraph.wrap(model, backend=backend, max_graphs=max_graphs)
     with torch.inference_mode():
         for count in stream:
-            pixels = torch.randn(count, 3, IMAGE, IMAGE)
+            pixels = torch.randn(count, 3, size, size)
             got = image_features(graphed, pixels)
             with graphed.original() as original:
                 want = image_features(original, pixels)
             assert relative_error(got, want) <= 1e-4, count
-            prompt = torch.tensor([[1, 2, *[299] * 17 * count, 3]])
+            prompt = torch.tensor([[1, 2, *[299] * tokens * count, 3]])
             logits = graphed(input_ids=prompt, pixel_values=pixels).logits
             with graphed.original() as original:
                 expected = original(input_ids=prompt, pixel_values=pixels).logits
             assert relative_error(logits, expected) <= 1e-4, count
-    assert sum(graphed.stats.served.values()) == 2 * len(stream)
-
-
-def tiny_internvl() -> nn.Module:
-    torch.manual_seed(0)
-    text = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=300,
-    )
-    vision = transformers.InternVLVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=[64, 64],
-        patch_size=[16, 16],
-    )
-    config = transformers.InternVLConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=299,
-        downsample_ratio=0.5,
-        vision_feature_layer=-1,
-    )
-    return transformers.InternVLForConditionalGeneration(config).eval()
-
-
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=st.lists(st.integers(1, 7), min_size=4, max_size=10), max_graphs=st.integers(1, 2))
-def test_internvl_serves_a_stream_of_tile_counts_through_its_own_methods(
-    stream: list[int], max_graphs: int
-) -> None:
-    """InternVL's tiles (1 to 7 per request), through ``get_image_features`` and forward."""
-    model = tiny_internvl()
-    backend = SimulatedGraphs(eager_ms=lambda rows: 4 + rows, replay_ms=lambda rows: rows)
-    graphed = layergraph.wrap(model, backend=backend, max_graphs=max_graphs)
-    with torch.inference_mode():
-        for tiles in stream:
-            pixels = torch.randn(tiles, 3, 64, 64)
-            got = image_features(graphed, pixels)
-            with graphed.original() as original:
-                want = image_features(original, pixels)
-            assert relative_error(got, want) <= 1e-4, tiles
-            prompt = torch.tensor([[1, 2, *[299] * 4 * tiles, 3]])
-            logits = graphed(input_ids=prompt, pixel_values=pixels).logits
-            with graphed.original() as original:
-                expected = original(input_ids=prompt, pixel_values=pixels).logits
-            assert relative_error(logits, expected) <= 1e-4, tiles
     assert sum(graphed.stats.served.values()) == 2 * len(stream)

@@ -86,6 +86,11 @@ class BenchRow:
     """How layergraph served this batch size (``GraphStats.served``): ``"graph"``, or
     ``"eager"`` where its graph was measured slower than eager."""
 
+    @property
+    def served_eagerly(self) -> bool:
+        """Whether layergraph ran this batch eagerly (its graph measured slower than eager)."""
+        return self.layergraph_served is not None and "graph" not in self.layergraph_served
+
     def ratio(self, numerator: str, denominator: str) -> float | None:
         """``numerator / denominator`` of two latency fields, if both were measured."""
         top, bottom = getattr(self, numerator), getattr(self, denominator)
@@ -194,7 +199,8 @@ class BenchReport:
             "",
             "speedup is eager over layergraph; the next two columns are layergraph's latency "
             "over the hand-written graph's and over torch.compile reduce-overhead's, then the "
-            "same two for tuned layergraph.",
+            'same two for tuned layergraph. "(eager)": layergraph measured its graph of that '
+            "batch slower than eager at capture, and ran the batch eagerly.",
             "",
             "| batch | GFLOP | eager ms | layergraph ms | hand-written ms | compile-ro ms | "
             "tuned ms | speedup | vs hand-written | vs compile-ro | tuned vs hand-written | "
@@ -212,7 +218,7 @@ class BenchReport:
             eager = row.tflops("eager_ms")
             lines.append(
                 f"| {row.batch} | {row.gflop:.1f} | {_ms(row.eager_ms)} | "
-                f"{_ms(row.layergraph_ms)} | "
+                f"{_ms(row.layergraph_ms)}{' (eager)' if row.served_eagerly else ''} | "
                 f"{_ms(row.plain_graph_ms)} | {_ms(row.compile_ms)} | "
                 f"{_ms(row.tuned_ms)} | "
                 f"{_x(row.ratio('eager_ms', 'layergraph_ms'))} | "
