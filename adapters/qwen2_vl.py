@@ -16,13 +16,14 @@ frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen
 (``cu_window_seqlens``, ``window_index``) and for Qwen3-VL the position table's rows and
 weights per patch (``interp_indices``, ``interp_weights``) are computed by transformers' own
 ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
-takes as precomputed arguments (transformers 5.17 and later). Padding tokens come last in
-every order (``window_index`` maps them to themselves), read no position table row (zero
-weights) and belong to no frame or window: the sequences past the real ones are empty. Each
-attention module hands q, k and v to a backend that reads the boundaries from those buffers
-when it runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's
-varlen kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. Eager
-calls run the tower's own attention.
+takes as precomputed arguments (transformers 5.17 and later,
+:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`). Padding tokens come last in every
+order (``window_index`` maps them to themselves), read no position table row (zero weights)
+and belong to no frame or window: the sequences past the real ones are empty. Each attention
+module hands q, k and v to a backend that reads the boundaries from those buffers when it
+runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
+kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. Eager calls run
+the tower's own attention.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
 or hidden states asked for, and precomputed arguments given by the caller.
@@ -53,7 +54,7 @@ from layergraph.attention import (
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
-from layergraph_adapters.versions import require_transformers
+from layergraph_adapters.versions import QWEN2_VL_CHECKED, require_transformers
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Qwen2VLAdapter(Adapter):
         return "transformers" in sys.modules and find_tower(model) is not None
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        require_transformers(self.name)
+        require_transformers(self.name, QWEN2_VL_CHECKED)
         tower = find_tower(model)
         if tower is None:
             raise AdapterMismatch(

@@ -11,17 +11,26 @@ positions all zero give errors near 1.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
+from torch.utils import _pytree as pytree
 
 import layergraph
+from layergraph import AdapterMismatch
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
+from layergraph_adapters.versions import QWEN2_VL_CHECKED, UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("layergraph_adapters.qwen2_vl")
+if not SpecifierSet(QWEN2_VL_CHECKED).contains(transformers.__version__, prereleases=True):
+    pytest.skip(
+        f"the qwen2_vl adapter needs transformers{QWEN2_VL_CHECKED}", allow_module_level=True
+    )
 
 TOLERANCE = 1e-4
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
@@ -286,9 +295,12 @@ def test_qwen3_vl_image_features_and_their_deepstack_features_go_through_the_gra
             got = model.get_image_features(pixels, image_grid_thw=grid)
             with graphed.original():
                 want = model.get_image_features(pixels, image_grid_thw=grid)
-        got_parts = [*got.pooler_output, *(p for f in got.deepstack_features for p in f)]
-        want_parts = [*want.pooler_output, *(p for f in want.deepstack_features for p in f)]
-        assert len(got_parts) == len(want_parts) == 3 * len(grids)
+        assert len(got.pooler_output) == len(want.pooler_output) == len(grids)
+        # Deep-stack features: one tensor per feature layer (transformers 5.17), or per layer
+        # and image (5.24).
+        got_parts = pytree.tree_leaves((got.pooler_output, got.deepstack_features))
+        want_parts = pytree.tree_leaves((want.pooler_output, want.deepstack_features))
+        assert len(got_parts) == len(want_parts) >= 2 + len(grids)
         for part, expected in zip(got_parts, want_parts):
             assert part.shape == expected.shape
             assert relative_error(part, expected) <= TOLERANCE
@@ -329,3 +341,15 @@ def test_generate_reads_the_image_features_from_the_graphs() -> None:
     assert graphed.stats.replays == 2  # the forward's and generate's prefill
     assert graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
+
+
+@pytest.mark.usefixtures("registry")
+def test_releases_without_precomputed_tower_arguments_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(UNCHECKED_VARIABLE, raising=False)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.0")
+    model = tower()
+    with pytest.raises(AdapterMismatch, match="qwen2_vl adapter was checked with transformers"):
+        layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+    assert "forward" not in model.__dict__
