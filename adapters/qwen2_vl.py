@@ -227,17 +227,20 @@ class Qwen2VLPlan(CapturePlan, Packing):
         self.packing = self
         self._forward = own_forward(tower)
         self._attentions = [block.attn for block in tower.blocks]
-        self.unit = tower.spatial_merge_size**2
-        if adapter.budget_step % self.unit or adapter.max_tokens % adapter.budget_step:
+        self.budget_unit = tower.spatial_merge_size**2
+        if adapter.budget_step % self.budget_unit or adapter.max_tokens % adapter.budget_step:
             raise ValueError(
                 f"budget_step {adapter.budget_step} must be a multiple of the merge unit "
-                f"({self.unit} tokens) and max_tokens {adapter.max_tokens} a multiple of it"
+                f"({self.budget_unit} tokens) and max_tokens {adapter.max_tokens} a multiple of it"
             )
         self.budget_step = adapter.budget_step
         self.largest_budget = adapter.max_tokens
         if self.windows:
-            side = tower.window_size // tower.spatial_merge_size // tower.patch_size
-            self.window_tokens = max(side, 1) ** 2 * self.unit
+            self.window_side = max(
+                tower.window_size // tower.spatial_merge_size // tower.patch_size, 1
+            )
+            """A window's side in merged tokens."""
+            self.window_tokens = self.window_side**2 * self.budget_unit
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
         self.heads = self._attentions[0].num_heads
         self.head_dim = self._attentions[0].head_dim
@@ -313,7 +316,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
                 f"input hidden_states {tuple(pixels.shape)} and grid_thw {tuple(grid.shape)} "
                 f"are not [patches, features] and [entries, 3]"
             )
-        host = self._host_call(grid)
+        on_host = grid.cpu()
+        self._check_grid(on_host)
+        host = self._host_call(on_host)
         tokens = sum(t * h * w for t, h, w in host.grids)
         if tokens != pixels.shape[0]:
             raise UnsupportedCall(
@@ -331,8 +336,23 @@ class Qwen2VLPlan(CapturePlan, Packing):
             parts=(pixels, host, fixed),
         )
 
+    def _check_grid(self, grid: torch.Tensor) -> None:
+        """Raise :class:`~layergraph.keys.UnsupportedCall` for a ``grid_thw`` the tower cannot
+        take: no entry, or a side that is not a positive multiple of the merge size."""
+        if grid.shape[0] == 0:
+            raise UnsupportedCall("input grid_thw holds no image or video")
+        merge = self.owner.spatial_merge_size
+        for row in grid.tolist():
+            t, h, w = row
+            if t < 1 or h < merge or w < merge or h % merge or w % merge:
+                raise UnsupportedCall(
+                    f"input grid_thw row {row}: t must be positive, h and w positive multiples "
+                    f"of the spatial merge size {merge}"
+                )
+
     def _host_call(self, grid: torch.Tensor) -> _HostCall:
-        """The call's boundaries, positions and windows, by transformers' own functions."""
+        """The call's boundaries, positions and windows, by transformers' own functions, from
+        ``grid_thw`` on the host."""
         from transformers.vision_utils import (
             get_vision_cu_seqlens,
             get_vision_interpolation_indices_and_weights,
@@ -341,7 +361,6 @@ class Qwen2VLPlan(CapturePlan, Packing):
         )
 
         tower = self.owner
-        grid = grid.cpu()
         window_index = cu_window_seqlens = None
         if self.windows:
             window_index, cu_window_seqlens = get_vision_window_index(
@@ -385,7 +404,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
         pixels, host, fixed = call.parts
         device, slots = pixels.device, call.signature[-1]
-        windows = budget // self.unit
+        merged = budget // self.budget_unit
         backend = choose_backend(
             self.attention,
             device,
@@ -402,9 +421,10 @@ class Qwen2VLPlan(CapturePlan, Packing):
         cu_seqlens = ints(slots + 1)
         window = None
         if self.windows:
+            windows = self.window_slots(budget, slots)
             window = _WindowBuffers(
-                index=ints(windows, torch.long),
-                tail=torch.arange(windows, device=device),
+                index=ints(merged, torch.long),
+                tail=torch.arange(merged, device=device),
                 metadata=AttentionMetadata(self.window_tokens, ints(windows + 1), ints(windows)),
             )
         interp_indices = interp_weights = None
@@ -432,9 +452,20 @@ class Qwen2VLPlan(CapturePlan, Packing):
             fixed=fixed,
         )
 
+    def window_slots(self, budget: int, frames: int) -> int:
+        """The most windows a call of at most ``budget`` tokens in at most ``frames`` frames
+        holds: the windowed layers' sequence count, which sizes the kernel's grid.
+
+        A frame of ``m`` merged tokens (``h`` by ``w``) in windows of ``s`` by ``s`` has
+        ``ceil(h / s) * ceil(w / s) <= m / s + (s - 1) / s`` windows (as ``h + w <= m + 1``),
+        so a call of ``M`` merged tokens has fewer than ``M / s + frames``, and at most ``M``.
+        """
+        merged = budget // self.budget_unit
+        return min(merged, -(-merged // self.window_side) + frames)
+
     def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
         pixels, host, _ = call.parts
-        tokens, merged = call.size, call.size // self.unit
+        tokens, merged = call.size, call.size // self.budget_unit
         buffers.pixels[:tokens].copy_(pixels)
         buffers.pixels[tokens:].zero_()
         buffers.position_ids[:tokens].copy_(host.position_ids)
@@ -469,7 +500,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return (buffers.pixels,), kwargs
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
-        rows = {budget: call.size, budget // self.unit: call.size // self.unit}
+        rows = {budget: call.size, budget // self.budget_unit: call.size // self.budget_unit}
 
         def real(leaf: Any) -> Any:
             if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] in rows:

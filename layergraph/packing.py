@@ -75,8 +75,12 @@ class Packing(ABC):
     :meth:`join`-ed.
     """
 
+    budget_unit: int = 1
+    """Every budget, learnt or given, is a multiple of this many tokens: the call's indivisible
+    group of rows (a patch merger's 2x2 patches), so that padding never shares a group with a
+    real token."""
     budget_step: int = 1
-    """Every learnt budget is a multiple of this many tokens."""
+    """Every learnt budget is a multiple of this many tokens (and of :attr:`budget_unit`)."""
     largest_budget: int = 1 << 14
     """The largest budget learnt (``batch_sizes="auto"``); larger calls are split."""
 

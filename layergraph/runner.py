@@ -155,6 +155,8 @@ class GraphRunner:
         self.options = options
         self.backend = backend
         self.buckets = BatchBuckets(None if options.measured else options.batch_sizes)
+        if plan.packing is not None:
+            _check_budgets(self.buckets.sizes or (), plan.packing.budget_unit)
         self._routes: dict[Any, tuple[int, Route | None]] = {}
         """The cheapest route over the graphs held, by lookup, with the cache's generation it
         was chosen in (:func:`~layergraph.policy.cheapest_route`)."""
@@ -843,6 +845,17 @@ class GraphRunner:
             self._entries.clear()
             self._pool = None
             self._hooks.accept()
+
+
+def _check_budgets(budgets: Sequence[int], unit: int) -> None:
+    """Raise ``ValueError`` unless every token budget given is a multiple of the packing's
+    ``unit`` (a graph of another budget would pad a real token's group)."""
+    bad = [budget for budget in budgets if budget % unit]
+    if bad:
+        raise ValueError(
+            f"token budgets {bad} are not multiples of {unit} tokens, which this model's calls "
+            f"come in (batch_sizes of a packed model are token budgets)"
+        )
 
 
 def _state_tensors(state: Any) -> list[Any]:

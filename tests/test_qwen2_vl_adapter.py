@@ -10,12 +10,15 @@ positions all zero give errors near 1.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from packaging.specifiers import SpecifierSet
 from torch.utils import _pytree as pytree
 
@@ -177,6 +180,77 @@ def test_calls_above_every_budget_are_split_or_run_eagerly_with_the_reason() -> 
     assert graphed.stats.eager_calls == {
         "an image of this call is above the largest token budget (128)": 1
     }
+
+
+@pytest.mark.usefixtures("registry")
+def test_budgets_that_would_pad_part_of_a_merged_token_are_refused_at_wrap() -> None:
+    model = tower()
+    with pytest.raises(ValueError, match=r"token budgets \[102\] are not multiples of 4 tokens"):
+        layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[64, 102])
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize(
+    ("grid", "reason"),
+    [
+        (torch.zeros(0, 3, dtype=torch.long), "input grid_thw holds no image or video"),
+        (torch.tensor([[1, 4, 4], [1, 3, 4]]), r"input grid_thw row \[1, 3, 4\]"),
+    ],
+)
+@pytest.mark.usefixtures("registry")
+def test_a_grid_the_tower_cannot_take_gets_the_reason_and_the_towers_error(
+    grid: torch.Tensor, reason: str
+) -> None:
+    graphed = layergraph.wrap(tower(), adapter="qwen2_vl", backend=SimulatedGraphs())
+    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH)
+    with torch.inference_mode(), pytest.raises(ValueError, match=f"{reason}.*the model raised"):
+        graphed(pixels, grid_thw=grid)
+    assert graphed.stats.graphs == 0
+
+
+@functools.cache
+def windowed_plan() -> Any:
+    """The plan of a wrapped Qwen2.5-VL tower (windows of 2x2 merged tokens)."""
+    return layergraph.wrap(
+        tower(), adapter=qwen2_vl.Qwen2VLAdapter(), backend=SimulatedGraphs()
+    ).plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    grids=st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 12), st.integers(1, 12)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_window_slots_hold_every_calls_windows(grids: list[tuple[int, int, int]]) -> None:
+    from transformers.vision_utils import get_vision_window_index
+
+    plan = windowed_plan()
+    merge = 2
+    grid = torch.tensor([(t, h * merge, w * merge) for t, h, w in grids])
+    _, cu_window_seqlens = get_vision_window_index(grid, merge, VISION["window_size"], 14)
+    tokens, frames = int(grid.prod(-1).sum()), int(grid[:, 0].sum())
+    windows = cu_window_seqlens.numel() - 1
+    assert windows <= plan.window_slots(tokens, frames) <= tokens // 4
+
+
+def test_a_7b_shaped_towers_windows_fit_the_triton_grid_at_the_largest_learnt_budget() -> None:
+    """Qwen2.5-VL-7B's tower: 16 heads, windows of 4x4 merged tokens (112 pixels); the Triton
+    kernel takes at most 65535 sequences times heads. One window slot per merged token (4096 at
+    16384 tokens) would exceed it."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    config = transformers.Qwen2_5_VLVisionConfig(
+        **dict(VISION, depth=1, hidden_size=256, num_heads=16, window_size=112)
+    )
+    adapter = qwen2_vl.Qwen2VLAdapter()
+    model = Qwen2_5_VisionTransformerPretrainedModel(config)
+    plan = layergraph.wrap(model, adapter=adapter, backend=SimulatedGraphs()).plan
+    assert plan.window_slots(adapter.max_tokens, 8) * plan.heads <= 65535
 
 
 @pytest.mark.usefixtures("registry", "runnable_triton")
