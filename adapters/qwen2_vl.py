@@ -47,6 +47,7 @@ from layergraph.adapter import own_forward
 from layergraph.attention import (
     AttentionBackend,
     AttentionMetadata,
+    PackedLayout,
     SdpaMaskedAttention,
     SequenceLayout,
     choose_backend,
@@ -253,6 +254,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
         self.attention = adapter.attention
         self._backends = candidates
+        self._registry = context.registry
 
     # ---- what the runner asks ----------------------------------------------------------------
 
@@ -415,17 +417,19 @@ class Qwen2VLPlan(CapturePlan, Packing):
             backends=self._backends,
         )
 
-        def ints(size: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, device=device)
+        def metadata(slots: int, longest: int) -> AttentionMetadata:
+            layout = PackedLayout(budget, slots, longest)
+            return self._registry.attention_metadata(backend, layout, device)
 
-        cu_seqlens = ints(slots + 1)
+        full = metadata(slots, budget)
         window = None
         if self.windows:
-            windows = self.window_slots(budget, slots)
             window = _WindowBuffers(
-                index=ints(merged, torch.long),
+                index=torch.zeros(merged, dtype=torch.long, device=device),
                 tail=torch.arange(merged, device=device),
-                metadata=AttentionMetadata(self.window_tokens, ints(windows + 1), ints(windows)),
+                metadata=metadata(
+                    self.window_slots(budget, slots), min(self.window_tokens, budget)
+                ),
             )
         interp_indices = interp_weights = None
         if host.interp_weights is not None:
@@ -440,10 +444,10 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return PackedBuffers(
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
-            grid_thw=ints(3, torch.long).view(1, 3),
+            grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
             position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
-            cu_seqlens=cu_seqlens,
-            full=AttentionMetadata(budget, cu_seqlens, ints(slots)),
+            cu_seqlens=full.cu_seqlens,
+            full=full,
             window=window,
             interp_indices=interp_indices,
             interp_weights=interp_weights,
@@ -516,7 +520,8 @@ def _load_boundaries(metadata: AttentionMetadata, offsets: torch.Tensor, tokens:
     padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
     padded[: offsets.numel()] = offsets
     metadata.cu_seqlens.copy_(padded)
-    metadata.seq_lens.copy_(padded.diff())
+    if metadata.seq_lens is not None:
+        metadata.seq_lens.copy_(padded.diff())
 
 
 def _routed_attention(module: nn.Module) -> Callable[..., Any]:
