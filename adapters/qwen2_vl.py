@@ -181,8 +181,9 @@ class PackedBuffers:
     pixels: torch.Tensor
     grid_thw: torch.Tensor
     position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
     full: AttentionMetadata
+    """The full-attention layers' metadata, from the ``attention_metadata`` hook; its
+    ``cu_seqlens`` is the tower's ``cu_seqlens`` argument, frame boundaries."""
     window: _WindowBuffers | None
     """``None`` for a tower without windows."""
     interp_indices: torch.Tensor | None
@@ -446,7 +447,6 @@ class Qwen2VLPlan(CapturePlan, Packing):
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
             grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
             position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
-            cu_seqlens=full.cu_seqlens,
             full=full,
             window=window,
             interp_indices=interp_indices,
@@ -491,7 +491,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             **buffers.fixed,
             "grid_thw": buffers.grid_thw,
             "position_ids": buffers.position_ids,
-            "cu_seqlens": buffers.cu_seqlens,
+            "cu_seqlens": buffers.full.cu_seqlens,
             "max_seqlen": buffers.full.max_seqlen,
         }
         if buffers.window is not None:
@@ -544,7 +544,7 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
         if buffers is None:
             return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
         metadata = buffers.full
-        if buffers.window is not None and cu_seqlens is not buffers.cu_seqlens:
+        if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
             metadata = buffers.window.metadata
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
