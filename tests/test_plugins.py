@@ -118,7 +118,8 @@ def test_unknown_adapter_lists_available_names(
     monkeypatch.setenv(plugins.DISABLE_ENV, "1")  # first-party adapters only
     with pytest.raises(
         UnknownAdapterError,
-        match="no adapter named 'vit'; available: clip, internvl, sequential, siglip, timm",
+        match="no adapter named 'vit'; available: clip, internvl, qwen2_vl, sequential, siglip, "
+        "timm",
     ):
         layergraph.wrap(torch.nn.Sequential(), adapter="vit")
 
