@@ -22,8 +22,12 @@ order (``window_index`` maps them to themselves), read no position table row (ze
 and belong to no frame or window: the sequences past the real ones are empty. Each attention
 module hands q, k and v to a backend that reads the boundaries from those buffers when it
 runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
-kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. Eager calls run
-the tower's own attention.
+kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``.
+
+Calls served eagerly (above every budget, a budget whose graph was measured slower, training,
+...) run the tower's own forward with its own attention, as the unwrapped tower would: the
+attention modules hand q, k and v to a backend only while a budget's buffers are bound (warm-up,
+capture, replays), and the host metadata above is computed only for calls a graph serves.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
 or hidden states asked for, and precomputed arguments given by the caller.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -205,7 +210,6 @@ _current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
 class _HostCall:
     """What a call's ``grid_thw`` gives on the host, padded later to a budget."""
 
-    grids: tuple[tuple[int, int, int], ...]
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     window_index: torch.Tensor | None
@@ -214,6 +218,29 @@ class _HostCall:
     interp_indices: torch.Tensor | None
     interp_weights: torch.Tensor | None
     """Both ``None`` for a tower without learned positions."""
+
+
+@dataclass(eq=False)
+class _CallParts:
+    """What :meth:`Qwen2VLPlan.pack` reads from a call, and its host metadata on demand.
+
+    The metadata (:class:`_HostCall`: boundaries, positions, windows, position table rows) is
+    computed the first time a graph needs it (:meth:`Qwen2VLPlan.load`), so a call served
+    eagerly, which runs the tower's own forward, never pays for it: for Qwen3-VL's learned
+    positions it is the larger part of the host work of a call.
+    """
+
+    pixels: torch.Tensor
+    grid: torch.Tensor
+    """``grid_thw`` on the host."""
+    grids: tuple[tuple[int, int, int], ...]
+    fixed: dict[str, Any]
+    compute: Callable[[torch.Tensor], _HostCall]
+
+    @functools.cached_property
+    def host(self) -> _HostCall:
+        """The call's metadata on the host, computed once."""
+        return self.compute(self.grid)
 
 
 class Qwen2VLPlan(CapturePlan, Packing):
@@ -321,13 +348,13 @@ class Qwen2VLPlan(CapturePlan, Packing):
             )
         on_host = grid.cpu()
         self._check_grid(on_host)
-        host = self._host_call(on_host)
-        tokens = sum(t * h * w for t, h, w in host.grids)
+        grids = tuple(tuple(map(int, row)) for row in on_host.tolist())
+        tokens = sum(t * h * w for t, h, w in grids)
         if tokens != pixels.shape[0]:
             raise UnsupportedCall(
                 f"input hidden_states has {pixels.shape[0]} patches, grid_thw {tokens}"
             )
-        frames = host.cu_seqlens.numel() - 1
+        frames = sum(t for t, _, _ in grids)
         slots = max(_MIN_FRAME_SLOTS, 1 << (frames - 1).bit_length())
         signature = (pixels.dtype, pixels.shape[1], frozen, slots)
         return PackedCall(
@@ -336,7 +363,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             size=tokens,
             signature=signature,
             tensors=(pixels,),
-            parts=(pixels, host, fixed),
+            parts=_CallParts(pixels, on_host, grids, fixed, self._host_call),
         )
 
     def _check_grid(self, grid: torch.Tensor) -> None:
@@ -379,7 +406,6 @@ class Qwen2VLPlan(CapturePlan, Packing):
                 spatial_merge_size=tower.spatial_merge_size,
             )
         return _HostCall(
-            grids=tuple(tuple(map(int, row)) for row in grid.tolist()),
             position_ids=get_vision_position_ids(grid, tower.spatial_merge_size),
             cu_seqlens=get_vision_cu_seqlens(grid),
             window_index=window_index,
@@ -389,8 +415,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
         )
 
     def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
-        pixels, host, fixed = call.parts
-        sizes = [t * h * w for t, h, w in host.grids]
+        parts = call.parts
+        pixels, fixed = parts.pixels, parts.fixed
+        sizes = [t * h * w for t, h, w in parts.grids]
         if max(sizes) > budget:
             return None
         grid = call.argument("grid_thw", position=1)
@@ -405,7 +432,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
-        pixels, host, fixed = call.parts
+        parts = call.parts
+        pixels, host, fixed = parts.pixels, parts.host, parts.fixed
         device, slots = pixels.device, call.signature[-1]
         merged = budget // self.budget_unit
         backend = choose_backend(
@@ -468,7 +496,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return min(merged, -(-merged // self.window_side) + frames)
 
     def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
-        pixels, host, _ = call.parts
+        pixels, host = call.parts.pixels, call.parts.host
         tokens, merged = call.size, call.size // self.budget_unit
         buffers.pixels[:tokens].copy_(pixels)
         buffers.pixels[tokens:].zero_()

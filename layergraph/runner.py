@@ -620,8 +620,12 @@ class GraphRunner:
     def _measure_packed(
         self, graph: Any, buffers: Any, leaves: Sequence[Any], call: PackedCall
     ) -> Costs:
-        """The fastest of a few eager calls of ``call`` itself, and of a few replays of the
-        budget's graph with the call loaded and the outputs cloned, each waited for."""
+        """The fastest of a few eager calls of ``call`` itself (the plan's region unbound: the
+        model's own forward), and of a few replays of the budget's graph with the outputs
+        cloned, each waited for. A measured replay pays what a call served by the graph pays
+        on the host too: the call is read again (:meth:`~layergraph.packing.Packing.pack`) and
+        loaded, so a plan whose per-call metadata is costly to compute keeps a graph only if
+        it still beats the model's own eager call."""
         packing = self.plan.packing
         with self._hooks.adopting():
             eager_ms = min(
@@ -632,7 +636,7 @@ class GraphRunner:
             )
 
         def replay() -> None:
-            packing.load(buffers, call)
+            packing.load(buffers, packing.pack(call.args, call.kwargs))
             self.backend.replay(graph)
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
