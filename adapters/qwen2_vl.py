@@ -22,7 +22,9 @@ order (``window_index`` maps them to themselves), read no position table row (ze
 and belong to no frame or window: the sequences past the real ones are empty. Each attention
 module hands q, k and v to a backend that reads the boundaries from those buffers when it
 runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
-kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``.
+kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. With
+``attention="auto"`` the full-attention and the windowed layers each get the backend timed
+fastest on the frames and windows of the call that made the budget, in the budget's room.
 
 Calls served eagerly (above every budget, a budget whose graph was measured slower, training,
 ...) run the tower's own forward with its own attention, as the unwrapped tower would: the
@@ -55,7 +57,8 @@ from layergraph.attention import (
     PackedLayout,
     SdpaMaskedAttention,
     SequenceLayout,
-    choose_backend,
+    choose_packed_backend,
+    packed_timer,
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
@@ -175,6 +178,8 @@ class _WindowBuffers:
     tail: torch.Tensor
     """``0 .. budget / merge unit``: what ``index`` holds past the real tokens."""
     metadata: AttentionMetadata
+    backend: AttentionBackend
+    """The windowed layers' backend, chosen apart from the full-attention layers'."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,7 +201,9 @@ class PackedBuffers:
     """Both ``None`` for a tower without learned positions; zero weights past the real
     tokens."""
     backend: AttentionBackend
+    """The full-attention layers' backend."""
     workspace: torch.Tensor | None
+    """Shared by both kinds of attention where either backend writes into one."""
     fixed: dict[str, Any]
     """The call's other arguments (part of the signature)."""
 
@@ -283,6 +290,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
         self.attention = adapter.attention
         self._backends = candidates
         self._registry = context.registry
+        self.attention_by_budget: dict[int, str] = {}
+        """Which backend serves each budget's full-attention layers and, for a tower with
+        windows, its windowed layers (``attention="auto"`` times them apart)."""
 
     # ---- what the runner asks ----------------------------------------------------------------
 
@@ -436,30 +446,44 @@ class Qwen2VLPlan(CapturePlan, Packing):
         pixels, host, fixed = parts.pixels, parts.host, parts.fixed
         device, slots = pixels.device, call.signature[-1]
         merged = budget // self.budget_unit
-        backend = choose_backend(
-            self.attention,
-            device,
-            pixels.dtype,
-            self.heads,
-            self.head_dim,
-            SequenceLayout((budget,)),
-            backends=self._backends,
-        )
+        timer = packed_timer(device, pixels.dtype, self.heads, self.head_dim)
 
-        def metadata(slots: int, longest: int) -> AttentionMetadata:
+        def attention(
+            slots: int, longest: int, offsets: torch.Tensor
+        ) -> tuple[AttentionBackend, AttentionMetadata]:
+            """The backend for one kind of attention, timed on the call's own sequences in the
+            budget's room, and its metadata from the hook."""
             layout = PackedLayout(budget, slots, longest)
-            return self._registry.attention_metadata(backend, layout, device)
+            lengths = tuple(length for length in offsets.diff().tolist() if length > 0)
+            backend = choose_packed_backend(
+                self.attention,
+                device,
+                pixels.dtype,
+                self.head_dim,
+                layout,
+                lengths,
+                backends=self._backends,
+                timer=timer,
+            )
+            return backend, self._registry.attention_metadata(backend, layout, device)
 
-        full = metadata(slots, budget)
+        backend, full = attention(slots, budget, host.cu_seqlens)
+        chosen = f"full: {backend.name} ({backend.implementation})"
         window = None
         if self.windows:
+            window_backend, window_metadata = attention(
+                self.window_slots(budget, slots),
+                min(self.window_tokens, budget),
+                host.cu_window_seqlens,
+            )
             window = _WindowBuffers(
                 index=torch.zeros(merged, dtype=torch.long, device=device),
                 tail=torch.arange(merged, device=device),
-                metadata=metadata(
-                    self.window_slots(budget, slots), min(self.window_tokens, budget)
-                ),
+                metadata=window_metadata,
+                backend=window_backend,
             )
+            chosen += f", windows: {window_backend.name} ({window_backend.implementation})"
+        self.attention_by_budget[budget] = chosen
         interp_indices = interp_weights = None
         if host.interp_weights is not None:
             taps, weights = host.interp_weights.shape[1], host.interp_weights.dtype
@@ -467,7 +491,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             interp_weights = torch.zeros(budget, taps, dtype=weights, device=device)
         workspace = (
             torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
-            if backend.needs_workspace
+            if backend.needs_workspace or (window is not None and window.backend.needs_workspace)
             else None
         )
         return PackedBuffers(
@@ -571,13 +595,12 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
         buffers = _current.get()
         if buffers is None:
             return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
-        metadata = buffers.full
+        metadata, backend = buffers.full, buffers.backend
         if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
-            metadata = buffers.window.metadata
+            metadata, backend = buffers.window.metadata, buffers.window.backend
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
         q, k = rotate(q, k, *position_embeddings)
-        backend = buffers.backend
         if not backend.takes_strided_inputs:
             v = v.contiguous()
         out = backend(
