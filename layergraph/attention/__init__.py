@@ -13,9 +13,9 @@ adapters use it.
 from .backends import (
     AttentionBackend,
     Fa3Attention,
+    PackedTimer,
     SdpaAttention,
     SdpaMaskedAttention,
-    PackedTimer,
     TritonVarlenAttention,
     choose_backend,
     choose_packed_backend,
