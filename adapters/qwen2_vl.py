@@ -148,7 +148,7 @@ class Qwen2VLAdapter(Adapter):
     name = "qwen2_vl"
 
     def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 256
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 64
     ) -> None:
         self.attention = attention
         self.max_tokens = max_tokens
