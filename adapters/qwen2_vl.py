@@ -63,6 +63,7 @@ from layergraph.attention import (
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
+from layergraph.staging import Staging
 from layergraph_adapters.versions import QWEN2_VL_CHECKED, require_transformers
 
 
@@ -176,7 +177,7 @@ class _WindowBuffers:
 
     index: torch.Tensor
     tail: torch.Tensor
-    """``0 .. budget / merge unit``: what ``index`` holds past the real tokens."""
+    """``0 .. budget / merge unit`` on the host: what ``index`` holds past the real tokens."""
     metadata: AttentionMetadata
     backend: AttentionBackend
     """The windowed layers' backend, chosen apart from the full-attention layers'."""
@@ -185,7 +186,11 @@ class _WindowBuffers:
 @dataclass(frozen=True, eq=False)
 class PackedBuffers:
     """One budget's buffers: the tower's inputs, its precomputed arguments, the attention
-    metadata over them and the backend's workspace. Written in place before every replay."""
+    metadata over them and the backend's workspace. Written in place before every replay.
+
+    The precomputed arguments (positions, window order, position table rows and weights) are
+    views of :attr:`staging`'s device buffer, and so are the boundaries the attention
+    metadata is copied from: a call's metadata reaches the device in one transfer."""
 
     budget: int
     pixels: torch.Tensor
@@ -206,6 +211,7 @@ class PackedBuffers:
     """Shared by both kinds of attention where either backend writes into one."""
     fixed: dict[str, Any]
     """The call's other arguments (part of the signature)."""
+    staging: Staging
 
 
 _current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
@@ -469,26 +475,33 @@ class Qwen2VLPlan(CapturePlan, Packing):
 
         backend, full = attention(slots, budget, host.cu_seqlens)
         chosen = f"full: {backend.name} ({backend.implementation})"
+        fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            "position_ids": (torch.long, (budget, 2)),
+            "cu_seqlens": (torch.int32, (slots + 1,)),
+        }
+        window_slots = self.window_slots(budget, slots) if self.windows else 0
+        if self.windows:
+            fields["window_index"] = (torch.long, (merged,))
+            fields["cu_window_seqlens"] = (torch.int32, (window_slots + 1,))
+        if host.interp_weights is not None:
+            taps = host.interp_weights.shape[1]
+            fields["interp_indices"] = (torch.long, (budget, taps))
+            fields["interp_weights"] = (host.interp_weights.dtype, (budget, taps))
+        staging = Staging(fields, device)
+        staged = staging.device
         window = None
         if self.windows:
             window_backend, window_metadata = attention(
-                self.window_slots(budget, slots),
-                min(self.window_tokens, budget),
-                host.cu_window_seqlens,
+                window_slots, min(self.window_tokens, budget), host.cu_window_seqlens
             )
             window = _WindowBuffers(
-                index=torch.zeros(merged, dtype=torch.long, device=device),
-                tail=torch.arange(merged, device=device),
+                index=staged["window_index"],
+                tail=torch.arange(merged),
                 metadata=window_metadata,
                 backend=window_backend,
             )
             chosen += f", windows: {window_backend.name} ({window_backend.implementation})"
         self.attention_by_budget[budget] = chosen
-        interp_indices = interp_weights = None
-        if host.interp_weights is not None:
-            taps, weights = host.interp_weights.shape[1], host.interp_weights.dtype
-            interp_indices = torch.zeros(budget, taps, dtype=torch.long, device=device)
-            interp_weights = torch.zeros(budget, taps, dtype=weights, device=device)
         workspace = (
             torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
             if backend.needs_workspace or (window is not None and window.backend.needs_workspace)
@@ -498,14 +511,15 @@ class Qwen2VLPlan(CapturePlan, Packing):
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
             grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
-            position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
+            position_ids=staged["position_ids"],
             full=full,
             window=window,
-            interp_indices=interp_indices,
-            interp_weights=interp_weights,
+            interp_indices=staged.get("interp_indices"),
+            interp_weights=staged.get("interp_weights"),
             backend=backend,
             workspace=workspace,
             fixed=fixed,
+            staging=staging,
         )
 
     def window_slots(self, budget: int, frames: int) -> int:
@@ -522,21 +536,26 @@ class Qwen2VLPlan(CapturePlan, Packing):
     def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
         pixels, host = call.parts.pixels, call.parts.host
         tokens, merged = call.size, call.size // self.budget_unit
-        buffers.pixels[:tokens].copy_(pixels)
-        buffers.pixels[tokens:].zero_()
-        buffers.position_ids[:tokens].copy_(host.position_ids)
-        buffers.position_ids[tokens:].zero_()
-        _load_boundaries(buffers.full, host.cu_seqlens, tokens)
+        staging = buffers.staging
+        fields = staging.host()
+        fields["position_ids"][:tokens] = host.position_ids
+        fields["position_ids"][tokens:] = 0
+        _pad_boundaries(fields["cu_seqlens"], host.cu_seqlens, tokens)
         window = buffers.window
         if window is not None:
-            window.index[:merged].copy_(host.window_index)
-            window.index[merged:].copy_(window.tail[merged:])
-            _load_boundaries(window.metadata, host.cu_window_seqlens, tokens)
+            fields["window_index"][:merged] = host.window_index
+            fields["window_index"][merged:] = window.tail[merged:]
+            _pad_boundaries(fields["cu_window_seqlens"], host.cu_window_seqlens, tokens)
         if buffers.interp_indices is not None:
-            buffers.interp_indices[:tokens].copy_(host.interp_indices)
-            buffers.interp_indices[tokens:].zero_()
-            buffers.interp_weights[:tokens].copy_(host.interp_weights)
-            buffers.interp_weights[tokens:].zero_()
+            for name in ("interp_indices", "interp_weights"):
+                fields[name][:tokens] = getattr(host, name)
+                fields[name][tokens:] = 0
+        staging.send()
+        _copy_boundaries(buffers.full, staging.device["cu_seqlens"])
+        if window is not None:
+            _copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
+        buffers.pixels[:tokens].copy_(pixels)
+        buffers.pixels[tokens:].zero_()
 
     def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs = {
@@ -566,14 +585,19 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return pytree.tree_map(real, output)
 
 
-def _load_boundaries(metadata: AttentionMetadata, offsets: torch.Tensor, tokens: int) -> None:
-    """Write a call's boundaries into ``metadata`` in place: the sequences past the real ones
-    are empty (they start and end at the last real token)."""
-    padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
-    padded[: offsets.numel()] = offsets
-    metadata.cu_seqlens.copy_(padded)
+def _pad_boundaries(field: torch.Tensor, offsets: torch.Tensor, tokens: int) -> None:
+    """Write a call's boundaries into a host ``field`` of the budget's slots: the sequences
+    past the real ones are empty (they start and end at the last real token)."""
+    field[: offsets.numel()] = offsets
+    field[offsets.numel() :] = tokens
+
+
+def _copy_boundaries(metadata: AttentionMetadata, staged: torch.Tensor) -> None:
+    """Copy boundaries already on the device into the attention metadata's own tensors (a
+    plugin's hook may have made them), and the sequences' lengths where it has them."""
+    metadata.cu_seqlens.copy_(staged)
     if metadata.seq_lens is not None:
-        metadata.seq_lens.copy_(padded.diff())
+        torch.sub(staged[1:], staged[:-1], out=metadata.seq_lens)
 
 
 def _routed_attention(module: nn.Module) -> Callable[..., Any]:
