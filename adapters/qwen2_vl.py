@@ -430,21 +430,27 @@ class Qwen2VLPlan(CapturePlan, Packing):
             interp_weights=interp_weights,
         )
 
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
         parts = call.parts
-        pixels, fixed = parts.pixels, parts.fixed
-        sizes = [t * h * w for t, h, w in parts.grids]
-        if max(sizes) > budget:
-            return None
         grid = call.argument("grid_thw", position=1)
-        pieces, first, start, tokens = [], 0, 0, 0
-        for index, size in enumerate([*sizes, None]):
-            if size is not None and tokens + size <= budget:
-                tokens += size
-                continue
-            stop = start + tokens
-            pieces.append(self.pack((pixels[start:stop], grid[first:index]), fixed))
-            first, start, tokens = index, stop, size
+        pieces: list[PackedCall] = []
+        first = start = tokens = 0  # the piece being made: entries first.., patches start..
+
+        def close(stop: int) -> None:
+            nonlocal first, start, tokens
+            if stop > first:
+                piece = (parts.pixels[start : start + tokens], grid[first:stop])
+                pieces.append(self.pack(piece, parts.fixed))
+            first, start, tokens = stop, start + tokens, 0
+
+        for index, (t, h, w) in enumerate(parts.grids):
+            size = t * h * w
+            if tokens + size > budget:
+                close(index)
+            tokens += size
+            if size > budget:
+                close(index + 1)
+        close(len(parts.grids))
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:

@@ -425,17 +425,31 @@ class GraphRunner:
 
     def _serve_split(self, call: PackedCall) -> Any:
         """A packed call above every budget, split by images into calls that fit, each served
-        on its own; eagerly if one image alone is above every budget."""
+        on its own, and an image above every budget run eagerly apart (the reason counted);
+        a call of that one image alone runs eagerly."""
         largest = (
             self.plan.packing.largest_budget if self.options.measured else self.buckets.largest
         )
-        pieces = self.plan.packing.split(call, largest) if largest is not None else None
-        if pieces is None:
-            reason = f"an image of this call is above the largest token budget ({largest})"
+        reason = f"an image of this call is above the largest token budget ({largest})"
+        pieces = self.plan.packing.split(call, largest) if largest is not None else [call]
+        if len(pieces) == 1:
             return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
-        parts = [self._serve_packed(piece, fresh=True) for piece in pieces]
+        parts, eager = [], 0
+        for piece in pieces:
+            if piece.size > largest:
+                eager += 1
+                parts.append(
+                    self._run_eagerly(
+                        f"{reason}: it ran eagerly, the rest from graphs",
+                        piece.args,
+                        piece.kwargs,
+                    )
+                )
+            else:
+                parts.append(self._serve_packed(piece, fresh=True))
         self._stats.split_calls += 1
-        self._stats.served[(call.size, f"split into {len(pieces)} calls")] += 1
+        way = f"split into {len(pieces)} calls" + (f", {eager} eager" if eager else "")
+        self._stats.served[(call.size, way)] += 1
         return self.plan.packing.join(parts)
 
     def _count_eager(self, reason: str, batch: int | None) -> None:

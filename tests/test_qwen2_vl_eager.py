@@ -5,7 +5,8 @@ budget's graph measured slower, above every budget, training mode) must give exa
 unwrapped tower's answer (``torch.equal``: the same computation, not an approximation of it),
 hand nothing to the adapter's attention backend and compute none of the host metadata a graph
 needs. A graph's measured cost must include that host metadata, since every call it serves
-pays for it.
+pays for it. A call holding an image above every budget is split around it: that image runs
+eagerly, the rest from graphs, and the joined answer equals the tower's within 1e-4.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from torch import nn
 import layergraph
 from layergraph.attention import SdpaMaskedAttention
 from layergraph.testing import SimulatedGraphs
+from layergraph.validation import relative_error
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_adapter import call, qwen2_vl
+from test_qwen2_vl_adapter import TOLERANCE, call, qwen2_vl
 from test_qwen2_vl_streams import answer, model
 
 BUDGET = 128
@@ -131,5 +133,36 @@ def test_a_graph_is_measured_with_the_host_work_its_calls_pay_and_dropped_if_tha
         costs = graphed.stats.costs[BUDGET]
         assert costs.graph_ms == 21.0 and costs.eager_ms == 10.0
         assert graphed.stats.slower_graphs == 1 and graphed.stats.graphs == 0
+    finally:
+        graphed.unwrap()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("budgets", ["auto", [64, 128]])
+def test_a_call_is_split_around_an_image_above_every_budget(kind: str, budgets: Any) -> None:
+    tower = model(kind)
+    graphed = layergraph.wrap(
+        tower,
+        adapter=qwen2_vl.Qwen2VLAdapter(budget_step=32, max_tokens=BUDGET),
+        backend=SimulatedGraphs(),
+        batch_sizes=budgets,
+    )
+    grids = [(1, 4, 6), *BIG, (1, 8, 8), (2, 2, 2)]  # 24 | 192 | 64 + 8 tokens
+    try:
+        pixels, grid = call(grids)
+        with torch.inference_mode():
+            got = answer(graphed(pixels, grid_thw=grid))
+            with graphed.original():
+                want = answer(tower(pixels, grid_thw=grid))
+        assert [t.shape for t in got] == [t.shape for t in want]
+        for part, expected in zip(got, want):
+            assert relative_error(part, expected) <= TOLERANCE
+        stats = graphed.stats
+        assert stats.split_calls == 1 and stats.replays == 2
+        assert stats.served[(288, "split into 3 calls, 1 eager")] == 1
+        assert stats.eager_calls == {
+            "an image of this call is above the largest token budget (128): it ran eagerly, "
+            "the rest from graphs": 1
+        }
     finally:
         graphed.unwrap()

@@ -4,7 +4,8 @@ On the CPU through simulated graphs whose costs make every way win somewhere: ea
 ``launches`` ms per call, a replay a third of that, and both pay per token, so a budget's graph
 is kept or dropped, a call goes to its own budget, a larger one, is split by images or runs
 eagerly. Calls hold one to three entries drawn from images smaller than a window, images of
-several windows, one image larger than every budget, and two-frame videos; budgets are learnt,
+several windows, one image larger than every budget (run eagerly, the rest of its call from
+graphs), and two-frame videos; budgets are learnt,
 given or exact; few graphs are allowed. Every answer (the merged features, the last hidden
 state and Qwen3-VL's deep-stack features) must equal the unwrapped tower's on the same fresh
 random input within 1e-4 relative error (float32).
@@ -42,7 +43,7 @@ from test_qwen2_vl_adapter import (
 LARGEST = 128
 """The largest budget, learnt or given: a call above it is split by images."""
 BIG = (1, 16, 12)
-"""An image of 192 tokens, above every budget: its calls run eagerly, with the reason."""
+"""An image of 192 tokens, above every budget: it runs eagerly, with the reason."""
 
 
 @functools.cache
