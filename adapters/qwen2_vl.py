@@ -480,7 +480,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             return backend, self._registry.attention_metadata(backend, layout, device)
 
         backend, full = attention(slots, budget, host.cu_seqlens)
-        chosen = f"full: {backend.name} ({backend.implementation})"
+        chosen = f"full: {_described(backend)}"
         fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             "position_ids": (torch.long, (budget, 2)),
             "cu_seqlens": (torch.int32, (slots + 1,)),
@@ -506,7 +506,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
                 metadata=window_metadata,
                 backend=window_backend,
             )
-            chosen += f", windows: {window_backend.name} ({window_backend.implementation})"
+            chosen += f", windows: {_described(window_backend)}"
         self.attention_by_budget[budget] = chosen
         workspace = (
             torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
@@ -589,6 +589,13 @@ class Qwen2VLPlan(CapturePlan, Packing):
             return leaf
 
         return pytree.tree_map(real, output)
+
+
+def _described(backend: AttentionBackend) -> str:
+    """A backend's name, and what runs where that is not the same (``fa3``'s kernel)."""
+    if backend.implementation == backend.name:
+        return backend.name
+    return f"{backend.name} ({backend.implementation})"
 
 
 def _pad_boundaries(field: torch.Tensor, offsets: torch.Tensor, tokens: int) -> None:

@@ -186,7 +186,7 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
         (PackedLayout(BUDGET, graphed.plan.window_slots(BUDGET, 8), 16), window_lengths),
     }
     assert {"sdpa_varlen", "long", "short"} <= {name for name, _, _ in timed}
-    assert graphed.plan.attention_by_budget == {BUDGET: "full: long (long), windows: short (short)"}
+    assert graphed.plan.attention_by_budget == {BUDGET: "full: long, windows: short"}
 
 
 def test_a_named_packed_backend_must_read_boundaries_and_auto_keeps_the_fastest() -> None:
