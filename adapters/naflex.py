@@ -141,9 +141,10 @@ def pool(head: nn.Module, hidden: torch.Tensor, buffers: NaflexBuffers) -> torch
     slot at once (``[slots, width]``): the head's probe attends to its image's tokens only,
     then the head's norm and MLP. An empty slot attends to every token (its row is cut off).
 
-    Padding tokens, after the last boundary, belong to no slot, and are zeroed first: a backend
-    may leave their attention output unwritten (FA3's is uninitialised memory), and a masked
-    key or value that is not finite still turns a softmax's zero weight into NaN."""
+    Padding tokens, after the last boundary, belong to no slot, and are zeroed first: a varlen
+    kernel that writes only the real sequences into fresh memory (FA3) leaves their attention
+    output unwritten, and a masked key or value that is not finite still turns a softmax's zero
+    weight into NaN."""
     image = torch.searchsorted(buffers.metadata.cu_seqlens[1:], buffers.tokens, right=True)
     hidden = torch.where((image < buffers.slots)[:, None], hidden, 0)
     attention = head.attention
