@@ -47,6 +47,7 @@ from layergraph.adapter import own_forward
 from layergraph.attention import (
     AttentionBackend,
     AttentionMetadata,
+    PackedLayout,
     SdpaMaskedAttention,
     SequenceLayout,
     choose_backend,
@@ -180,8 +181,9 @@ class PackedBuffers:
     pixels: torch.Tensor
     grid_thw: torch.Tensor
     position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
     full: AttentionMetadata
+    """The full-attention layers' metadata, from the ``attention_metadata`` hook; its
+    ``cu_seqlens`` is the tower's ``cu_seqlens`` argument, frame boundaries."""
     window: _WindowBuffers | None
     """``None`` for a tower without windows."""
     interp_indices: torch.Tensor | None
@@ -253,6 +255,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
         self.attention = adapter.attention
         self._backends = candidates
+        self._registry = context.registry
 
     # ---- what the runner asks ----------------------------------------------------------------
 
@@ -415,17 +418,19 @@ class Qwen2VLPlan(CapturePlan, Packing):
             backends=self._backends,
         )
 
-        def ints(size: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(size, dtype=dtype, device=device)
+        def metadata(slots: int, longest: int) -> AttentionMetadata:
+            layout = PackedLayout(budget, slots, longest)
+            return self._registry.attention_metadata(backend, layout, device)
 
-        cu_seqlens = ints(slots + 1)
+        full = metadata(slots, budget)
         window = None
         if self.windows:
-            windows = self.window_slots(budget, slots)
             window = _WindowBuffers(
-                index=ints(merged, torch.long),
+                index=torch.zeros(merged, dtype=torch.long, device=device),
                 tail=torch.arange(merged, device=device),
-                metadata=AttentionMetadata(self.window_tokens, ints(windows + 1), ints(windows)),
+                metadata=metadata(
+                    self.window_slots(budget, slots), min(self.window_tokens, budget)
+                ),
             )
         interp_indices = interp_weights = None
         if host.interp_weights is not None:
@@ -440,10 +445,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return PackedBuffers(
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
-            grid_thw=ints(3, torch.long).view(1, 3),
+            grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
             position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
-            cu_seqlens=cu_seqlens,
-            full=AttentionMetadata(budget, cu_seqlens, ints(slots)),
+            full=full,
             window=window,
             interp_indices=interp_indices,
             interp_weights=interp_weights,
@@ -487,7 +491,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             **buffers.fixed,
             "grid_thw": buffers.grid_thw,
             "position_ids": buffers.position_ids,
-            "cu_seqlens": buffers.cu_seqlens,
+            "cu_seqlens": buffers.full.cu_seqlens,
             "max_seqlen": buffers.full.max_seqlen,
         }
         if buffers.window is not None:
@@ -516,7 +520,8 @@ def _load_boundaries(metadata: AttentionMetadata, offsets: torch.Tensor, tokens:
     padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
     padded[: offsets.numel()] = offsets
     metadata.cu_seqlens.copy_(padded)
-    metadata.seq_lens.copy_(padded.diff())
+    if metadata.seq_lens is not None:
+        metadata.seq_lens.copy_(padded.diff())
 
 
 def _routed_attention(module: nn.Module) -> Callable[..., Any]:
@@ -539,7 +544,7 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
         if buffers is None:
             return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
         metadata = buffers.full
-        if buffers.window is not None and cu_seqlens is not buffers.cu_seqlens:
+        if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
             metadata = buffers.window.metadata
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)

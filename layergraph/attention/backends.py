@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..timing import captured_ms
-from .layout import AttentionMetadata, SequenceLayout, build_metadata
+from .layout import AttentionMetadata, PackedLayout, SequenceLayout, build_metadata
 
 __all__ = [
     "AttentionBackend",
@@ -61,8 +61,12 @@ class AttentionBackend(ABC):
         """Why this backend cannot run here, or ``None`` if it can."""
 
     @abstractmethod
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
-        """The metadata this backend's kernel takes, built for ``layout``."""
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
+        """The metadata this backend's kernel takes, built for ``layout``: a
+        :class:`~layergraph.attention.PackedLayout` only for backends that
+        :attr:`reads_boundaries` (zeros sized for its slots, written by the packed plan)."""
 
     @abstractmethod
     def __call__(
@@ -139,7 +143,9 @@ class SdpaMaskedAttention(AttentionBackend):
             return "sdpa_varlen builds a [tokens, tokens] mask; on a GPU use triton or fa3"
         return None
 
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
         return build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
 
     def __call__(
@@ -184,7 +190,9 @@ class TritonVarlenAttention(AttentionBackend):
             return f"head_dim {head_dim} is not a multiple of 8 between 16 and 256"
         return None
 
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
         return build_metadata(layout, device, cu_seqlens=True, seq_lens=True)
 
     def __call__(
@@ -248,7 +256,9 @@ class Fa3Attention(AttentionBackend):
             return f"fa3 needs float16 or bfloat16, not {dtype}"
         return None
 
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
         return build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
 
     def __call__(
