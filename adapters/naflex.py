@@ -34,7 +34,8 @@ __all__ = [
     "NaflexBuffers",
     "allocate",
     "bound",
-    "host_layout",
+    "host_boundaries",
+    "load_boundaries",
     "packed_forward",
     "pool",
     "routed_attention",
@@ -45,9 +46,9 @@ __all__ = [
 class NaflexBuffers:
     """One budget's buffers, written in place before every replay.
 
-    ``layout`` holds, as int32, the image boundaries (``cu_seqlens``, ``slots + 1``) and the
-    images' lengths (``seq_lens``, ``slots``): one host-to-device copy per call. Image slots
-    past a call's images are empty (their boundaries at its last token).
+    The image boundaries live in the attention metadata (``cu_seqlens``, ``slots + 1``, and
+    ``seq_lens`` where the backend takes them), from the ``attention_metadata`` hook. Image
+    slots past a call's images are empty (their boundaries at its last token).
     """
 
     budget: int
@@ -56,9 +57,8 @@ class NaflexBuffers:
     """``[budget, features]``: the call's real patches, zeros past them."""
     positions: torch.Tensor
     """``[budget, width]``: each real patch's position embedding, zeros past them."""
-    layout: torch.Tensor
     metadata: AttentionMetadata
-    """``cu_seqlens`` and ``seq_lens`` (views of :attr:`layout`), ``max_seqlen`` the budget."""
+    """For a :class:`~layergraph.attention.PackedLayout` of the budget and its slots."""
     tokens: torch.Tensor
     """``0 .. budget - 1`` (int32): each token's place in the sequence."""
     backend: AttentionBackend
@@ -87,14 +87,14 @@ def allocate(
     pixels: torch.Tensor,
     table: torch.Tensor,
     backend: AttentionBackend,
+    metadata: AttentionMetadata,
     heads: int,
     head_dim: int,
 ) -> NaflexBuffers:
     """The buffers of a graph of ``budget`` tokens in at most ``slots`` images, for patches
-    like ``pixels`` (``[..., features]``) and positions like the tower's ``table``."""
+    like ``pixels`` (``[..., features]``) and positions like the tower's ``table``, attending
+    through ``backend`` with ``metadata``."""
     dtype, device = pixels.dtype, pixels.device
-    layout = torch.zeros(2 * slots + 1, dtype=torch.int32, device=device)
-    cu_seqlens, seq_lens = layout[: slots + 1], layout[slots + 1 :]
     workspace = (
         torch.zeros(budget, heads, head_dim, dtype=dtype, device=device)
         if backend.needs_workspace
@@ -105,21 +105,28 @@ def allocate(
         slots=slots,
         pixels=torch.zeros(budget, pixels.shape[-1], dtype=dtype, device=device),
         positions=torch.zeros(budget, table.shape[-1], dtype=table.dtype, device=device),
-        layout=layout,
-        metadata=AttentionMetadata(budget, cu_seqlens, seq_lens),
+        metadata=metadata,
         tokens=torch.arange(budget, dtype=torch.int32, device=device),
         backend=backend,
         workspace=workspace,
     )
 
 
-def host_layout(counts: list[int], slots: int) -> torch.Tensor:
-    """What :attr:`NaflexBuffers.layout` holds for images of ``counts`` tokens, on the host:
-    the slots past the images empty."""
+def host_boundaries(counts: list[int], slots: int) -> torch.Tensor:
+    """The ``cu_seqlens`` of images of ``counts`` tokens in ``slots`` slots, on the host: the
+    slots past the images empty."""
     cu_seqlens = torch.zeros(slots + 1, dtype=torch.int32)
     cu_seqlens[1 : len(counts) + 1] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
     cu_seqlens[len(counts) + 1 :] = cu_seqlens[len(counts)]
-    return torch.cat([cu_seqlens, cu_seqlens.diff()])
+    return cu_seqlens
+
+
+def load_boundaries(buffers: NaflexBuffers, cu_seqlens: torch.Tensor) -> None:
+    """Write a call's :func:`host_boundaries` into the budget's metadata in place."""
+    metadata = buffers.metadata
+    metadata.cu_seqlens.copy_(cu_seqlens)
+    if metadata.seq_lens is not None:
+        metadata.seq_lens.copy_(cu_seqlens.diff())
 
 
 def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tensor, Any]:
@@ -159,7 +166,8 @@ def pool(head: nn.Module, hidden: torch.Tensor, buffers: NaflexBuffers) -> torch
     probe = split(F.linear(head.probe.view(1, width), w_q, b_q))
     keys, values = split(F.linear(hidden, w_k, b_k)), split(F.linear(hidden, w_v, b_v))
     slots = torch.arange(buffers.slots, device=hidden.device)
-    mask = (image[None, :] == slots[:, None]) | (buffers.metadata.seq_lens == 0)[:, None]
+    empty = buffers.metadata.cu_seqlens.diff() == 0
+    mask = (image[None, :] == slots[:, None]) | empty[:, None]
     out = F.scaled_dot_product_attention(
         probe.expand(heads, buffers.slots, -1), keys, values, attn_mask=mask
     )

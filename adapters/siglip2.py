@@ -13,11 +13,12 @@ max_patches]`` (1 for an image's first ``height * width`` patches) and ``spatial
 boundaries, and before every replay the real patches are gathered into one sequence in the
 buffers of a token budget (:mod:`layergraph.packing`), with their position embeddings (the
 tower's table resized to each grid by the tower's own function, kept per grid:
-:mod:`layergraph_adapters.grid_positions`) and the images' boundaries beside them; inside the
-graph attention runs per image through a backend that reads the boundaries when it runs
-(``sdpa_varlen`` off the GPU, ``triton`` or ``fa3`` on it), and the pooling head attends per
-image (:mod:`layergraph_adapters.naflex`). The outputs are scattered back into the tower's
-layout.
+:mod:`layergraph_adapters.grid_positions`) and the images' boundaries beside them, in the
+attention metadata the ``attention_metadata`` hook built for the budget (a
+:class:`~layergraph.attention.PackedLayout`); inside the graph attention runs per image through
+a backend that reads the boundaries when it runs (``sdpa_varlen`` off the GPU, ``triton`` or
+``fa3`` on it), and the pooling head attends per image (:mod:`layergraph_adapters.naflex`).
+The outputs are scattered back into the tower's layout.
 
 What the wrapped tower returns: ``last_hidden_state`` ``[images, max_patches, width]`` equal to
 the tower's at every real patch and zero at every padding position (where the tower's own
@@ -41,7 +42,12 @@ from torch import nn
 
 from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
 from layergraph.adapter import own_forward
-from layergraph.attention import SdpaMaskedAttention, SequenceLayout, choose_backend
+from layergraph.attention import (
+    PackedLayout,
+    SdpaMaskedAttention,
+    SequenceLayout,
+    choose_backend,
+)
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
@@ -119,8 +125,8 @@ class _Images:
     grids: list[tuple[int, int]]
     counts: list[int]
     slots: int
-    layout: torch.Tensor
-    """:attr:`~layergraph_adapters.naflex.NaflexBuffers.layout` for this call, on the host."""
+    cu_seqlens: torch.Tensor
+    """The images' boundaries in the call's slots, on the host."""
     return_dict: bool
     _index: torch.Tensor | None = field(default=None, repr=False)
 
@@ -164,6 +170,7 @@ class Siglip2Plan(CapturePlan, Packing):
             raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
         self.attention = adapter.attention
         self._backends = candidates
+        self._registry = context.registry
 
     # ---- what the runner asks ----------------------------------------------------------------
 
@@ -274,7 +281,7 @@ class Siglip2Plan(CapturePlan, Packing):
             grids=grids,
             counts=counts,
             slots=slots,
-            layout=naflex.host_layout(counts, slots),
+            cu_seqlens=naflex.host_boundaries(counts, slots),
             return_dict=return_dict,
         )
         return PackedCall(
@@ -324,8 +331,10 @@ class Siglip2Plan(CapturePlan, Packing):
             backends=self._backends,
         )
         table = self.owner.embeddings.position_embedding.weight
+        layout = PackedLayout(budget, images.slots, budget)
+        metadata = self._registry.attention_metadata(backend, layout, pixels.device)
         return naflex.allocate(
-            budget, images.slots, pixels, table, backend, self.heads, self.head_dim
+            budget, images.slots, pixels, table, backend, metadata, self.heads, self.head_dim
         )
 
     def load(self, buffers: naflex.NaflexBuffers, call: PackedCall) -> None:
@@ -336,7 +345,7 @@ class Siglip2Plan(CapturePlan, Packing):
         buffers.pixels[tokens:].zero_()
         torch.cat(self._positions(images.grids), out=buffers.positions[:tokens])
         buffers.positions[tokens:].zero_()
-        buffers.layout.copy_(images.layout)
+        naflex.load_boundaries(buffers, images.cu_seqlens)
 
     def arguments(self, buffers: naflex.NaflexBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (buffers,), {}

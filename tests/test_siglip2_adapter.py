@@ -18,7 +18,12 @@ import torch
 
 import layergraph
 from layergraph import AdapterMismatch
-from layergraph.attention import SdpaMaskedAttention
+from layergraph.attention import (
+    AttentionMetadata,
+    PackedLayout,
+    SdpaMaskedAttention,
+    build_metadata,
+)
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 from layergraph_adapters.versions import UNCHECKED_VARIABLE
@@ -340,6 +345,60 @@ def test_unwritten_attention_rows_of_the_padding_reach_no_pooled_feature(registr
     for grids in ([(3, 5), (7, 2)], [(6, 6), (1, 1), (2, 2)]):
         check(graphed, model, grids)
     assert graphed.stats.replays == 2
+
+
+class Recording(SdpaMaskedAttention):
+    """``sdpa_varlen`` that records the metadata and boundaries each run is handed."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[AttentionMetadata, list[int]]] = []
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        self.seen.append((kwargs["metadata"], kwargs["metadata"].cu_seqlens.tolist()))
+        return super().__call__(q, k, v, **kwargs)
+
+
+def test_a_plugins_metadata_for_the_budget_holds_each_calls_boundaries(registry: Any) -> None:
+    class Plugin:
+        def __init__(self) -> None:
+            self.backend = Recording()
+            self.asked: list[PackedLayout] = []
+            self.built: list[AttentionMetadata] = []
+
+        @layergraph.hookimpl
+        def register_attention_backends(self, register: Any) -> None:
+            register(self.backend)
+
+        @layergraph.hookimpl
+        def attention_metadata(
+            self, backend: str, layout: Any, device: torch.device
+        ) -> AttentionMetadata | None:
+            if backend != "recording":
+                return None
+            self.asked.append(layout)
+            self.built.append(build_metadata(layout, device, cu_seqlens=True, seq_lens=False))
+            return self.built[-1]
+
+    plugin = Plugin()
+    registry.add_plugin(plugin, "recording-plugin")
+    model = tower()
+    graphed = layergraph.wrap(
+        model, attention="recording", backend=SimulatedGraphs(), batch_sizes=[64]
+    )
+    for grids, boundaries in (
+        ([(3, 5), (7, 2)], [0, 15, 29, *[29] * 6]),
+        ([(2, 7), (5, 3), (1, 1)], [0, 14, 29, 30, *[30] * 5]),
+    ):
+        plugin.backend.seen.clear()
+        check(graphed, model, grids)
+        assert plugin.backend.seen  # every layer's attention, in the replay
+        assert all(metadata is plugin.built[0] for metadata, _ in plugin.backend.seen)
+        assert all(seen == boundaries for _, seen in plugin.backend.seen)
+    assert plugin.asked == [PackedLayout(64, 8, 64)]
 
 
 @pytest.mark.usefixtures("registry")
