@@ -119,7 +119,7 @@ def test_unknown_adapter_lists_available_names(
     with pytest.raises(
         UnknownAdapterError,
         match="no adapter named 'vit'; available: clip, internvl, qwen2_vl, sequential, siglip, "
-        "timm",
+        "siglip2, timm",
     ):
         layergraph.wrap(torch.nn.Sequential(), adapter="vit")
 
