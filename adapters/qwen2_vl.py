@@ -214,6 +214,25 @@ class PackedBuffers:
     staging: Staging
 
 
+def _grid_beside_pixels(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with ``grid_thw`` on the device of ``hidden_states``, for the tower's
+    own forward, which computes positions from the grid beside the pixels. Graphs read a grid
+    on the host without a copy; an eager call copies it over."""
+    pixels = kwargs.get("hidden_states", args[0] if args else None)
+    in_args = "grid_thw" not in kwargs and len(args) > 1
+    grid = args[1] if in_args else kwargs.get("grid_thw")
+    if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor):
+        return args, kwargs
+    if grid.device == pixels.device:
+        return args, kwargs
+    moved = grid.to(pixels.device)
+    if in_args:
+        return (args[0], moved, *args[2:]), kwargs
+    return args, {**kwargs, "grid_thw": moved}
+
+
 _current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
     "layergraph_qwen2_vl_buffers", default=None
 )
@@ -303,6 +322,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
     # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
+        if _current.get() is None:
+            args, kwargs = _grid_beside_pixels(args, kwargs)
         return self._forward(*args, **kwargs)
 
     def sequence_of(self, call: PackedCall) -> Hashable:

@@ -166,3 +166,15 @@ def test_a_call_is_split_around_an_image_above_every_budget(kind: str, budgets: 
         }
     finally:
         graphed.unwrap()
+
+
+def test_an_eager_call_moves_a_grid_on_the_host_beside_the_pixels() -> None:
+    """The tower computes positions from ``grid_thw`` beside the pixels, so an eager call
+    hands it a grid on the pixels' device; a grid already there is passed as it is."""
+    pixels, grid = torch.zeros(4, 2, device="meta"), torch.tensor([[1, 2, 2]])
+    for args, kwargs in (((pixels, grid), {}), ((pixels,), {"grid_thw": grid})):
+        moved_args, moved_kwargs = qwen2_vl._grid_beside_pixels(args, kwargs)
+        moved = moved_kwargs.get("grid_thw", moved_args[-1])
+        assert moved.device == pixels.device and moved_args[0] is pixels
+    on_device = torch.tensor([[1, 2, 2]], device="meta")
+    assert qwen2_vl._grid_beside_pixels((pixels, on_device), {})[0][1] is on_device
