@@ -210,12 +210,20 @@ def build_tower(
     """A transformers vision tower built from ``settings`` with random weights, in eval mode.
 
     The way benchmarks and tests make a full-size tower without downloading weights.
-    ``class_name`` is read by :func:`transformers_class`.
+    ``class_name`` is read by :func:`transformers_class`. The tower is built with ``dtype`` as
+    the default dtype, as ``from_pretrained(dtype=...)`` builds it, rather than converted
+    afterwards: buffers a model makes in a dtype of its own keep it (Llama 4's complex rotary
+    table would lose its imaginary part).
     """
     tower_class = transformers_class(class_name)
-    with torch.device(device):
-        model = tower_class(tower_class.config_class(**settings))
-    return model.to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = tower_class(tower_class.config_class(**settings))
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
 
 
 def layer_list(tower: nn.Module, spec: TowerSpec) -> tuple[nn.Module, str, nn.ModuleList]:

@@ -247,9 +247,7 @@ def test_speed_options_and_feature_layers_where_the_family_has_them(
 
     with torch.inference_mode():
         want = answer(model)
-        graphed = layergraph.wrap(
-            model, adapter=tiny.adapter, backend=SimulatedGraphs(), **options
-        )
+        graphed = layergraph.wrap(model, adapter=tiny.adapter, backend=SimulatedGraphs(), **options)
         got = answer(graphed)
     assert relative_error(got, want) <= TOLERANCE
     assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0

@@ -1,0 +1,78 @@
+"""benchmarks/families.py: its code path on the CPU (``--tiny``), its example configurations.
+
+On the CPU layergraph runs on simulated graphs and the hand-written graph is left out; the
+tiny towers are float32, so layergraph's output equals eager's to 1e-4. The full-size example
+configurations are checked on the meta device (no memory): each builds, and its family's
+adapter recognises it and makes a plan for it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("rich")
+
+from layergraph import PlanContext  # noqa: E402
+from layergraph.plugins import get_registry  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import families  # noqa: E402
+
+CHOSEN = ("vit-base-224", "dinov2-reg-large-224", "idefics3-8b-364", "llama4-scout-336")
+
+
+def test_tiny_run_measures_each_chosen_configuration(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path; a GPU runs the full-size benchmark")
+    out = tmp_path / "families.json"
+    argv = ["--tiny", "--models", ",".join(CHOSEN), "--iters", "2", "--json", str(out)]
+    assert families.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["tiny"] and record["dtype"] == "float32"
+    rows = {row["model"]: row for row in record["rows"]}
+    assert sorted(rows) == sorted(CHOSEN)
+    for row in rows.values():
+        assert row["status"] == "measured"
+        assert row["relative_error"] <= 1e-4 and row["within_tolerance"]
+        assert row["served"] == "graph"
+        assert row["hand_written_ms"] is None  # needs a GPU
+    assert rows["idefics3-8b-364"]["adapter"] == "idefics"
+
+
+def test_a_family_the_installed_transformers_lacks_gets_a_row_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing(name: str) -> type:
+        raise AttributeError(name)
+
+    monkeypatch.setattr(families, "transformers_class", missing)
+    rows = families.run(tiny=True, models={"vit-base-224"}, iters=1, device=torch.device("cpu"))
+    assert [row.status for row in rows] == [f"not in transformers {transformers.__version__}"]
+    assert rows[0].eager_ms is None
+
+
+def test_without_a_gpu_the_full_size_run_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    assert families.main([]) == 1
+    assert "--tiny runs the same code path" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [(spec, name) for spec in families.SPECS for name in spec.examples],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_every_example_configuration_builds_and_gets_a_plan(spec: object, name: str) -> None:
+    example = spec.examples[name]
+    model = families.build_tower(example.tower, example.settings, torch.bfloat16, "meta")
+    adapter = get_registry().create(spec.adapter, {})
+    assert adapter.recognizes(model)
+    plan = adapter.plan(model, PlanContext(get_registry()))
+    assert plan.owner is model and len(plan.layers()) >= 8
