@@ -51,11 +51,15 @@ from layergraph_adapters.versions import require_transformers
 
 
 def vlm_feature_layers(model: nn.Module, spec: TowerSpec) -> int | list[int] | None:
-    """The larger model's own setting of the hidden state it reads from its tower
-    (``vision_feature_layer``, as ``spec.feature_setting`` names it), or ``None``."""
-    if spec.feature_setting is None:
-        return None
-    return getattr(getattr(model, "config", None), spec.feature_setting, None)
+    """The hidden states a larger model reads from its tower, as the first of
+    ``spec.feature_settings`` its configuration has says (``vision_feature_layer``), or
+    ``None``."""
+    config = getattr(model, "config", None)
+    for setting in spec.feature_settings:
+        layers = getattr(config, setting, None)
+        if layers is not None:
+            return layers
+    return None
 
 
 class VisionTowerAdapter(Adapter):

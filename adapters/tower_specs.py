@@ -120,9 +120,10 @@ class TowerSpec:
     """The attention forward ``fuse_qkv`` routes each layer's attention to (it takes q, k and v
     from one product); ``None``: the family's attention has no such forward, and ``fuse_qkv``
     is refused."""
-    feature_setting: str | None = "vision_feature_layer"
-    """The setting of a larger model's configuration naming the hidden state it reads from
-    the tower, which the graphs then stop at; ``None``: the tower's whole forward is used."""
+    feature_settings: tuple[str, ...] = ("vision_feature_layer", "vision_feature_layers")
+    """The settings of a larger model's configuration that may name the hidden states it reads
+    from the tower (the first it has; VipLLaVA's was ``vision_feature_layers`` before
+    transformers 5.24), which the graphs then stop at."""
     paths: tuple[str, ...] = TOWER_PATHS
     """Where a larger model holds the tower (the model itself is tried first)."""
     inputs: Inputs = images

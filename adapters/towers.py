@@ -100,7 +100,6 @@ IDEFICS = TowerSpec(
     family="Idefics2, Idefics3 and SmolVLM",
     image_sizes="any",  # position ids follow each image's patch grid
     fused_attention=fused_attention_forward,
-    feature_setting=None,
     inputs=images_with_patch_mask,
     examples={
         "idefics2-8b-980": TowerExample(
@@ -122,7 +121,6 @@ JANUS = TowerSpec(
     adapter="janus",
     classes=("JanusVisionModel",),
     family="Janus",
-    feature_setting=None,
     examples={
         "janus-pro-384": TowerExample(
             "JanusVisionModel",
@@ -147,7 +145,6 @@ AIMV2 = TowerSpec(
     mlp="ffn",
     image_sizes=lambda config: "any" if config.is_native else "fixed",
     fused_attention=fused_attention_forward,
-    feature_setting=None,
     examples={
         "aimv2-large-224": TowerExample(
             "Aimv2VisionModel",
@@ -173,7 +170,6 @@ DINOV2 = TowerSpec(
     attention="attention",
     prefix_tokens=lambda config: 1 + getattr(config, "num_register_tokens", 0),
     image_sizes="any",  # the position embedding is interpolated to every image
-    feature_setting=None,
     examples={
         "dinov2-large-224": TowerExample(
             "Dinov2Model",
@@ -202,7 +198,6 @@ VIT = TowerSpec(
     layers=("layers", "encoder.layer"),  # transformers 5.17 moved the layers to the model
     attention="attention",
     prefix_tokens=1,
-    feature_setting=None,
     examples={"vit-base-224": TowerExample("ViTModel", {})},
 )
 """transformers' ViT: the class token, the pooler captured with the layers."""
@@ -215,7 +210,6 @@ LLAMA4 = TowerSpec(
     embeddings=(),
     prefix_tokens=1,
     image_sizes="fixed",  # rotary positions of the configuration's patch grid
-    feature_setting=None,
     examples={
         "llama4-scout-336": TowerExample(
             "Llama4VisionModel",
@@ -242,7 +236,6 @@ MLLAMA = TowerSpec(
     embeddings=(),
     prefix_tokens=1,
     image_sizes="fixed",
-    feature_setting=None,
     inputs=tiles_of_images,
     plan=MllamaVisionPlan,
     examples={

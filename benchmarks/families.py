@@ -17,8 +17,9 @@ Latencies are medians of calls each waited for, timed with CUDA events
 eager's, against bf16's tolerance (2e-2). A family whose classes the installed transformers
 lacks gets a row saying so. ``--tiny`` builds each family small, in float32, and runs
 layergraph on simulated graphs when there is no GPU (the hand-written graph needs one), so
-that the whole script runs anywhere in seconds. ``--json`` writes the rows;
-``benchmarks/coverage_page.py`` reads a GPU run's JSON from ``docs/results``.
+that the whole script runs anywhere in seconds. ``--json`` writes the rows, ``--markdown``
+the section of ``docs/benchmarks.md`` that holds them; ``benchmarks/coverage_page.py`` reads a
+GPU run's JSON from ``docs/results``.
 """
 
 from __future__ import annotations
@@ -209,6 +210,39 @@ def print_table(rows: list[Row], title: str) -> None:
     Console().print(table)
 
 
+def markdown(record: dict[str, Any]) -> str:
+    """The run as a section of ``docs/benchmarks.md``: how it was measured, one table."""
+    lines = [
+        "## Tower families at batch 1 (`benchmarks/families.py`)",
+        "",
+        f"{record['device']}, torch {record['torch']}, transformers {record['transformers']}, "
+        f"{record['dtype']}, random weights; one image at each family's usual size, as its VLM "
+        "sends it (Mllama: one image of four tiles); medians of "
+        f"{record['iters']} calls each waited for, timed with CUDA events. The hand-written "
+        "graph is the tower's whole forward captured with `torch.cuda.graph`; layergraph is "
+        "`wrap(tower)` with default options. Errors are layergraph's first output against "
+        "eager's (bf16's tolerance: 2e-2).",
+        "",
+        "| family | configuration | image | eager ms | hand-written ms | layergraph ms | "
+        "eager / layergraph | layergraph / hand-written | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in record["rows"]:
+        if row["status"] != "measured":
+            lines.append(
+                f"| {row['family']} | {row['model']} | - | {row['status']}: checked on the "
+                "CPU only (tests/test_coverage.py) | | | | | |"
+            )
+            continue
+        lines.append(
+            f"| {row['family']} | {row['model']} | {row['image_size']} | "
+            f"{_cell(row['eager_ms'])} | {_cell(row['hand_written_ms'])} | "
+            f"{_cell(row['layergraph_ms'])} | {_cell(row['speedup'], 'x')} | "
+            f"{_cell(row['against_hand_written'])} | {row['relative_error']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _cell(value: float | None, unit: str = "") -> str:
     return "-" if value is None else f"{value:.3f}{unit}"
 
@@ -219,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="comma-separated example names")
     parser.add_argument("--iters", type=int, default=200, help="timed calls per method")
     parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--markdown", default=None, help="write the docs section to this file")
     options = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not options.tiny:
@@ -250,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     if options.json:
         with open(options.json, "w") as handle:
             json.dump(record, handle, indent=2)
+    if options.markdown:
+        with open(options.markdown, "w") as handle:
+            handle.write(markdown(record))
     return 0
 
 

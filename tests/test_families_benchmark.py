@@ -31,8 +31,9 @@ def test_tiny_run_measures_each_chosen_configuration(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU path; a GPU runs the full-size benchmark")
     out = tmp_path / "families.json"
+    section = tmp_path / "section.md"
     argv = ["--tiny", "--models", ",".join(CHOSEN), "--iters", "2", "--json", str(out)]
-    assert families.main(argv) == 0
+    assert families.main([*argv, "--markdown", str(section)]) == 0
     record = json.loads(out.read_text())
     assert record["tiny"] and record["dtype"] == "float32"
     rows = {row["model"]: row for row in record["rows"]}
@@ -43,6 +44,10 @@ def test_tiny_run_measures_each_chosen_configuration(tmp_path: Path) -> None:
         assert row["served"] == "graph"
         assert row["hand_written_ms"] is None  # needs a GPU
     assert rows["idefics3-8b-364"]["adapter"] == "idefics"
+    table = section.read_text().splitlines()
+    assert table[0] == "## Tower families at batch 1 (`benchmarks/families.py`)"
+    assert sum(line.startswith("| ") for line in table) == 2 + len(CHOSEN)  # header, rule, rows
+    assert any(line.startswith("| ViT | vit-base-224 | 32 |") for line in table)
 
 
 def test_a_family_the_installed_transformers_lacks_gets_a_row_saying_so(

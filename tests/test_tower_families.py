@@ -21,6 +21,7 @@ from tiny_models import (  # noqa: E402
     TOWERS,
     VLMS,
     images,
+    main_tensor,
     mllama_tiles,
 )
 
@@ -155,9 +156,9 @@ def test_idefics_vlm_attends_padded_images_as_eager_does() -> None:
         graphed = layergraph.wrap(model, backend=SimulatedGraphs())
         got = graphed.get_image_features(pixel_values=pixels, pixel_attention_mask=mask)
         unmasked = graphed.get_image_features(pixel_values=pixels)
-    assert relative_error(torch.cat(got.pooler_output), torch.cat(want.pooler_output)) <= 1e-4
+    assert relative_error(main_tensor(got), main_tensor(want)) <= 1e-4
     # Without the mask the padded image's features differ: the mask reached the graphs.
-    assert relative_error(torch.cat(unmasked.pooler_output), torch.cat(want.pooler_output)) > 1e-3
+    assert relative_error(main_tensor(unmasked), main_tensor(want)) > 1e-3
     assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
 
 
@@ -273,3 +274,17 @@ def test_options_a_family_cannot_take_are_refused_with_the_reason(
     tiny = TOWERS[name]
     with pytest.raises((layergraph.AdapterMismatch, ValueError), match=message):
         layergraph.wrap(tiny.build(), adapter=tiny.adapter, backend=SimulatedGraphs(), **options)
+
+
+def test_vipllava_graphs_stop_at_the_deepest_layer_it_reads() -> None:
+    """VipLLaVA reads hidden states 1 and -2 of its 3-layer CLIP tower (its setting was
+    ``vision_feature_layers`` before transformers 5.24): the graphs stop after layer 2."""
+    tiny = VLMS["VipLlavaForConditionalGeneration"]
+    model = tiny.build()
+    with torch.inference_mode():
+        want = tiny.answer(model, 2, seed=0)
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        got = tiny.answer(graphed, 2, seed=0)
+    assert relative_error(got, want) <= TOLERANCE
+    assert graphed.plan.feature_layers == (1, 2)
+    assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0

@@ -299,6 +299,12 @@ def pixels(batch: int) -> dict[str, torch.Tensor]:
     return {"pixel_values": images(batch)}
 
 
+def llama4_pixels(batch: int) -> dict[str, Any]:
+    """Pixels, and the feature strategy Llama 4's ``get_image_features`` required before
+    transformers 5.24 (and passes on to the tower, which ignores it, since)."""
+    return {**pixels(batch), "vision_feature_select_strategy": "default"}
+
+
 def image_sets(batch: int) -> dict[str, torch.Tensor]:
     """``batch`` images as Idefics VLMs take them: one prompt, ``[1, images, 3, H, W]``."""
     return {"pixel_values": images(batch).unsqueeze(0)}
@@ -439,6 +445,7 @@ VLMS: dict[str, Tiny] = by_name(
             text_config=LLAMA_TEXT,
             image_token_index=IMAGE_TOKEN,
             vision_feature_layer=[-2, 1],
+            vision_feature_layers=[-2, 1],  # its name before transformers 5.24
         ),
         "clip",
         features(pixels),
@@ -556,8 +563,8 @@ VLMS: dict[str, Tiny] = by_name(
             image_token_index=IMAGE_TOKEN,
         ),
         "llama4",
-        features(pixels),
-        prompt(lambda batch: (GRID // 2) ** 2 * batch, pixels),
+        features(llama4_pixels),
+        prompt(lambda batch: (GRID // 2) ** 2 * batch, llama4_pixels),
     ),
     Tiny(
         "MllamaForConditionalGeneration",
