@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layergraph_dinov2 import Dinov2Adapter
 from transformers import Dinov2Config, Dinov2Model
 
 import layergraph
 from layergraph.testing import SimulatedGraphs, check_adapter
-from layergraph_dinov2 import Dinov2Adapter
 
 
 def small_model() -> Dinov2Model:

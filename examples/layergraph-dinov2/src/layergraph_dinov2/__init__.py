@@ -2,10 +2,10 @@
 
 layergraph serves DINOv2 itself (its ``dinov2`` adapter, one entry of its table of towers);
 this package writes an adapter for it by hand, as a plugin of its own, under the name
-``dinov2-example``, to show every part an adapter has. The whole forward is captured per (batch, tokens): patch embedding, the position embedding
-interpolated to the image size, the layers and the final norm. With ``patch_matmul=True`` the
-patch convolution runs as one matrix product, a change made to the model through the
-wrapper's ledger and undone by ``unwrap()``.
+``dinov2-example``, to show every part an adapter has. The whole forward is captured per
+(batch, tokens): patch embedding, the position embedding interpolated to the image size, the
+layers and the final norm. With ``patch_matmul=True`` the patch convolution runs as one matrix
+product, a change made to the model through the wrapper's ledger and undone by ``unwrap()``.
 """
 
 from __future__ import annotations
