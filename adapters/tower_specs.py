@@ -28,6 +28,7 @@ from layergraph import AdapterMismatch, ExampleModel
 
 if TYPE_CHECKING:
     from layergraph_adapters.fused_qkv import FusedQKV
+    from layergraph_adapters.hf_vision import VisionTowerPlan
 
 __all__ = [
     "TOWER_PATHS",
@@ -128,9 +129,10 @@ class TowerSpec:
     """Where a larger model holds the tower (the model itself is tried first)."""
     inputs: Inputs = images
     """What a larger model calls the tower with, for example models and benchmarks."""
-    plan: type | None = None
-    """The plan class for a family with quirks (a subclass of
-    :class:`~layergraph_adapters.hf_vision.VisionTowerPlan`); ``None``: the shared one."""
+    plan: type[VisionTowerPlan] | None = None
+    """The plan class of a family with quirks, a subclass of
+    :class:`~layergraph_adapters.hf_vision.VisionTowerPlan` in the family's own module;
+    ``None``: the shared one."""
     examples: Mapping[str, TowerExample] = field(default_factory=dict)
     """Well-known towers of the family by name, for the demo, ``layergraph bench`` and
     benchmarks."""
