@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tiny_models import DUALS, TOWERS, VLMS, Tiny
+from tiny_models import DUALS, TOWERS, VLMS, Tiny, transformers_kept
 from torch import nn
 
 SERVED: dict[str, Tiny] = {**TOWERS, **VLMS, **DUALS}
@@ -237,28 +237,30 @@ NOTES: dict[str, str] = {
 
 def walked_classes() -> dict[str, str]:
     """Every class the walk finds in the installed transformers, with its model type."""
-    import transformers
     from transformers.models.auto import modeling_auto
 
     found: dict[str, str] = {}
-    for mapping in MAPPINGS:
-        for model_type, class_name in getattr(modeling_auto, mapping, {}).items():
-            if hasattr(transformers, class_name):
-                found.setdefault(class_name, model_type)
+    with transformers_kept() as transformers:
+        for mapping in MAPPINGS:
+            for model_type, class_name in getattr(modeling_auto, mapping, {}).items():
+                if hasattr(transformers, class_name):
+                    found.setdefault(class_name, model_type)
     return found
 
 
-def meta_model(class_name: str) -> nn.Module | Exception:
+def meta_model(class_name: str) -> nn.Module | Exception | None:
     """``class_name`` built from its own default configuration on the meta device (no
-    memory, no weights), or the error building it raised."""
-    import transformers
-
-    model_class = getattr(transformers, class_name)
-    try:
-        with torch.device("meta"):
-            return model_class(model_class.config_class())
-    except Exception as error:  # a default configuration some classes cannot build from
-        return error
+    memory, no weights), the error building it raised, or ``None`` where the installed
+    transformers has no such class."""
+    with transformers_kept() as transformers:
+        model_class = getattr(transformers, class_name, None)
+        if model_class is None:
+            return None
+        try:
+            with torch.device("meta"):
+                return model_class(model_class.config_class())
+        except Exception as error:  # a default configuration some classes cannot build from
+            return error
 
 
 def family_of(adapter: str) -> str:

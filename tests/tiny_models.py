@@ -9,8 +9,10 @@ coverage test share these.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,21 +37,37 @@ TEXT = dict(
 )
 
 
+@contextlib.contextmanager
+def transformers_kept() -> Iterator[Any]:
+    """transformers' module object, kept in ``sys.modules`` while its models are imported.
+
+    Importing some of them (Apertus 1.5's, in transformers 5.24) puts a new module object
+    there; code holding the first one, a test that patches its ``__version__`` say, would then
+    patch what no importer sees.
+    """
+    import transformers
+
+    try:
+        yield transformers
+    finally:
+        sys.modules["transformers"] = transformers
+
+
 def transformers_attr(name: str) -> Any:
     """``transformers.<name>``, or for ``"module.Class"`` a class of
     ``transformers.models.<module>.modeling_<module>``; skips the test where the installed
     transformers has no such thing."""
-    import transformers
-
-    if "." not in name:
-        found = getattr(transformers, name, None)
-    else:
-        module, _, attr = name.rpartition(".")
-        try:
-            modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        except ImportError:
-            modeling = None
-        found = getattr(modeling, attr, None)
+    with transformers_kept() as transformers:
+        if "." not in name:
+            found = getattr(transformers, name, None)
+        else:
+            module, _, attr = name.rpartition(".")
+            try:
+                path = f"transformers.models.{module}.modeling_{module}"
+                modeling = importlib.import_module(path)
+            except ImportError:
+                modeling = None
+            found = getattr(modeling, attr, None)
     if found is None:
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     return found
