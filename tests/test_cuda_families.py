@@ -1,9 +1,10 @@
 """The new tower families on a GPU, with real CUDA graphs: tiny towers and VLMs, masks included.
 
 Marked ``cuda`` and skipped without a GPU. The tiny models of :mod:`tiny_models`, built and fed
-on the GPU (CUDA as the default device), in float32. The reference is the unmodified model on
-the same inputs. Tolerance: the graphs replay eager's kernels, and a padded batch may pick
-other matrix kernels, so float32's 1e-4 relative error. What the CPU tests cannot show is
+on the GPU (CUDA as the default device), in float32 with TF32 off (a padded batch may pick
+another convolution or matrix kernel, which in TF32 would differ by more than float32's
+rounding). The reference is the unmodified model on the same inputs. Tolerance: float32's
+1e-4 relative error. What the CPU tests cannot show is
 checked here: masks built from graph inputs under stream capture (Idefics' patch mask,
 Mllama's aspect-ratio mask) take no host decision, and a partly padded image still matches.
 """
@@ -21,9 +22,16 @@ transformers = pytest.importorskip("transformers")
 from test_tower_families import NEW_TOWERS, NEW_VLMS  # noqa: E402
 from tiny_models import IMAGE, TOWERS, VLMS, images, main_tensor, mllama_tiles  # noqa: E402
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("float32_without_tf32")]
 
 TOLERANCE = 1e-4
+
+
+@pytest.fixture
+def float32_without_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Convolutions and matrix products in float32, not TF32, for the test."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
 @pytest.mark.parametrize("name", list(NEW_TOWERS))
