@@ -20,7 +20,7 @@ product.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +38,46 @@ _HARMLESS = (nn.Identity, nn.Dropout)
 def gelu_kind(activation: nn.Module) -> Literal["exact", "tanh"] | None:
     """Which GELU ``activation`` computes (``"exact"`` or ``"tanh"``), or ``None`` if neither.
 
-    Decided from its values at points in [-6, 6], computed in float32 on the CPU.
+    Decided from its values at points in [-6, 6], computed in float32 on the CPU, once per
+    kind of activation: modules of one class without parameters, buffers or children whose
+    attributes are equal compute the same function, so a model's 24 or 48 MLPs are probed once.
     """
+    key = _probe_key(activation)
+    if key is None:
+        return _probe(activation)
+    if key not in _KINDS:
+        _KINDS[key] = _probe(activation)
+    return _KINDS[key]
+
+
+_KINDS: dict[tuple[Any, ...], Literal["exact", "tanh"] | None] = {}
+""":func:`gelu_kind`'s answers by :func:`_probe_key`."""
+
+
+def _probe_key(activation: nn.Module) -> tuple[Any, ...] | None:
+    """What determines ``activation``'s function: its class and its attributes, or ``None`` if
+    it has parameters, buffers or children (its function could depend on their values) or an
+    attribute that cannot be hashed."""
+    if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
+        return None
+    if any(True for _ in activation.children()):
+        return None
+    settings = tuple(
+        sorted(
+            (name, value)
+            for name, value in vars(activation).items()
+            if not name.startswith("_") and name != "training"
+        )
+    )
+    try:
+        hash(settings)
+    except TypeError:
+        return None
+    return (type(activation), settings)
+
+
+def _probe(activation: nn.Module) -> Literal["exact", "tanh"] | None:
+    """:func:`gelu_kind` computed: ``activation``'s values against both GELUs'."""
     probe = torch.linspace(-6, 6, 97)
     try:
         with torch.no_grad():

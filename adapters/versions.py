@@ -8,6 +8,7 @@ layers and embeddings (each family's :class:`~layergraph_adapters.tower_specs.To
 Another release may change that code, and a copy that no longer matches it computes something
 else without failing, so the plans refuse transformers outside the checked range
 (:func:`require_transformers`).
+The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import os
 
 from layergraph import AdapterMismatch
 
-__all__ = ["TRANSFORMERS_CHECKED", "UNCHECKED_VARIABLE", "require_transformers"]
+__all__ = [
+    "QWEN2_VL_CHECKED",
+    "TRANSFORMERS_CHECKED",
+    "UNCHECKED_VARIABLE",
+    "require_transformers",
+]
 
 TRANSFORMERS_CHECKED = ">=5.6.0,<5.25"
 """The transformers releases the adapters serve, as a version specifier: 5.6.0 to 5.24.x.
@@ -26,12 +32,21 @@ The adapters' CPU tests, and the coverage test, pass with 5.6.0, 5.8.1, 5.12.1, 
 model; with 5.0.0 the fused q/k/v attention fails too. ``pyproject.toml``'s ``transformers``
 extra asks for the same range."""
 
+QWEN2_VL_CHECKED = ">=5.17.0,<5.25"
+"""The transformers releases the qwen2_vl adapter serves: 5.17.0 to 5.24.x. Its graphs hand the
+Qwen vision towers precomputed boundaries, positions and windows (``cu_seqlens``,
+``window_index``, ``interp_indices`` ...), which their forwards take from 5.17 on, computed by
+``transformers.vision_utils``, which older releases lack. Its CPU tests pass with 5.17.0 and
+5.24.0."""
+
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""
 
 
-def require_transformers(adapter_name: str) -> None:
-    """Raise :class:`~layergraph.AdapterMismatch` unless the installed transformers was checked.
+def require_transformers(adapter_name: str, checked: str = TRANSFORMERS_CHECKED) -> None:
+    """Raise :class:`~layergraph.AdapterMismatch` unless the installed transformers is in the
+    ``checked`` range (a version specifier; :data:`TRANSFORMERS_CHECKED` unless the adapter
+    needs a narrower one).
 
     For the plans of the adapters that follow transformers' code, before they touch a model.
     The message names the installed release, the checked range and how to proceed. Pre-releases
@@ -48,11 +63,11 @@ def require_transformers(adapter_name: str) -> None:
     from packaging.specifiers import SpecifierSet
 
     installed = transformers.__version__
-    if SpecifierSet(TRANSFORMERS_CHECKED).contains(installed, prereleases=True):
+    if SpecifierSet(checked).contains(installed, prereleases=True):
         return
     raise AdapterMismatch(
-        f"the {adapter_name} adapter was checked with transformers{TRANSFORMERS_CHECKED}, and "
+        f"the {adapter_name} adapter was checked with transformers{checked}, and "
         f"transformers {installed} is installed. Install a checked release "
-        f"(pip install 'transformers{TRANSFORMERS_CHECKED}'), or set {UNCHECKED_VARIABLE}=1 to "
+        f"(pip install 'transformers{checked}'), or set {UNCHECKED_VARIABLE}=1 to "
         f"run it with {installed} anyway and compare its outputs with the unwrapped model's"
     )

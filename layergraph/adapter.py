@@ -24,6 +24,7 @@ from torch import nn
 
 from .keys import CallInputs, ShapeKey
 from .ledger import ChangeLedger
+from .packing import Packing
 
 if TYPE_CHECKING:
     from .plugins import AdapterRegistry
@@ -64,6 +65,13 @@ class CapturePlan:
     may be padded with zero rows or split into chunks. False: only exact batch sizes replay.
     (Outputs that are not one row per input, a loss averaged over the batch say, are found at
     capture and never padded or split, whatever this says.)"""
+
+    packing: Packing | None = None
+    """How calls pack into token budgets, for a region whose inputs are many images of
+    different sizes in one sequence (:mod:`layergraph.packing`); ``None``: calls are batches.
+    With a packing, keys are token budgets, the packing's buffers are the per-key state
+    (:meth:`key_state` is not asked), and calls reach the other methods as
+    :class:`~layergraph.packing.PackedCall` objects."""
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         """Compute the region eagerly. This is what is captured, and what eager calls run."""

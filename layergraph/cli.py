@@ -55,6 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--seed", type=int, default=0, help="the --stream mix's random seed")
     bench.add_argument(
+        "--passes",
+        type=int,
+        default=5,
+        help="--stream: steady passes per method after the first, the methods taking turns",
+    )
+    bench.add_argument(
         "--start",
         default=None,
         type=_batch_sizes,
@@ -271,7 +277,11 @@ def _bench_stream(console: Console, args: argparse.Namespace) -> int:
     tuned = _tuned_options(args)
     with console.status(f"serving {len(requests)} requests {4 + bool(tuned)} ways..."):
         report = run_stream(
-            args.model, requests, dtype=getattr(torch, _DTYPES[args.dtype]), tuned=tuned
+            args.model,
+            requests,
+            dtype=getattr(torch, _DTYPES[args.dtype]),
+            tuned=tuned,
+            passes=args.passes,
         )
     text = report.to_markdown()
     console.print(text, markup=False, highlight=False)
@@ -315,6 +325,7 @@ def _bench_start(console: Console, args: argparse.Namespace) -> int:
         "wrap to graphs s",
         "cold / this",
         "model build s",
+        "compiler import s",
         "whole process s",
         "graphs",
         "Inductor cache hits",
@@ -329,6 +340,7 @@ def _bench_start(console: Console, args: argparse.Namespace) -> int:
             f"{row.start_s:.2f}",
             f"{report.cold.start_s / row.start_s:.2f}x",
             f"{row.build_s:.2f}",
+            "-" if row.compiler_import_s is None else f"{row.compiler_import_s:.2f}",
             f"{row.process_s:.2f}",
             str(row.graphs),
             str(row.hits),

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from .adapter import Adapter
     from .attention.backends import AttentionBackend
-    from .attention.layout import AttentionMetadata, SequenceLayout
+    from .attention.layout import AttentionMetadata, PackedLayout, SequenceLayout
 
 __all__ = [
     "PROJECT_NAME",
@@ -82,16 +82,25 @@ def register_attention_backends(register: Callable[[AttentionBackend], Any]) -> 
 
 @hookspec(firstresult=True)
 def attention_metadata(
-    backend: str, layout: SequenceLayout, device: torch.device
+    backend: str, layout: SequenceLayout | PackedLayout, device: torch.device
 ) -> AttentionMetadata | None:
     """Build the metadata attention ``backend`` needs for ``layout`` on ``device``.
 
     Called once per shape key before its graph is captured, and once per layout for eager
     calls. The first result that is not ``None`` wins; return ``None`` to leave a backend or
-    layout to others. When every plugin returns ``None``, the registry builds the registered
-    backend's own ``default_metadata(layout, device)``, so a plugin overrides any backend's
-    metadata, built-in or not, by returning its own. The returned tensors must not be replaced
+    layout to others. When every plugin returns ``None``, the registry builds the backend's own
+    ``default_metadata(layout, device)``, so a plugin overrides any backend's metadata,
+    built-in or not, by returning its own. The returned tensors must not be replaced
     afterwards: a captured graph reads them at the addresses they had during capture.
+
+    ``layout`` is a :class:`~layergraph.attention.SequenceLayout` (the lengths of one key, known
+    when the metadata is built), or for a packed plan's token budget a
+    :class:`~layergraph.attention.PackedLayout` (room for ``slots`` sequences of at most
+    ``max_length`` tokens, ``tokens`` in all), asked once per budget and kind of attention
+    (Qwen2.5-VL: full and windowed). Metadata for a packed layout holds int32 ``cu_seqlens`` of
+    ``slots + 1`` elements, ``seq_lens`` of ``slots`` or ``None``, and ``max_seqlen`` of at
+    least ``max_length`` (checked); the plan writes each call's boundaries into those tensors in
+    place before every replay, and the backend reads them when it runs.
     """
 
 

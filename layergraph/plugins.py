@@ -30,7 +30,12 @@ from . import hookspecs
 from .adapter import Adapter, ExampleModel
 from .attention import builtin_backends
 from .attention.backends import AttentionBackend
-from .attention.layout import AttentionMetadata, SequenceLayout
+from .attention.layout import (
+    AttentionMetadata,
+    PackedLayout,
+    SequenceLayout,
+    check_packed_metadata,
+)
 
 __all__ = [
     "DISABLE_ENV",
@@ -281,19 +286,31 @@ class AdapterRegistry:
         return sorted((info for _, info in self._backends.values()), key=lambda info: info.name)
 
     def attention_metadata(
-        self, backend: str, layout: SequenceLayout, device: torch.device
+        self,
+        backend: str | AttentionBackend,
+        layout: SequenceLayout | PackedLayout,
+        device: torch.device,
     ) -> AttentionMetadata:
         """The metadata for ``backend`` and ``layout``: the first plugin's, else the backend's.
 
-        Plugins' ``attention_metadata`` hooks are asked first, so they may build it for any
-        backend name, registered or not; when none does, the registered backend's own
-        ``default_metadata`` builds it.
+        Plugins' ``attention_metadata`` hooks are asked first (with the backend's name), so
+        they may build it for any backend, registered or not; when none does, the backend's
+        own ``default_metadata`` builds it: the registered backend of that name, or
+        ``backend`` itself when an adapter gives an instance it offers beside the registered
+        ones. Metadata for a packed layout is checked to hold every call of it.
         """
+        name = backend if isinstance(backend, str) else backend.name
         metadata = self.plugin_manager.hook.attention_metadata(
-            backend=backend, layout=layout, device=device
+            backend=name, layout=layout, device=device
         )
+        source = "an attention_metadata hook"
         if metadata is None:
-            metadata = self.attention_backend(backend).default_metadata(layout, device)
+            if isinstance(backend, str):
+                backend = self.attention_backend(backend)
+            metadata = backend.default_metadata(layout, device)
+            source = f"the {name} backend"
+        if isinstance(layout, PackedLayout):
+            check_packed_metadata(metadata, layout, source)
         return metadata
 
     def capture_contexts(self, model: torch.nn.Module) -> list[AbstractContextManager[Any]]:

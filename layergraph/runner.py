@@ -21,7 +21,8 @@ from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend
 from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
-from .policy import ROUTE_MARGIN, Costs, Route, cheapest_route
+from .packing import PackedCall
+from .policy import ROUTE_MARGIN, Costs, Route, cheapest_route, learnt_budget
 from .progress import track
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
@@ -154,6 +155,8 @@ class GraphRunner:
         self.options = options
         self.backend = backend
         self.buckets = BatchBuckets(None if options.measured else options.batch_sizes)
+        if plan.packing is not None:
+            _check_budgets(self.buckets.sizes or (), plan.packing.budget_unit)
         self._routes: dict[Any, tuple[int, Route | None]] = {}
         """The cheapest route over the graphs held, by lookup, with the cache's generation it
         was chosen in (:func:`~layergraph.policy.cheapest_route`)."""
@@ -177,6 +180,8 @@ class GraphRunner:
     # ---- calls -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.plan.packing is not None:
+            return self._call_packed(args, kwargs)
         try:
             call = CallInputs(args, kwargs)
         except UnsupportedCall as unsupported:
@@ -324,6 +329,89 @@ class GraphRunner:
         self._stats.served[(call.batch, described)] += 1
         return joined
 
+    # ---- packed plans: token budgets ----------------------------------------------------------
+
+    def _call_packed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of a packed plan: read on the host by the plan's packing, then served as
+        :meth:`_serve_packed` says, or eagerly."""
+        try:
+            call = self.plan.packing.pack(args, kwargs)
+        except UnsupportedCall as unsupported:
+            return self._run_eagerly(str(unsupported), args, kwargs, explain_errors=True)
+        with self._lock:
+            if self._watch.changed():
+                self._forget_everything()
+                self._refresh_parameters()
+            reason = self._eager_reason(call)
+            if reason is None:
+                return self._serve_packed(call, fresh=False)
+        return self._run_eagerly(reason, args, kwargs, batch=call.size)
+
+    def _budget_for(self, size: int) -> int | None:
+        """The token budget whose graph serves a call of ``size`` tokens, or ``None`` if the
+        call is above every budget: learnt (``batch_sizes="auto"``), the user's budgets, or
+        the call's own size (``None``)."""
+        if self.options.measured:
+            packing = self.plan.packing
+            return learnt_budget(size, packing.budget_step, packing.largest_budget)
+        return self.buckets.bucket_for(size)
+
+    def _serve_packed(self, call: PackedCall, fresh: bool) -> Any:
+        """Serve a packed call from its budget's graph, captured if admitted; with learnt
+        budgets, else from the cheapest larger budget held if measured faster than eager by
+        :data:`~layergraph.policy.ROUTE_MARGIN`; a call above every budget split by images;
+        else eagerly, the reason counted. A budget's eager time is measured on its first eager
+        call."""
+        budget = self._budget_for(call.size)
+        if budget is None:
+            return self._serve_split(call)
+        entry, reason = self._entry_for(budget, call)
+        if entry is not None or not self.options.measured:
+            if entry is None:
+                return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
+            return self._replay(entry, call, fresh, count=True)
+        lookup = (budget, call.signature)
+        held = [
+            entry
+            for size, entry in self._entries.held_with(call.signature).items()
+            if size >= call.size and entry.costs is not None and entry.costs.graph_pays
+        ]
+        if not held:
+            return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
+        costs = self._entries.costs(lookup)
+        if costs is None:
+            self._count_eager(reason, call.size)
+            with self._hooks.adopting():
+                output, eager_ms = self.backend.time_eager(
+                    lambda: self.plan.region(*call.args, **call.kwargs), call.size
+                )
+            self._entries.measured(lookup, Costs(eager_ms))
+            return output
+        cheapest = min(held, key=lambda entry: entry.costs.graph_ms)
+        if cheapest.costs.graph_ms >= costs.eager_ms * ROUTE_MARGIN:
+            reason = (
+                f"{reason}; the larger budgets held ({cheapest.key.batch} tokens) were not "
+                f"measured faster than eager"
+            )
+            return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
+        entry = self._entries.get((cheapest.key.batch, call.signature))
+        return self._replay(entry, call, fresh, count=True)
+
+    def _serve_split(self, call: PackedCall) -> Any:
+        """A packed call above every budget, split by images into calls that fit, each served
+        on its own; eagerly if one image alone is above every budget."""
+        largest = (
+            self.plan.packing.largest_budget if self.options.measured else self.buckets.largest
+        )
+        pieces = self.plan.packing.split(call, largest) if largest is not None else None
+        if pieces is None:
+            reason = f"an image of this call is above the largest token budget ({largest})"
+            return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
+        parts = [self._serve_packed(piece, fresh=True) for piece in pieces]
+        self._stats.split_calls += 1
+        self._stats.served[(call.size, f"split into {len(pieces)} calls")] += 1
+        return self.plan.packing.join(parts)
+
     def _count_eager(self, reason: str, batch: int | None) -> None:
         self._stats.eager_calls[reason] += 1
         if batch is not None:
@@ -353,7 +441,7 @@ class GraphRunner:
                     f"{reason}; the model raised {type(error).__name__}: {error}"
                 ) from error
 
-    def _eager_reason(self, call: CallInputs) -> str | None:
+    def _eager_reason(self, call: CallInputs | PackedCall) -> str | None:
         """Why this call cannot be served by a graph, or ``None`` if it can."""
         if self._unavailable is not None:
             return self._unavailable
@@ -389,7 +477,9 @@ class GraphRunner:
 
     # ---- capture and replay -----------------------------------------------------------------
 
-    def _entry_for(self, bucket: int, call: CallInputs) -> tuple[GraphEntry | None, str]:
+    def _entry_for(
+        self, bucket: int, call: CallInputs | PackedCall
+    ) -> tuple[GraphEntry | None, str]:
         lookup = (bucket, call.signature)
         entry = self._entries.get(lookup)
         if entry is not None:
@@ -410,7 +500,7 @@ class GraphRunner:
         return self._capture(key, lookup, call)
 
     def _capture(
-        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
+        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs | PackedCall
     ) -> tuple[GraphEntry | None, str]:
         """Capture ``key``; on running out of memory, drop every graph and say so instead."""
         try:
@@ -433,24 +523,37 @@ class GraphRunner:
         return None, reason
 
     def _capture_entry(
-        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs
+        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs | PackedCall
     ) -> GraphEntry | None:
         """Capture and measure ``key``'s graph; store and return it, or, if it was measured
-        slower than eager, record the costs and return ``None``."""
+        slower than eager, record the costs and return ``None``.
+
+        A packed call's buffers come from the plan's packing and are the graph's per-key state
+        too; a batched call's static inputs are zeros of the key's batch, its state the plan's
+        :meth:`~layergraph.adapter.CapturePlan.key_state`."""
         if not len(self._entries):
             # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
             # to capture into a pool whose graphs were all released if any of its memory is
             # still held (an output kept by the caller, a cached cuBLAS workspace).
             self._pool = self.backend.new_pool()
-        with torch.inference_mode(False):
-            static = tuple(
-                torch.zeros((key.batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                for t in call.tensors
-            )
-        _load(static, call.tensors)
-        args, kwargs = call.rebuild(static)
+        packing = self.plan.packing
+        if isinstance(call, PackedCall):
+            with torch.inference_mode(False):
+                state = packing.allocate(key.batch, call)
+            packing.load(state, call)
+            static: tuple[torch.Tensor, ...] = ()
+            args, kwargs = packing.arguments(state)
+        else:
+            with torch.inference_mode(False):
+                static = tuple(
+                    torch.zeros((key.batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    for t in call.tensors
+                )
+            _load(static, call.tensors)
+            args, kwargs = call.rebuild(static)
         started = time.perf_counter()
-        state = self.plan.key_state(key, call)
+        if not isinstance(call, PackedCall):
+            state = self.plan.key_state(key, call)
 
         def region() -> Any:
             with self.plan.bound(state):
@@ -462,7 +565,10 @@ class GraphRunner:
                 contexts.enter_context(context)
             graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
         leaves, spec = pytree.tree_flatten(output)
-        costs = self._measure(graph, static, leaves, args, kwargs)
+        if isinstance(call, PackedCall):
+            costs = self._measure_packed(graph, state, leaves, call)
+        else:
+            costs = self._measure(graph, static, leaves, args, kwargs)
         self._stats.captures += 1
         self._stats.capture_seconds += time.perf_counter() - started
         if not costs.graph_pays:
@@ -475,7 +581,7 @@ class GraphRunner:
             static_inputs=static,
             output_leaves=tuple(leaves),
             output_spec=spec,
-            not_per_row=_not_per_row(leaves, key.batch),
+            not_per_row=None if isinstance(call, PackedCall) else _not_per_row(leaves, key.batch),
             state=state,
             addresses=addresses((*static, *leaves, *_state_tensors(state), *self._watch.tensors)),
             costs=costs,
@@ -511,9 +617,36 @@ class GraphRunner:
         graph_ms = min(self.backend.time_replay(replay, rows) for _ in range(_MEASURED_RUNS))
         return Costs(eager_ms, graph_ms)
 
-    def _replay(self, entry: GraphEntry, call: CallInputs, fresh: bool, count: bool = False) -> Any:
-        """Replay ``entry``'s graph on ``call``'s rows (padded up to its batch); with ``count``,
-        the call's way is counted (chunks count theirs once, as a whole)."""
+    def _measure_packed(
+        self, graph: Any, buffers: Any, leaves: Sequence[Any], call: PackedCall
+    ) -> Costs:
+        """The fastest of a few eager calls of ``call`` itself, and of a few replays of the
+        budget's graph with the call loaded and the outputs cloned, each waited for."""
+        packing = self.plan.packing
+        with self._hooks.adopting():
+            eager_ms = min(
+                self.backend.time_eager(
+                    lambda: self.plan.region(*call.args, **call.kwargs), call.size
+                )[1]
+                for _ in range(_MEASURED_RUNS)
+            )
+
+        def replay() -> None:
+            packing.load(buffers, call)
+            self.backend.replay(graph)
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    leaf.clone()
+
+        graph_ms = min(self.backend.time_replay(replay, call.size) for _ in range(_MEASURED_RUNS))
+        return Costs(eager_ms, graph_ms)
+
+    def _replay(
+        self, entry: GraphEntry, call: CallInputs | PackedCall, fresh: bool, count: bool = False
+    ) -> Any:
+        """Replay ``entry``'s graph on ``call``'s rows (padded up to its batch, or loaded into
+        its budget's buffers); with ``count``, the call's way is counted (chunks count theirs
+        once, as a whole)."""
         if self.options.debug:
             self._check_addresses(entry)
         if self.options.static_output and entry.record.held.any_alive():
@@ -524,14 +657,19 @@ class GraphRunner:
                 StaleOutputWarning,
             )
         self._done = self.backend.follow(self._done)
-        _load(entry.static_inputs, call.tensors)
-        self.backend.replay(entry.graph)
-        self._stats.replays += 1
         rows = call.batch
-        leaves: Iterable[Any] = entry.output_leaves
-        if rows < entry.key.batch:  # padded, so every tensor output is one row per input
+        spec = entry.output_spec
+        if isinstance(call, PackedCall):
+            leaves, spec = self._replay_packed(entry, call)
+        else:
+            _load(entry.static_inputs, call.tensors)
+            self.backend.replay(entry.graph)
+            leaves = entry.output_leaves
+            if rows < entry.key.batch:  # padded, so every tensor output is one row per input
+                leaves = [t[:rows] if isinstance(t, torch.Tensor) else t for t in leaves]
+        self._stats.replays += 1
+        if rows < entry.key.batch:
             self._stats.padded_calls += 1
-            leaves = [leaf[:rows] if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         if count:
             way = "graph" if rows == entry.key.batch else f"padded to {entry.key.batch}"
             self._stats.served[(rows, way)] += 1
@@ -542,17 +680,31 @@ class GraphRunner:
             entry.record.held.track(leaves)
         else:
             leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        output = pytree.tree_unflatten(list(leaves), entry.output_spec)
+        output = pytree.tree_unflatten(list(leaves), spec)
         if self.options.validate:
             self._validate_once(entry, call, output)
         return output
 
-    def _validate_once(self, entry: GraphEntry, call: CallInputs, output: Any) -> None:
+    def _replay_packed(
+        self, entry: GraphEntry, call: PackedCall
+    ) -> tuple[list[Any], pytree.TreeSpec]:
+        """Load a packed call into its budget's buffers, replay, and cut its rows out of the
+        outputs: the output's leaves (views of the graph's buffers) and structure."""
+        packing = self.plan.packing
+        packing.load(entry.state, call)
+        self.backend.replay(entry.graph)
+        whole = pytree.tree_unflatten(list(entry.output_leaves), entry.output_spec)
+        return pytree.tree_flatten(packing.cut(whole, call, entry.key.batch))
+
+    def _validate_once(self, entry: GraphEntry, call: CallInputs | PackedCall, output: Any) -> None:
         """Compare the first replay of ``entry``'s graph with eager; drop the graph and raise
         :class:`~layergraph.validation.GraphMismatchError` if they differ."""
         if entry.record.validated:
             return
-        args, kwargs = call.rebuild(call.tensors)
+        if isinstance(call, PackedCall):
+            args, kwargs = call.args, call.kwargs
+        else:
+            args, kwargs = call.rebuild(call.tensors)
         with self._hooks.adopting():
             expected = self.plan.region(*args, **kwargs)
         try:
@@ -601,6 +753,11 @@ class GraphRunner:
         Returns the keys of the graphs held: a graph measured slower than eager is not kept
         (``stats.costs`` says by how much).
         """
+        if self.plan.packing is not None:
+            raise RuntimeError(
+                "cannot capture graphs ahead of time for a packed plan: its token budgets are "
+                "captured when calls first need them"
+            )
         call = CallInputs(args, kwargs)
         reason = self._eager_reason(call)
         if reason is not None:
@@ -688,6 +845,17 @@ class GraphRunner:
             self._entries.clear()
             self._pool = None
             self._hooks.accept()
+
+
+def _check_budgets(budgets: Sequence[int], unit: int) -> None:
+    """Raise ``ValueError`` unless every token budget given is a multiple of the packing's
+    ``unit`` (a graph of another budget would pad a real token's group)."""
+    bad = [budget for budget in budgets if budget % unit]
+    if bad:
+        raise ValueError(
+            f"token budgets {bad} are not multiples of {unit} tokens, which this model's calls "
+            f"come in (batch_sizes of a packed model are token budgets)"
+        )
 
 
 def _state_tensors(state: Any) -> list[Any]:

@@ -9,7 +9,11 @@ graph: a replay recomputes the captured function from the *static* input buffers
 the result into the *static* output buffers captured the first time. A runner that forgot to
 copy an input, or returned a buffer it should have cloned, gives wrong answers here as it would
 on a GPU. Its pools keep PyTorch's one rule for sharing: a capture may join a pool only while
-one of the pool's graphs lives. It does not simulate kernels, streams or memory.
+one of the pool's graphs lives. Its captures refuse what a CUDA stream capture refuses and a
+CPU run would not notice: reading a tensor's value on the host (``.item()``, ``bool(t)``) and
+operators whose output size depends on values (``nonzero``, boolean-mask indexing,
+``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``), each of which
+waits for the GPU. It does not simulate kernels, streams or memory.
 """
 
 from __future__ import annotations
@@ -22,15 +26,98 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "AdapterCheck",
+    "CaptureUnsafeOperation",
     "SimulatedGraphs",
     "check_adapter",
     "layergraph_registry",
     "register_adapter",
 ]
+
+
+class CaptureUnsafeOperation(RuntimeError):
+    """Raised by a :class:`SimulatedGraphs` capture for an operator that a CUDA stream capture
+    refuses (``cudaErrorStreamCaptureUnsupported`` on a GPU)."""
+
+
+_UNSAFE = {
+    "aten::_local_scalar_dense": "reads a tensor's value on the host (.item(), bool(t), int(t))",
+    "aten::nonzero": "has an output size that depends on values (nonzero)",
+    "aten::masked_select": "has an output size that depends on values (masked_select)",
+    "aten::_unique": "has an output size that depends on values (unique)",
+    "aten::_unique2": "has an output size that depends on values (unique)",
+    "aten::unique_dim": "has an output size that depends on values (unique)",
+    "aten::unique_consecutive": "has an output size that depends on values (unique_consecutive)",
+}
+"""Operators a CUDA stream capture refuses, by name, with why."""
+
+
+class _CaptureRules(TorchDispatchMode):
+    """Raises :class:`CaptureUnsafeOperation` for the operators a CUDA stream capture refuses:
+    :data:`_UNSAFE`, indexing by a boolean mask (``x[mask]``, ``x[mask] = y``), and
+    ``repeat_interleave`` with tensor repeats and no ``output_size``."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = func._schema.name
+        why = _UNSAFE.get(name)
+        if why is None and name in ("aten::index", "aten::index_put", "aten::index_put_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(
+                isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+                for index in indices
+            ):
+                why = "indexes by a boolean mask, whose selected count depends on values"
+        if (
+            why is None
+            and name == "aten::repeat_interleave"
+            and func._overloadname in ("Tensor", "self_Tensor")
+            and kwargs.get("output_size") is None
+        ):
+            why = "repeats by a tensor of counts without output_size"
+        if why is not None:
+            raise CaptureUnsafeOperation(
+                f"{func} {why}: a CUDA graph cannot capture it (it waits for the GPU); "
+                f"compute it before the captured region, or pass the result in as an input"
+            )
+        return func(*args, **kwargs)
+
+
+_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
+"""Tensor methods that read values on the host: under inference mode the CPU serves some of
+them without reaching :class:`_CaptureRules`, so :class:`_HostReadRules` sees them first."""
+
+
+class _HostReadRules(TorchFunctionMode):
+    """Raises :class:`CaptureUnsafeOperation` for a tensor's value read on the host."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if getattr(func, "__name__", None) in _HOST_READS and "Tensor" in getattr(
+            func, "__qualname__", ""
+        ):
+            raise CaptureUnsafeOperation(
+                f"Tensor.{func.__name__} reads a tensor's value on the host (.item(), bool(t), "
+                f"int(t)): a CUDA graph cannot capture it (it waits for the GPU); compute it "
+                f"before the captured region, or pass the result in as an input"
+            )
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(eq=False)
@@ -53,7 +140,9 @@ class SimulatedGraphs:
     Costs, which the runner measures to choose how each batch size is served
     (:mod:`layergraph.policy`), are wall-clock time for eager calls and nothing for replays,
     unless given: ``eager_ms(rows)`` and ``replay_ms(rows)`` make them a function of the batch,
-    so that a test decides which way wins.
+    so that a test decides which way wins. With ``strict`` (the default) a capture raises
+    :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
+    docstring lists it); warm-up runs, like a GPU's, may do anything.
     """
 
     device_type = "cpu"
@@ -62,12 +151,15 @@ class SimulatedGraphs:
         self,
         eager_ms: Callable[[int], float] | None = None,
         replay_ms: Callable[[int], float] | None = None,
+        *,
+        strict: bool = True,
     ) -> None:
         self.captures = 0
         self.replays = 0
         self.memory_releases = 0
         self.eager_ms = eager_ms
         self.replay_ms = replay_ms
+        self.strict = strict
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -91,7 +183,11 @@ class SimulatedGraphs:
         if pool.used and not pool.graphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
         pool.used = True
-        output = fn()
+        if self.strict:
+            with _HostReadRules(), _CaptureRules():
+                output = fn()
+        else:
+            output = fn()
         graph = _SimulatedGraph(fn, output)
         pool.outputs.append(output)
         pool.graphs.add(graph)

@@ -24,6 +24,7 @@ differs, and compiling runs cold.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -195,13 +196,19 @@ def _read(path: Path) -> tuple[dict[str, Any], tuple[bytes, bytes, bytes]]:
 
 def _cache_directories() -> dict[str, Path]:
     """The cache directories whose new files a warm start carries, by name: Inductor's, and
-    Triton's where Triton is loaded (its own, or the one ``TRITON_CACHE_DIR`` names)."""
+    Triton's where Triton is installed (its own, or the one ``TRITON_CACHE_DIR`` names).
+
+    Triton is imported here if it is not yet: a process that loads a warm start has often not
+    imported it, and its kernels would otherwise be left out and compiled again.
+    """
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     directories = {"inductor": Path(cache_dir())}
-    if "triton" in sys.modules:
-        from triton import knobs
-
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        try:
+            from triton import knobs
+        except ImportError:  # a Triton too old to have knobs keeps its cache where it likes
+            return directories
         directories["triton"] = Path(knobs.cache.dir)
     return directories
 

@@ -238,17 +238,30 @@ def test_stream_serves_every_method_and_checks_every_answer() -> None:
     from layergraph.bench.stream import run_stream
     from layergraph.testing import SimulatedGraphs
 
-    report = run_stream("timm:test_vit3", [1, 3, 2, 3, 5], backend=SimulatedGraphs())
+    report = run_stream("timm:test_vit3", [1, 3, 2, 3, 5], backend=SimulatedGraphs(), passes=3)
     methods = {row.method: row for row in report.rows}
     assert list(methods) == ["eager", "layergraph", "powers of two", "exact keys"]
-    assert methods["eager"].graphs is None and methods["eager"].second_pass_s > 0
+    assert methods["eager"].graphs is None and len(methods["eager"].steady_passes) == 3
+    for row in report.rows:
+        assert row.steady_s == sorted(row.steady_passes)[1] > 0
     assert methods["layergraph"].graphs == 4 and methods["layergraph"].padded_calls == 0
     assert methods["powers of two"].graphs == 4  # buckets 1, 2, 4 and 8
-    assert methods["powers of two"].padded_calls == 6  # 3, 3 and 5, in each of the two passes
+    assert methods["powers of two"].padded_calls == 12  # 3, 3 and 5, in each of four passes
     assert methods["exact keys"].graphs == 4 and methods["exact keys"].padded_calls == 0
     assert all(row.worst_error <= 1e-4 for row in report.rows)
     text = report.to_markdown()
     assert "5 requests of 1 to 5 images (14 in all)" in text and "| exact keys |" in text
+    assert "the median of 3 passes" in text
+
+
+def test_stream_takes_at_least_one_steady_pass() -> None:
+    from layergraph.bench.stream import run_stream
+    from layergraph.testing import SimulatedGraphs
+
+    with pytest.raises(ValueError, match="passes"):
+        run_stream("timm:test_vit3", [1], backend=SimulatedGraphs(), passes=0)
+    report = run_stream("timm:test_vit3", [2, 1], backend=SimulatedGraphs(), passes=1)
+    assert [len(row.steady_passes) for row in report.rows] == [1, 1, 1, 1]
 
 
 def test_bench_stream_command_writes_its_report(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ def test_a_warm_start_finds_every_graph_in_the_cache(
     for row in (cold, warm):
         assert row.graphs == row.captures == 2
         assert 0 < row.start_s < row.process_s and row.build_s > 0 and row.compile_s > 0
+        assert row.compiler_import_s is not None and 0 <= row.compiler_import_s < row.process_s
         assert 0 <= row.worst_error <= 1e-4 and row.warnings == []
         assert set(row.cache) == {
             "fxgraph_cache_hit",

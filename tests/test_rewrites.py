@@ -99,6 +99,31 @@ def test_gelu_kind_is_read_from_values_whatever_the_class() -> None:
     assert gelu_kind(nn.Linear(3, 3)) is None  # does not take the probe
 
 
+class _CountedGelu(nn.Module):
+    """A GELU that counts its calls, exact or tanh by its attribute ``approximate``."""
+
+    calls = 0
+
+    def __init__(self, approximate: str, scale: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.approximate, self.scale = approximate, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        y = torch.nn.functional.gelu(x, approximate=self.approximate)
+        return y if self.scale is None else y * self.scale
+
+
+def test_gelu_kind_probes_each_kind_of_activation_once() -> None:
+    _CountedGelu.calls = 0
+    assert [gelu_kind(_CountedGelu("none")) for _ in range(24)] == ["exact"] * 24
+    assert gelu_kind(_CountedGelu("tanh")) == "tanh"
+    assert _CountedGelu.calls == 2  # one probe per setting of the attribute
+    scales = [nn.Parameter(torch.tensor(value)) for value in (1.0, 2.0, 1.0)]
+    assert [gelu_kind(_CountedGelu("none", scale)) for scale in scales] == ["exact", None, "exact"]
+    assert _CountedGelu.calls == 5  # with a parameter, every module is probed
+
+
 class _Mlp(nn.Module):
     def __init__(self, activation: nn.Module, extra: nn.Module | None = None) -> None:
         super().__init__()

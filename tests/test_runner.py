@@ -600,3 +600,48 @@ def test_every_statistic_has_a_reference_docstring_of_its_own() -> None:
     documented = griffe.load("layergraph.stats")["GraphStats"]
     fields = [field.name for field in dataclasses.fields(GraphStats)]
     assert [name for name in fields if not documented[name].docstring] == []
+
+
+class _ReadsValues(nn.Module):
+    """A layer that does what a CUDA stream capture refuses, chosen by ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "mask":
+            return x * x[x > 0].sum()
+        if self.how == "item":
+            return x * float(x.abs().max().item())
+        if self.how == "nonzero":
+            return x * len(torch.nonzero(x))
+        return x * torch.repeat_interleave(x[:, 0].abs().long() + 1).numel()
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("mask", "boolean mask"),
+        ("item", "reads a tensor's value on the host"),
+        ("nonzero", "nonzero"),
+        ("repeats", "without output_size"),
+    ],
+)
+def test_a_capture_refuses_what_a_cuda_capture_refuses(how: str, named: str) -> None:
+    from layergraph.testing import CaptureUnsafeOperation
+
+    model = nn.Sequential(nn.Linear(4, 4), _ReadsValues(how)).eval()
+    graphed = wrap_simulated(model, batch_sizes=None)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        with pytest.raises(CaptureUnsafeOperation, match=named):
+            graphed(x)
+        assert graphed.stats.graphs == 0 and graphed.stats.pool_bytes == 0
+        with graphed.original() as original:  # the model itself is left as it was
+            torch.testing.assert_close(original(x), model(x))
+    lenient = layergraph.wrap(
+        model, adapter=layergraph.SequentialAdapter(), backend=SimulatedGraphs(strict=False)
+    )
+    with torch.inference_mode():
+        torch.testing.assert_close(lenient(x), model(x))  # the CPU itself has no such rule

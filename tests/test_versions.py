@@ -3,32 +3,41 @@
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from layergraph import AdapterMismatch
 from layergraph_adapters.versions import (
+    QWEN2_VL_CHECKED,
     TRANSFORMERS_CHECKED,
     UNCHECKED_VARIABLE,
     require_transformers,
 )
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def installed(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """``monkeypatch``, with the unchecked-transformers variable unset."""
+def installed(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Pretend a transformers release is installed, with the unchecked-transformers variable
+    unset: the version is set on the module ``import transformers`` gives at the time (importing
+    some of transformers' modules replaces it in ``sys.modules``)."""
     monkeypatch.delenv(UNCHECKED_VARIABLE, raising=False)
-    return monkeypatch
+
+    def pretend(version: str) -> None:
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+
+    return pretend
 
 
 @pytest.mark.parametrize("version", ["5.6.0", "5.17.0", "5.24.0", "5.24.3", "5.20.0.dev0"])
-def test_checked_releases_pass(installed: pytest.MonkeyPatch, version: str) -> None:
-    installed.setattr(transformers, "__version__", version)
+def test_checked_releases_pass(installed: Callable[[str], None], version: str) -> None:
+    installed(version)
     require_transformers("siglip")
 
 
@@ -36,9 +45,9 @@ def test_checked_releases_pass(installed: pytest.MonkeyPatch, version: str) -> N
     "version", ["4.57.6", "5.5.4", "5.6.0rc1", "5.25.0.dev0", "5.25.0", "6.0.0"]
 )
 def test_other_releases_are_refused_naming_version_range_and_way_out(
-    installed: pytest.MonkeyPatch, version: str
+    installed: Callable[[str], None], version: str
 ) -> None:
-    installed.setattr(transformers, "__version__", version)
+    installed(version)
     with pytest.raises(AdapterMismatch) as refusal:
         require_transformers("internvl")
     message = str(refusal.value)
@@ -48,13 +57,31 @@ def test_other_releases_are_refused_naming_version_range_and_way_out(
     assert f"{UNCHECKED_VARIABLE}=1" in message
 
 
-def test_the_variable_lets_an_unchecked_release_run(installed: pytest.MonkeyPatch) -> None:
-    installed.setattr(transformers, "__version__", "5.5.4")
-    installed.setenv(UNCHECKED_VARIABLE, "1")
+@pytest.mark.parametrize(
+    ("version", "accepted"),
+    [("5.6.0", False), ("5.16.1", False), ("5.17.0", True), ("5.24.0", True), ("5.25.0", False)],
+)
+def test_qwen2_vl_asks_for_the_releases_whose_towers_take_precomputed_arguments(
+    installed: Callable[[str], None], version: str, accepted: bool
+) -> None:
+    installed(version)
+    if accepted:
+        require_transformers("qwen2_vl", QWEN2_VL_CHECKED)
+        return
+    with pytest.raises(AdapterMismatch) as refusal:
+        require_transformers("qwen2_vl", QWEN2_VL_CHECKED)
+    assert f"pip install 'transformers{QWEN2_VL_CHECKED}'" in str(refusal.value)
+
+
+def test_the_variable_lets_an_unchecked_release_run(
+    installed: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed("5.5.4")
+    monkeypatch.setenv(UNCHECKED_VARIABLE, "1")
     require_transformers("clip")
 
 
-def test_the_installed_release_is_a_checked_one(installed: pytest.MonkeyPatch) -> None:
+def test_the_installed_release_is_a_checked_one(installed: Callable[[str], None]) -> None:
     require_transformers("clip")
 
 

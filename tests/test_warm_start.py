@@ -39,18 +39,26 @@ PROCESS = textwrap.dedent(
     )
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     before = sorted(str(f.relative_to(cache)) for f in cache.rglob("*") if f.is_file())
+    kernel = Path(os.environ["TRITON_CACHE_DIR"]) / "KERNELHASH" / "kernel.cubin"
     with torch.inference_mode():
         graphed(torch.randn(2, 8))
-    if not load:
+    if not load:  # what a Triton kernel compiled in this process leaves in Triton's cache
+        kernel.parent.mkdir(parents=True)
+        kernel.write_bytes(b"compiled")
         graphed.save_warm_start(path)
-    print(json.dumps({**counters["inductor"], "files_before_compiling": before}))
+    print(json.dumps({**counters["inductor"], "files_before_compiling": before,
+                      "triton_kernel": kernel.exists() and kernel.read_bytes().decode()}))
     """
 )
 
 
 def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, Any]:
     """A fresh process with an Inductor cache of its own (a new machine's, say)."""
-    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache)}
+    environment = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache),
+        "TRITON_CACHE_DIR": str(tmp_path / cache / "triton-own"),
+    }
     result = subprocess.run(
         [sys.executable, "-c", PROCESS, str(tmp_path / "warm.lgws"), mode],
         capture_output=True,
@@ -77,6 +85,8 @@ def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path) -> No
     # Compiled kernels come with the file, beside the graphs Inductor's artifacts hold.
     kernels = {name for name in carried if not name.startswith(("fxgraph/", "aotautograd/"))}
     assert any(name.endswith(".so") for name in kernels), sorted(carried)
+    # So do the files in Triton's cache, though the loading process had not imported Triton.
+    assert warm["triton_kernel"] == "compiled"
 
 
 def test_a_file_made_elsewhere_is_not_loaded_and_says_why(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """Attention backends and the metadata they need, for adapters that route attention.
 
-A :class:`SequenceLayout` says which tokens belong together; a backend turns it into the
-metadata its kernel takes (through the ``attention_metadata`` hook, so plugins can supply
-metadata for other backends or layouts) and computes attention over packed
+A :class:`SequenceLayout` says which tokens belong together (a :class:`PackedLayout`, how many
+sequences and tokens a packed plan's graph has room for, their boundaries written at every
+call); a backend turns it into the metadata its kernel takes (through the
+``attention_metadata`` hook, so plugins can supply metadata for other backends or layouts) and
+computes attention over packed
 ``[tokens, heads, head_dim]`` views. Backends are registered by plugins (the built-in ones by
 layergraph's own) and found through the plugin registry. The runner knows none of this:
 adapters use it.
@@ -12,18 +14,28 @@ from .backends import (
     AttentionBackend,
     Fa3Attention,
     SdpaAttention,
+    SdpaMaskedAttention,
     TritonVarlenAttention,
     choose_backend,
 )
-from .layout import AttentionMetadata, SequenceLayout, build_metadata
+from .layout import (
+    AttentionMetadata,
+    PackedLayout,
+    SequenceLayout,
+    build_metadata,
+    check_packed_metadata,
+)
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "Fa3Attention",
+    "PackedLayout",
     "SdpaAttention",
+    "SdpaMaskedAttention",
     "SequenceLayout",
     "TritonVarlenAttention",
     "build_metadata",
+    "check_packed_metadata",
     "choose_backend",
 ]

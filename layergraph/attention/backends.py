@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from ..timing import captured_ms
-from .layout import AttentionMetadata, SequenceLayout, build_metadata
+from .layout import AttentionMetadata, PackedLayout, SequenceLayout, build_metadata
 
 __all__ = [
     "AttentionBackend",
     "Fa3Attention",
     "SdpaAttention",
+    "SdpaMaskedAttention",
     "TritonVarlenAttention",
     "choose_backend",
 ]
@@ -48,6 +49,10 @@ class AttentionBackend(ABC):
     """Whether the output is written into a caller-owned ``[tokens, heads, head_dim]`` buffer."""
     takes_strided_inputs: ClassVar[bool] = True
     """Whether q, k and v may be strided views (only the last dimension contiguous)."""
+    reads_boundaries: ClassVar[bool] = False
+    """Whether the kernel reads where sequences start from the metadata's tensors when it
+    runs, trusting ``max_seqlen`` as a bound only: then one graph serves every packing of a
+    token budget, the metadata written in place before each replay (packed plans)."""
 
     @abstractmethod
     def unavailable_reason(
@@ -56,8 +61,12 @@ class AttentionBackend(ABC):
         """Why this backend cannot run here, or ``None`` if it can."""
 
     @abstractmethod
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
-        """The metadata this backend's kernel takes, built for ``layout``."""
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
+        """The metadata this backend's kernel takes, built for ``layout``: a
+        :class:`~layergraph.attention.PackedLayout` only for backends that
+        :attr:`reads_boundaries` (zeros sized for its slots, written by the packed plan)."""
 
     @abstractmethod
     def __call__(
@@ -114,6 +123,51 @@ class SdpaAttention(AttentionBackend):
         return out.transpose(1, 2).reshape(q.shape)
 
 
+class SdpaMaskedAttention(AttentionBackend):
+    """``scaled_dot_product_attention`` over all tokens at once, with a block-diagonal mask
+    built on the device from ``cu_seqlens`` (no host synchronisation, so it can be captured).
+
+    For correctness off the GPU: the mask is ``[tokens, tokens]``, so memory and work grow with
+    the square of all tokens, not of each sequence. Tokens past ``cu_seqlens[-1]`` form one
+    more sequence of their own (a packed call's padding), so every row attends to something.
+    Metadata: ``cu_seqlens``.
+    """
+
+    name = "sdpa_varlen"
+    reads_boundaries = True
+
+    def unavailable_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
+    ) -> str | None:
+        if device.type == "cuda":
+            return "sdpa_varlen builds a [tokens, tokens] mask; on a GPU use triton or fa3"
+        return None
+
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
+        return build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        metadata: AttentionMetadata,
+        workspace: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        tokens = torch.arange(q.shape[0], device=q.device, dtype=metadata.cu_seqlens.dtype)
+        sequence = torch.searchsorted(metadata.cu_seqlens[1:], tokens, right=True)
+        mask = sequence[:, None] == sequence[None, :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+        )
+        return out.transpose(0, 1)
+
+
 class TritonVarlenAttention(AttentionBackend):
     """layergraph's own Triton varlen flash-attention kernel, writing into a workspace.
 
@@ -123,6 +177,7 @@ class TritonVarlenAttention(AttentionBackend):
 
     name = "triton"
     needs_workspace = True
+    reads_boundaries = True
 
     def unavailable_reason(
         self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
@@ -135,7 +190,9 @@ class TritonVarlenAttention(AttentionBackend):
             return f"head_dim {head_dim} is not a multiple of 8 between 16 and 256"
         return None
 
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
         return build_metadata(layout, device, cu_seqlens=True, seq_lens=True)
 
     def __call__(
@@ -167,6 +224,7 @@ class Fa3Attention(AttentionBackend):
 
     name = "fa3"
     takes_strided_inputs = False
+    reads_boundaries = True
 
     @functools.cached_property
     def _kernel(self) -> tuple[str, Any] | None:
@@ -198,7 +256,9 @@ class Fa3Attention(AttentionBackend):
             return f"fa3 needs float16 or bfloat16, not {dtype}"
         return None
 
-    def default_metadata(self, layout: SequenceLayout, device: torch.device) -> AttentionMetadata:
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
         return build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
 
     def __call__(

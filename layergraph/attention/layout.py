@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionMetadata", "SequenceLayout", "build_metadata"]
+__all__ = [
+    "AttentionMetadata",
+    "PackedLayout",
+    "SequenceLayout",
+    "build_metadata",
+    "check_packed_metadata",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,35 @@ class SequenceLayout:
 
 
 @dataclass(frozen=True)
+class PackedLayout:
+    """Room for packed sequences whose lengths change from call to call: at most ``slots``
+    sequences of at most ``max_length`` tokens each, ``tokens`` in all.
+
+    The layout of one graph of a packed plan (a token budget, :mod:`layergraph.packing`): its
+    metadata is built once, with tensors sized for these capacities, and the plan writes each
+    call's boundaries into ``cu_seqlens`` (and ``seq_lens``, when the backend takes them) in
+    place before every replay. Slots past the call's sequences are empty: they start and end
+    at its last real token, and the tokens past it (padding) belong to no sequence. Only
+    backends that read boundaries when they run
+    (:attr:`~layergraph.attention.AttentionBackend.reads_boundaries`) serve such layouts.
+    """
+
+    tokens: int
+    slots: int
+    max_length: int
+
+    def __post_init__(self) -> None:
+        if min(self.tokens, self.slots, self.max_length) < 1 or self.max_length > self.tokens:
+            raise ValueError(
+                f"a packed layout needs positive tokens, slots and max_length, max_length at "
+                f"most tokens; got {self}"
+            )
+
+    def __str__(self) -> str:
+        return f"up to {self.slots} sequences of up to {self.max_length} in {self.tokens} tokens"
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """What a kernel needs besides q, k and v. Tensors keep their address once captured.
 
@@ -72,9 +107,27 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    layout: SequenceLayout, device: torch.device, *, cu_seqlens: bool, seq_lens: bool
+    layout: SequenceLayout | PackedLayout,
+    device: torch.device,
+    *,
+    cu_seqlens: bool,
+    seq_lens: bool,
 ) -> AttentionMetadata:
-    """Metadata for ``layout`` on ``device`` with the tensors asked for (one host copy each)."""
+    """Metadata for ``layout`` on ``device`` with the tensors asked for: a sequence layout's
+    boundaries (one host copy each), or zeros sized for a packed layout's slots, which its
+    plan writes before every replay."""
+    if isinstance(layout, PackedLayout):
+        return AttentionMetadata(
+            max_seqlen=layout.max_length,
+            cu_seqlens=(
+                torch.zeros(layout.slots + 1, dtype=torch.int32, device=device)
+                if cu_seqlens
+                else None
+            ),
+            seq_lens=(
+                torch.zeros(layout.slots, dtype=torch.int32, device=device) if seq_lens else None
+            ),
+        )
     offsets = [0, *itertools.accumulate(layout.lengths)]
     return AttentionMetadata(
         max_seqlen=layout.max_length,
@@ -83,3 +136,24 @@ def build_metadata(
             torch.tensor(layout.lengths, dtype=torch.int32, device=device) if seq_lens else None
         ),
     )
+
+
+def check_packed_metadata(metadata: AttentionMetadata, layout: PackedLayout, source: str) -> None:
+    """Raise ``ValueError`` naming ``source`` unless ``metadata`` can hold every call of a
+    packed ``layout``: int32 ``cu_seqlens`` of ``slots + 1`` elements, ``seq_lens`` absent or
+    int32 of ``slots``, and ``max_seqlen`` at least the layout's ``max_length``."""
+    problems = []
+    for name, size in (("cu_seqlens", layout.slots + 1), ("seq_lens", layout.slots)):
+        tensor = getattr(metadata, name)
+        if tensor is None and name == "seq_lens":
+            continue
+        if tensor is None or tensor.dtype != torch.int32 or tensor.shape != (size,):
+            described = "none" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+            problems.append(f"{name} must be int32 of shape ({size},), got {described}")
+    if not isinstance(metadata.max_seqlen, int) or metadata.max_seqlen < layout.max_length:
+        problems.append(f"max_seqlen must be an int of at least {layout.max_length}")
+    if problems:
+        raise ValueError(
+            f"attention metadata from {source} cannot hold calls of {layout}: "
+            + "; ".join(problems)
+        )

@@ -6,15 +6,23 @@ real work where the GPU is already busy. :func:`run_stream` sends one stream of 
 one call waited for, to eager, to ``layergraph.wrap`` with its defaults (the measured policy,
 :mod:`layergraph.policy`), to ``wrap`` with fixed buckets of powers of two, and to ``wrap``
 with exact keys (``batch_sizes=None``, a graph per batch size), and checks every answer
-against eager. Each method serves the stream twice: the first pass pays for captures, the second is
-the steady state.
+against eager.
+
+Each method serves its own copy of the model (same weights), so that all of them can be held at
+once. Each serves the stream once to capture what it captures (the first pass), then the
+methods take turns, a whole pass each, ``passes`` times, the order rotating from one round to
+the next; a method's steady time is the median of its turns. Taking turns spreads over every
+method alike whatever drifts during the run (clocks, other work on the host), which a method
+timed after another would have to itself.
 """
 
 from __future__ import annotations
 
+import copy
 import random
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -51,10 +59,12 @@ class StreamRow:
     method: str
     first_pass_s: float
     """The stream's first pass, captures included."""
-    second_pass_s: float
-    """The stream again, every shape seen before: the steady state."""
+    steady_s: float
+    """The median of the later passes, every shape seen before: the steady state."""
+    steady_passes: list[float]
+    """Each later pass, in the order they ran."""
     worst_error: float
-    """The largest relative error of an answer against eager's, over both passes."""
+    """The largest relative error of an answer against eager's, over every pass."""
     graphs: int | None = None
     captures: int | None = None
     eager_calls: int | None = None
@@ -80,23 +90,24 @@ class StreamReport:
         return asdict(self)
 
     def to_markdown(self) -> str:
-        """The setting, then one table row per method; ratios against eager's second pass."""
+        """The setting, then one table row per method; ratios against eager's steady time."""
         sizes = sorted(set(self.requests))
         eager = next((row for row in self.rows if row.method == "eager"), None)
         lines = [
             f"{self.model}, {self.dtype}, {self.device}: {len(self.requests)} requests of "
             f"{sizes[0]} to {sizes[-1]} images ({sum(self.requests)} in all), each one call "
-            f"waited for, every answer checked against eager",
+            f"waited for, every answer checked against eager; steady: the median of "
+            f"{len(eager.steady_passes) if eager else 0} passes, the methods taking turns",
             "",
-            "| method | first pass s | second pass s | vs eager (second pass) | graphs | "
+            "| method | first pass s | steady s | vs eager (steady) | graphs | "
             "captures | eager calls | padded calls | pool MiB | worst error |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for row in self.rows:
-            ratio = eager.second_pass_s / row.second_pass_s if eager else None
+            ratio = eager.steady_s / row.steady_s if eager else None
             pool = None if row.pool_bytes is None else row.pool_bytes / 2**20
             lines.append(
-                f"| {row.method} | {row.first_pass_s:.3f} | {row.second_pass_s:.3f} | "
+                f"| {row.method} | {row.first_pass_s:.3f} | {row.steady_s:.3f} | "
                 f"{'-' if ratio is None else f'{ratio:.3f}x'} | {_cell(row.graphs)} | "
                 f"{_cell(row.captures)} | {_cell(row.eager_calls)} | "
                 f"{_cell(row.padded_calls)} | {'-' if pool is None else f'{pool:.0f}'} | "
@@ -112,15 +123,19 @@ def run_stream(
     dtype: torch.dtype = torch.bfloat16,
     backend: GraphBackend | None = None,
     tuned: dict[str, Any] | None = None,
+    passes: int = 5,
 ) -> StreamReport:
     """Serve ``requests`` (images per request) with eager, default ``wrap``, fixed buckets of
     powers of two (padding up to 1, 2, 4, 8, 16, 32) and exact keys.
 
     Without a GPU only eager is served (in float32), unless ``backend`` supplies graphs (the
     tests' simulated ones). ``tuned``, ``wrap`` options such as ``compile_region=True``, adds
-    a row for default ``wrap`` with them. Raises ``AssertionError`` if an answer differs from
-    eager's beyond the dtype's tolerance.
+    a row for default ``wrap`` with them. ``passes`` is the number of steady passes per method
+    (at least 1). Raises ``AssertionError`` if an answer differs from eager's beyond the
+    dtype's tolerance.
     """
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
     example = get_registry().example_model(model_name)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -134,61 +149,93 @@ def run_stream(
         dtype=str(dtype).removeprefix("torch."),
         requests=list(requests),
     )
-    with torch.inference_mode():
-        expected = [first_tensor(model(*args, **kwargs)) for args, kwargs in calls]
-        report.rows.append(_serve("eager", model, calls, expected, device))
-        if not cuda and backend is None:
-            return report
-        methods: list[tuple[str, dict[str, Any]]] = [
+    methods: list[tuple[str, dict[str, Any]]] = []
+    if cuda or backend is not None:
+        methods = [
             ("layergraph", {}),
             ("powers of two", {"batch_sizes": DEFAULT_BATCH_SIZES}),
             ("exact keys", {"batch_sizes": None}),
         ]
         if tuned:
             methods.append(("layergraph tuned", tuned))
+    with torch.inference_mode():
+        expected = [first_tensor(model(*args, **kwargs)) for args, kwargs in calls]
+        served: list[_Served] = [_Served("eager", model, calls, expected, device)]
         for method, options in methods:
-            graphed = wrap(model, adapter=example.adapter, backend=backend, **options)
-            row = _serve(method, graphed, calls, expected, device)
-            stats = graphed.stats
-            report.rows.append(
-                replace(
-                    row,
-                    graphs=stats.graphs,
-                    captures=stats.captures,
-                    eager_calls=stats.eager_total,
-                    padded_calls=stats.padded_calls,
-                    pool_bytes=stats.pool_bytes,
-                    served=[(batch, way, n) for (batch, way), n in sorted(stats.served.items())],
-                    costs={batch: str(costs) for batch, costs in stats.costs.items()},
-                )
+            graphed = wrap(
+                copy.deepcopy(model), adapter=example.adapter, backend=backend, **options
             )
-            graphed.unwrap()
+            served.append(_Served(method, graphed, calls, expected, device))
+        for method in served:
+            method.first = method.serve()
+        for turn in range(passes):
+            shift = turn % len(served)
+            for method in served[shift:] + served[:shift]:
+                method.steady.append(method.serve())
+        for method in served:
+            report.rows.append(method.row())
+            if method.name != "eager":
+                method.model.unwrap()
     return report
 
 
-def _serve(
-    method: str,
-    model: Callable[..., Any],
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    expected: list[torch.Tensor],
-    device: torch.device,
-) -> StreamRow:
-    """Both passes of the stream through ``model``, each call waited for and timed on its
-    own; answers are checked off the clock."""
-    limit = DEFAULT_TOLERANCE.get(expected[0].dtype, 1e-4)
-    passes, worst = [], 0.0
-    for _ in range(2):
+class _Served:
+    """One method serving the stream: its model, and the seconds of each pass so far."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Any,
+        calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        expected: list[torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.name, self.model, self.calls, self.expected, self.device = (
+            name,
+            model,
+            calls,
+            expected,
+            device,
+        )
+        self.limit = DEFAULT_TOLERANCE.get(expected[0].dtype, 1e-4)
+        self.first = 0.0
+        self.steady: list[float] = []
+        self.worst = 0.0
+
+    def serve(self) -> float:
+        """One pass of the stream, each call waited for and timed on its own; answers are
+        checked off the clock."""
         elapsed = 0.0
-        for (args, kwargs), want in zip(calls, expected):
+        for (args, kwargs), want in zip(self.calls, self.expected):
             started = time.perf_counter()
-            got = first_tensor(model(*args, **kwargs))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            got = first_tensor(self.model(*args, **kwargs))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             elapsed += time.perf_counter() - started
-            worst = max(worst, relative_error(got, want))
-        passes.append(elapsed)
-    assert worst <= limit, f"{method}: an answer differs from eager by {worst:.3g} > {limit}"
-    return StreamRow(method, passes[0], passes[1], worst)
+            self.worst = max(self.worst, relative_error(got, want))
+        assert self.worst <= self.limit, (
+            f"{self.name}: an answer differs from eager by {self.worst:.3g} > {self.limit}"
+        )
+        return elapsed
+
+    def row(self) -> StreamRow:
+        """This method's row, with the wrapper's statistics where it is one."""
+        row = StreamRow(
+            self.name, self.first, statistics.median(self.steady), list(self.steady), self.worst
+        )
+        if self.name == "eager":
+            return row
+        stats = self.model.stats
+        return replace(
+            row,
+            graphs=stats.graphs,
+            captures=stats.captures,
+            eager_calls=stats.eager_total,
+            padded_calls=stats.padded_calls,
+            pool_bytes=stats.pool_bytes,
+            served=[(batch, way, n) for (batch, way), n in sorted(stats.served.items())],
+            costs={batch: str(costs) for batch, costs in stats.costs.items()},
+        )
 
 
 def _cell(value: int | None) -> str:

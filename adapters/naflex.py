@@ -1,0 +1,208 @@
+"""The packed forward of a SigLIP2 NaFlex tower over one token budget: what its graphs hold.
+
+transformers' ``Siglip2VisionModel`` runs a padded batch (``[images, max_patches, features]``)
+with a mask. The ``siglip2`` adapter packs the real patches of a call into one sequence instead
+(:mod:`layergraph_adapters.siglip2`), and this module computes the tower over such a sequence
+from a budget's buffers (:class:`NaflexBuffers`), with shapes fixed by the budget alone:
+
+- the patch embedding of the packed patches, plus their position embeddings, which the plan
+  writes into the buffers before the replay (:mod:`layergraph_adapters.grid_positions`);
+- the encoder's layers, whose attention modules hand q, k and v to a backend that reads the
+  boundaries from the buffers when it runs (:func:`routed_attention`);
+- the final norm, and the attention-pooling head per image (:func:`pool`): the head's one
+  probe attends to its image's tokens only.
+
+What this module does not do: read calls, write the buffers, resize position embeddings or cut
+outputs (the plan does), or run any eager call (those run the tower's own forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layergraph.attention import AttentionBackend, AttentionMetadata, SequenceLayout
+
+__all__ = [
+    "NaflexBuffers",
+    "allocate",
+    "bound",
+    "host_boundaries",
+    "load_boundaries",
+    "packed_forward",
+    "pool",
+    "routed_attention",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class NaflexBuffers:
+    """One budget's buffers, written in place before every replay.
+
+    The image boundaries live in the attention metadata (``cu_seqlens``, ``slots + 1``, and
+    ``seq_lens`` where the backend takes them), from the ``attention_metadata`` hook. Image
+    slots past a call's images are empty (their boundaries at its last token).
+    """
+
+    budget: int
+    slots: int
+    pixels: torch.Tensor
+    """``[budget, features]``: the call's real patches, zeros past them."""
+    positions: torch.Tensor
+    """``[budget, width]``: each real patch's position embedding, zeros past them."""
+    metadata: AttentionMetadata
+    """For a :class:`~layergraph.attention.PackedLayout` of the budget and its slots."""
+    tokens: torch.Tensor
+    """``0 .. budget - 1`` (int32): each token's place in the sequence."""
+    backend: AttentionBackend
+    workspace: torch.Tensor | None
+
+
+_current: contextvars.ContextVar[NaflexBuffers | None] = contextvars.ContextVar(
+    "layergraph_naflex_buffers", default=None
+)
+
+
+@contextlib.contextmanager
+def bound(buffers: NaflexBuffers | None) -> Iterator[None]:
+    """Context in which the routed attention modules read ``buffers`` (a graph's warm-up and
+    capture); outside it they run their own forward."""
+    token = _current.set(buffers)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def allocate(
+    budget: int,
+    slots: int,
+    pixels: torch.Tensor,
+    table: torch.Tensor,
+    backend: AttentionBackend,
+    metadata: AttentionMetadata,
+    heads: int,
+    head_dim: int,
+) -> NaflexBuffers:
+    """The buffers of a graph of ``budget`` tokens in at most ``slots`` images, for patches
+    like ``pixels`` (``[..., features]``) and positions like the tower's ``table``, attending
+    through ``backend`` with ``metadata``."""
+    dtype, device = pixels.dtype, pixels.device
+    workspace = (
+        torch.zeros(budget, heads, head_dim, dtype=dtype, device=device)
+        if backend.needs_workspace
+        else None
+    )
+    return NaflexBuffers(
+        budget=budget,
+        slots=slots,
+        pixels=torch.zeros(budget, pixels.shape[-1], dtype=dtype, device=device),
+        positions=torch.zeros(budget, table.shape[-1], dtype=table.dtype, device=device),
+        metadata=metadata,
+        tokens=torch.arange(budget, dtype=torch.int32, device=device),
+        backend=backend,
+        workspace=workspace,
+    )
+
+
+def host_boundaries(counts: list[int], slots: int) -> torch.Tensor:
+    """The ``cu_seqlens`` of images of ``counts`` tokens in ``slots`` slots, on the host: the
+    slots past the images empty."""
+    cu_seqlens = torch.zeros(slots + 1, dtype=torch.int32)
+    cu_seqlens[1 : len(counts) + 1] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+    cu_seqlens[len(counts) + 1 :] = cu_seqlens[len(counts)]
+    return cu_seqlens
+
+
+def load_boundaries(buffers: NaflexBuffers, cu_seqlens: torch.Tensor) -> None:
+    """Write a call's :func:`host_boundaries` into the budget's metadata in place."""
+    metadata = buffers.metadata
+    metadata.cu_seqlens.copy_(cu_seqlens)
+    if metadata.seq_lens is not None:
+        metadata.seq_lens.copy_(cu_seqlens.diff())
+
+
+def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tensor, Any]:
+    """The tower over the budget's packed tokens: ``[budget, width]`` hidden states after the
+    final norm, and ``[slots, width]`` pooled features (``None`` for a tower without a head).
+
+    Attention runs through :func:`routed_attention`, which reads the buffers bound by
+    :func:`bound` around the call.
+    """
+    hidden = tower.embeddings.patch_embedding(buffers.pixels) + buffers.positions
+    hidden = tower.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
+    hidden = tower.post_layernorm(hidden)
+    pooled = pool(tower.head, hidden, buffers) if tower.use_head else None
+    return hidden, pooled
+
+
+def pool(head: nn.Module, hidden: torch.Tensor, buffers: NaflexBuffers) -> torch.Tensor:
+    """The attention-pooling head (``Siglip2MultiheadAttentionPoolingHead``) of every image
+    slot at once (``[slots, width]``): the head's probe attends to its image's tokens only,
+    then the head's norm and MLP. An empty slot attends to every token (its row is cut off).
+
+    Padding tokens, after the last boundary, belong to no slot, and are zeroed first: a varlen
+    kernel that writes only the real sequences into fresh memory (FA3) leaves their attention
+    output unwritten, and a masked key or value that is not finite still turns a softmax's zero
+    weight into NaN."""
+    image = torch.searchsorted(buffers.metadata.cu_seqlens[1:], buffers.tokens, right=True)
+    hidden = torch.where((image < buffers.slots)[:, None], hidden, 0)
+    attention = head.attention
+    width = hidden.shape[-1]
+    heads = attention.num_heads
+    w_q, w_k, w_v = attention.in_proj_weight.chunk(3)
+    b_q, b_k, b_v = attention.in_proj_bias.chunk(3)
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], heads, width // heads).transpose(0, 1)
+
+    probe = split(F.linear(head.probe.view(1, width), w_q, b_q))
+    keys, values = split(F.linear(hidden, w_k, b_k)), split(F.linear(hidden, w_v, b_v))
+    slots = torch.arange(buffers.slots, device=hidden.device)
+    empty = buffers.metadata.cu_seqlens.diff() == 0
+    mask = (image[None, :] == slots[:, None]) | empty[:, None]
+    out = F.scaled_dot_product_attention(
+        probe.expand(heads, buffers.slots, -1), keys, values, attn_mask=mask
+    )
+    out = attention.out_proj(out.transpose(0, 1).reshape(buffers.slots, width))
+    return out + head.mlp(head.layernorm(out))
+
+
+def routed_attention(module: nn.Module) -> Callable[..., Any]:
+    """A forward for one ``Siglip2Attention`` that hands q, k and v of the packed tokens to the
+    bound buffers' backend, which reads the image boundaries from them.
+
+    Outside bound buffers (eager calls) the module's own forward runs.
+    """
+    original = type(module).forward.__get__(module)
+
+    def forward(
+        hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, None]:
+        buffers = _current.get()
+        if buffers is None:
+            return original(hidden_states, attention_mask, **kwargs)
+        tokens = hidden_states.shape[0]
+        q, k, v = (
+            projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
+            for projection in (module.q_proj, module.k_proj, module.v_proj)
+        )
+        out = buffers.backend(
+            q,
+            k,
+            v,
+            layout=SequenceLayout((buffers.budget,)),
+            metadata=buffers.metadata,
+            workspace=buffers.workspace,
+            scale=module.scale,
+        )
+        return module.out_proj(out.reshape(tokens, -1)), None
+
+    return forward

@@ -1,0 +1,571 @@
+"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, from transformers.
+
+Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
+and ``Qwen3VLVisionModel``, alone or inside their VLMs (the ``...VLModel`` classes at
+``visual``, the ``...ForConditionalGeneration`` classes at ``model.visual``). A tower takes
+every image and video at its own resolution: the patches of all of a call's entries
+(``grid_thw``) are packed into one sequence, attention is block-diagonal per frame (Qwen2-VL,
+Qwen3-VL: in every layer; Qwen2.5-VL: in its full-attention layers, per window in the others),
+and a patch merger closes the stack; Qwen3-VL also adds a learned position table interpolated
+to each grid and returns deep-stack features (intermediate layers, each through its own
+merger). Wrapping a VLM graphs its tower in place, so ``generate()`` and
+``get_image_features()`` use the graphs; ``unwrap()`` restores it.
+
+Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's
+frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL windows
+(``cu_window_seqlens``, ``window_index``) and for Qwen3-VL the position table's rows and
+weights per patch (``interp_indices``, ``interp_weights``) are computed by transformers' own
+``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
+takes as precomputed arguments (transformers 5.17 and later,
+:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`). Padding tokens come last in every
+order (``window_index`` maps them to themselves), read no position table row (zero weights)
+and belong to no frame or window: the sequences past the real ones are empty. Each attention
+module hands q, k and v to a backend that reads the boundaries from those buffers when it
+runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
+kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. Eager calls run
+the tower's own attention.
+
+What it does not serve from graphs (they run eagerly, the reason counted): attention weights
+or hidden states asked for, and precomputed arguments given by the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
+from layergraph.adapter import own_forward
+from layergraph.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PackedLayout,
+    SdpaMaskedAttention,
+    SequenceLayout,
+    choose_backend,
+)
+from layergraph.keys import UnsupportedCall
+from layergraph.ledger import ChangeLedger
+from layergraph.packing import PackedCall, Packing
+from layergraph_adapters.versions import QWEN2_VL_CHECKED, require_transformers
+
+
+@dataclass(frozen=True)
+class _TowerKind:
+    """A served tower class and what its forward computes from ``grid_thw`` besides frame
+    boundaries and rotary positions."""
+
+    module: str
+    name: str
+    windows: bool
+    """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
+    learned_positions: bool = False
+    """Whether a learned position table is interpolated to each grid (``interp_indices``,
+    ``interp_weights``: the table's rows each patch reads and their weights)."""
+
+
+_TOWERS = (
+    _TowerKind(
+        "transformers.models.qwen2_vl.modeling_qwen2_vl",
+        "Qwen2VisionTransformerPretrainedModel",
+        windows=False,
+    ),
+    _TowerKind(
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        windows=True,
+    ),
+    _TowerKind(
+        "transformers.models.qwen3_vl.modeling_qwen3_vl",
+        "Qwen3VLVisionModel",
+        windows=False,
+        learned_positions=True,
+    ),
+)
+_TOWER_PATHS = ("", "visual", "model.visual")
+_PRECOMPUTED = (
+    "position_ids",
+    "cu_seqlens",
+    "max_seqlen",
+    "window_index",
+    "cu_window_seqlens",
+    "max_window_seqlen",
+    "interp_indices",
+    "interp_weights",
+)
+"""The tower's arguments that replace what it computes from ``grid_thw``."""
+_MIN_FRAME_SLOTS = 8
+"""Frames (images, or frames of videos) a graph holds at least; more round up to a power of
+two. Part of a graph's signature: the Triton kernel's grid grows with it."""
+
+
+def tower_kind(module: nn.Module) -> _TowerKind | None:
+    """The kind of ``module`` if it is a served tower (its modeling module already imported:
+    an instance cannot exist otherwise)."""
+    for kind in _TOWERS:
+        modeling = sys.modules.get(kind.module)
+        if modeling is not None and isinstance(module, getattr(modeling, kind.name)):
+            return kind
+    return None
+
+
+def find_tower(model: nn.Module) -> nn.Module | None:
+    """``model`` or its ``visual`` / ``model.visual``, if a served Qwen vision tower."""
+    for path in _TOWER_PATHS:
+        candidate: Any = model
+        for name in filter(None, path.split(".")):
+            candidate = getattr(candidate, name, None)
+        if isinstance(candidate, nn.Module) and tower_kind(candidate) is not None:
+            return candidate
+    return None
+
+
+class Qwen2VLAdapter(Adapter):
+    """Graphs a Qwen2-VL, Qwen2.5-VL or Qwen3-VL vision tower, alone or inside its VLM, per token
+    budget.
+
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
+    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
+    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    """
+
+    name = "qwen2_vl"
+
+    def __init__(
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 256
+    ) -> None:
+        self.attention = attention
+        self.max_tokens = max_tokens
+        self.budget_step = budget_step
+
+    def recognizes(self, model: nn.Module) -> bool:
+        return "transformers" in sys.modules and find_tower(model) is not None
+
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        require_transformers(self.name, QWEN2_VL_CHECKED)
+        tower = find_tower(model)
+        if tower is None:
+            raise AdapterMismatch(
+                f"the qwen2_vl adapter serves transformers' "
+                f"{', '.join(kind.name for kind in _TOWERS)} and "
+                f"models holding one as visual or model.visual; got "
+                f"{type(model).__module__}.{type(model).__name__}"
+            )
+        return Qwen2VLPlan(tower, self, context)
+
+
+@dataclass(frozen=True, eq=False)
+class _WindowBuffers:
+    """A budget's windows: the order that groups tokens by window, and the windows' metadata."""
+
+    index: torch.Tensor
+    tail: torch.Tensor
+    """``0 .. budget / merge unit``: what ``index`` holds past the real tokens."""
+    metadata: AttentionMetadata
+
+
+@dataclass(frozen=True, eq=False)
+class PackedBuffers:
+    """One budget's buffers: the tower's inputs, its precomputed arguments, the attention
+    metadata over them and the backend's workspace. Written in place before every replay."""
+
+    budget: int
+    pixels: torch.Tensor
+    grid_thw: torch.Tensor
+    position_ids: torch.Tensor
+    full: AttentionMetadata
+    """The full-attention layers' metadata, from the ``attention_metadata`` hook; its
+    ``cu_seqlens`` is the tower's ``cu_seqlens`` argument, frame boundaries."""
+    window: _WindowBuffers | None
+    """``None`` for a tower without windows."""
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
+    """Both ``None`` for a tower without learned positions; zero weights past the real
+    tokens."""
+    backend: AttentionBackend
+    workspace: torch.Tensor | None
+    fixed: dict[str, Any]
+    """The call's other arguments (part of the signature)."""
+
+
+_current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
+    "layergraph_qwen2_vl_buffers", default=None
+)
+
+
+@dataclass(frozen=True)
+class _HostCall:
+    """What a call's ``grid_thw`` gives on the host, padded later to a budget."""
+
+    grids: tuple[tuple[int, int, int], ...]
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    window_index: torch.Tensor | None
+    cu_window_seqlens: torch.Tensor | None
+    """Both ``None`` for a tower without windows."""
+    interp_indices: torch.Tensor | None
+    interp_weights: torch.Tensor | None
+    """Both ``None`` for a tower without learned positions."""
+
+
+class Qwen2VLPlan(CapturePlan, Packing):
+    """The tower's whole forward per token budget, with attention routed to a backend that
+    reads the budget's boundaries; the plan is its own :class:`~layergraph.packing.Packing`."""
+
+    def __init__(self, tower: nn.Module, adapter: Qwen2VLAdapter, context: PlanContext) -> None:
+        kind = tower_kind(tower)
+        assert kind is not None, "find_tower returned the tower"
+        self.owner = tower
+        self.windows = kind.windows
+        self.learned_positions = kind.learned_positions
+        self.packing = self
+        self._forward = own_forward(tower)
+        self._attentions = [block.attn for block in tower.blocks]
+        self.budget_unit = tower.spatial_merge_size**2
+        if adapter.budget_step % self.budget_unit or adapter.max_tokens % adapter.budget_step:
+            raise ValueError(
+                f"budget_step {adapter.budget_step} must be a multiple of the merge unit "
+                f"({self.budget_unit} tokens) and max_tokens {adapter.max_tokens} a multiple of it"
+            )
+        self.budget_step = adapter.budget_step
+        self.largest_budget = adapter.max_tokens
+        if self.windows:
+            self.window_side = max(
+                tower.window_size // tower.spatial_merge_size // tower.patch_size, 1
+            )
+            """A window's side in merged tokens."""
+            self.window_tokens = self.window_side**2 * self.budget_unit
+            """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
+        self.heads = self._attentions[0].num_heads
+        self.head_dim = self._attentions[0].head_dim
+        candidates = (
+            SdpaMaskedAttention(),
+            *(b for b in context.registry.attention_backends() if b.reads_boundaries),
+        )
+        names = (*(b.name for b in candidates), "auto")
+        if adapter.attention not in names:
+            raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
+        self.attention = adapter.attention
+        self._backends = candidates
+        self._registry = context.registry
+
+    # ---- what the runner asks ----------------------------------------------------------------
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*args, **kwargs)
+
+    def sequence_of(self, call: PackedCall) -> Hashable:
+        return f"up to {call.signature[-1]} frames"
+
+    def eager_reason(self, call: PackedCall) -> str | None:
+        if call.argument("output_attentions"):
+            return "attention weights were asked for (output_attentions=True)"
+        if call.argument("output_hidden_states"):
+            return "hidden states were asked for (output_hidden_states=True)"
+        return None
+
+    @contextlib.contextmanager
+    def bound(self, state: PackedBuffers | None) -> Iterator[None]:
+        token = _current.set(state)
+        try:
+            yield
+        finally:
+            _current.reset(token)
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.owner.blocks)
+
+    @property
+    def capture_module(self) -> nn.Module:
+        return self.owner
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        changes.set_forward(self.owner, serve, "forward routed to the graphs")
+        for module in self._attentions:
+            changes.set_forward(
+                module, _routed_attention(module), "q, k and v handed to the attention backend"
+            )
+
+    # ---- packing -----------------------------------------------------------------------------
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
+        fixed = dict(kwargs)
+        pixels = fixed.pop("hidden_states", args[0] if args else None)
+        grid = fixed.pop("grid_thw", args[1] if len(args) > 1 else None)
+        if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor):
+            raise UnsupportedCall("the tower needs hidden_states and grid_thw as tensors")
+        if len(args) > 2:
+            raise UnsupportedCall("arguments past grid_thw were passed by position")
+        given = sorted(set(fixed) & set(_PRECOMPUTED))
+        if given:
+            raise UnsupportedCall(f"precomputed {', '.join(given)} were given")
+        if any(isinstance(value, torch.Tensor) for value in fixed.values()):
+            raise UnsupportedCall("a tensor argument besides hidden_states and grid_thw")
+        frozen = tuple(sorted(fixed.items()))
+        try:
+            hash(frozen)
+        except TypeError:
+            raise UnsupportedCall("an argument that is not hashable") from None
+        if pixels.dim() != 2 or grid.dim() != 2 or grid.shape[1] != 3:
+            raise UnsupportedCall(
+                f"input hidden_states {tuple(pixels.shape)} and grid_thw {tuple(grid.shape)} "
+                f"are not [patches, features] and [entries, 3]"
+            )
+        on_host = grid.cpu()
+        self._check_grid(on_host)
+        host = self._host_call(on_host)
+        tokens = sum(t * h * w for t, h, w in host.grids)
+        if tokens != pixels.shape[0]:
+            raise UnsupportedCall(
+                f"input hidden_states has {pixels.shape[0]} patches, grid_thw {tokens}"
+            )
+        frames = host.cu_seqlens.numel() - 1
+        slots = max(_MIN_FRAME_SLOTS, 1 << (frames - 1).bit_length())
+        signature = (pixels.dtype, pixels.shape[1], frozen, slots)
+        return PackedCall(
+            args=args,
+            kwargs=kwargs,
+            size=tokens,
+            signature=signature,
+            tensors=(pixels,),
+            parts=(pixels, host, fixed),
+        )
+
+    def _check_grid(self, grid: torch.Tensor) -> None:
+        """Raise :class:`~layergraph.keys.UnsupportedCall` for a ``grid_thw`` the tower cannot
+        take: no entry, or a side that is not a positive multiple of the merge size."""
+        if grid.shape[0] == 0:
+            raise UnsupportedCall("input grid_thw holds no image or video")
+        merge = self.owner.spatial_merge_size
+        for row in grid.tolist():
+            t, h, w = row
+            if t < 1 or h < merge or w < merge or h % merge or w % merge:
+                raise UnsupportedCall(
+                    f"input grid_thw row {row}: t must be positive, h and w positive multiples "
+                    f"of the spatial merge size {merge}"
+                )
+
+    def _host_call(self, grid: torch.Tensor) -> _HostCall:
+        """The call's boundaries, positions and windows, by transformers' own functions, from
+        ``grid_thw`` on the host."""
+        from transformers.vision_utils import (
+            get_vision_cu_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+
+        tower = self.owner
+        window_index = cu_window_seqlens = None
+        if self.windows:
+            window_index, cu_window_seqlens = get_vision_window_index(
+                grid, tower.spatial_merge_size, tower.window_size, tower.patch_size
+            )
+        interp_indices = interp_weights = None
+        if self.learned_positions:
+            interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
+                grid,
+                num_grid_per_side=tower.num_grid_per_side,
+                mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners,
+                spatial_merge_size=tower.spatial_merge_size,
+            )
+        return _HostCall(
+            grids=tuple(tuple(map(int, row)) for row in grid.tolist()),
+            position_ids=get_vision_position_ids(grid, tower.spatial_merge_size),
+            cu_seqlens=get_vision_cu_seqlens(grid),
+            window_index=window_index,
+            cu_window_seqlens=cu_window_seqlens,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+        )
+
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
+        pixels, host, fixed = call.parts
+        sizes = [t * h * w for t, h, w in host.grids]
+        if max(sizes) > budget:
+            return None
+        grid = call.argument("grid_thw", position=1)
+        pieces, first, start, tokens = [], 0, 0, 0
+        for index, size in enumerate([*sizes, None]):
+            if size is not None and tokens + size <= budget:
+                tokens += size
+                continue
+            stop = start + tokens
+            pieces.append(self.pack((pixels[start:stop], grid[first:index]), fixed))
+            first, start, tokens = index, stop, size
+        return pieces
+
+    def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
+        pixels, host, fixed = call.parts
+        device, slots = pixels.device, call.signature[-1]
+        merged = budget // self.budget_unit
+        backend = choose_backend(
+            self.attention,
+            device,
+            pixels.dtype,
+            self.heads,
+            self.head_dim,
+            SequenceLayout((budget,)),
+            backends=self._backends,
+        )
+
+        def metadata(slots: int, longest: int) -> AttentionMetadata:
+            layout = PackedLayout(budget, slots, longest)
+            return self._registry.attention_metadata(backend, layout, device)
+
+        full = metadata(slots, budget)
+        window = None
+        if self.windows:
+            window = _WindowBuffers(
+                index=torch.zeros(merged, dtype=torch.long, device=device),
+                tail=torch.arange(merged, device=device),
+                metadata=metadata(
+                    self.window_slots(budget, slots), min(self.window_tokens, budget)
+                ),
+            )
+        interp_indices = interp_weights = None
+        if host.interp_weights is not None:
+            taps, weights = host.interp_weights.shape[1], host.interp_weights.dtype
+            interp_indices = torch.zeros(budget, taps, dtype=torch.long, device=device)
+            interp_weights = torch.zeros(budget, taps, dtype=weights, device=device)
+        workspace = (
+            torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
+            if backend.needs_workspace
+            else None
+        )
+        return PackedBuffers(
+            budget=budget,
+            pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
+            grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
+            position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
+            full=full,
+            window=window,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+            backend=backend,
+            workspace=workspace,
+            fixed=fixed,
+        )
+
+    def window_slots(self, budget: int, frames: int) -> int:
+        """The most windows a call of at most ``budget`` tokens in at most ``frames`` frames
+        holds: the windowed layers' sequence count, which sizes the kernel's grid.
+
+        A frame of ``m`` merged tokens (``h`` by ``w``) in windows of ``s`` by ``s`` has
+        ``ceil(h / s) * ceil(w / s) <= m / s + (s - 1) / s`` windows (as ``h + w <= m + 1``),
+        so a call of ``M`` merged tokens has fewer than ``M / s + frames``, and at most ``M``.
+        """
+        merged = budget // self.budget_unit
+        return min(merged, -(-merged // self.window_side) + frames)
+
+    def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
+        pixels, host, _ = call.parts
+        tokens, merged = call.size, call.size // self.budget_unit
+        buffers.pixels[:tokens].copy_(pixels)
+        buffers.pixels[tokens:].zero_()
+        buffers.position_ids[:tokens].copy_(host.position_ids)
+        buffers.position_ids[tokens:].zero_()
+        _load_boundaries(buffers.full, host.cu_seqlens, tokens)
+        window = buffers.window
+        if window is not None:
+            window.index[:merged].copy_(host.window_index)
+            window.index[merged:].copy_(window.tail[merged:])
+            _load_boundaries(window.metadata, host.cu_window_seqlens, tokens)
+        if buffers.interp_indices is not None:
+            buffers.interp_indices[:tokens].copy_(host.interp_indices)
+            buffers.interp_indices[tokens:].zero_()
+            buffers.interp_weights[:tokens].copy_(host.interp_weights)
+            buffers.interp_weights[tokens:].zero_()
+
+    def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs = {
+            **buffers.fixed,
+            "grid_thw": buffers.grid_thw,
+            "position_ids": buffers.position_ids,
+            "cu_seqlens": buffers.full.cu_seqlens,
+            "max_seqlen": buffers.full.max_seqlen,
+        }
+        if buffers.window is not None:
+            kwargs["window_index"] = buffers.window.index
+            kwargs["cu_window_seqlens"] = buffers.window.metadata.cu_seqlens
+            kwargs["max_window_seqlen"] = buffers.window.metadata.max_seqlen
+        if buffers.interp_indices is not None:
+            kwargs["interp_indices"] = buffers.interp_indices
+            kwargs["interp_weights"] = buffers.interp_weights
+        return (buffers.pixels,), kwargs
+
+    def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
+        rows = {budget: call.size, budget // self.budget_unit: call.size // self.budget_unit}
+
+        def real(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] in rows:
+                return leaf[: rows[leaf.shape[0]]]
+            return leaf
+
+        return pytree.tree_map(real, output)
+
+
+def _load_boundaries(metadata: AttentionMetadata, offsets: torch.Tensor, tokens: int) -> None:
+    """Write a call's boundaries into ``metadata`` in place: the sequences past the real ones
+    are empty (they start and end at the last real token)."""
+    padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
+    padded[: offsets.numel()] = offsets
+    metadata.cu_seqlens.copy_(padded)
+    if metadata.seq_lens is not None:
+        metadata.seq_lens.copy_(padded.diff())
+
+
+def _routed_attention(module: nn.Module) -> Callable[..., Any]:
+    """A forward for one vision attention module that hands q, k and v, rotated, to the bound
+    buffers' backend with the metadata of the boundaries it is given (a frame's or a window's).
+
+    Outside bound buffers (eager calls) the module's own forward runs.
+    """
+    original = type(module).forward.__get__(module)
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb_vision
+
+    def forward(
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        buffers = _current.get()
+        if buffers is None:
+            return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
+        metadata = buffers.full
+        if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
+            metadata = buffers.window.metadata
+        tokens = hidden_states.shape[0]
+        q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
+        q, k = rotate(q, k, *position_embeddings)
+        backend = buffers.backend
+        if not backend.takes_strided_inputs:
+            v = v.contiguous()
+        out = backend(
+            q,
+            k,
+            v,
+            layout=SequenceLayout((buffers.budget,)),
+            metadata=metadata,
+            workspace=buffers.workspace,
+            scale=module.scaling,
+        )
+        return module.proj(out.reshape(tokens, -1))
+
+    return forward
+
+
+@hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(Qwen2VLAdapter)

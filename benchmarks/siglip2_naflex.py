@@ -1,0 +1,367 @@
+"""SigLIP2 so400m/16 NaFlex on one GPU: transformers eager, layergraph, a hand-written graph.
+
+    python3 benchmarks/siglip2_naflex.py --json siglip2.json      # an H200: a few minutes
+    python3 benchmarks/siglip2_naflex.py --tiny --json tiny.json  # a tiny tower, any machine
+
+The tower is transformers' ``Siglip2VisionModel`` with SigLIP2 so400m/16 NaFlex's configuration
+(27 layers, width 1152, 16 heads, 16-pixel patches, a 16x16 position table, the pooling head),
+random weights, bf16; nothing is downloaded. A call holds images of several aspect ratios, each
+given the largest patch grid of at most ``max_patches`` patches (SigLIP2's processor's own
+rule) and padded to ``max_patches``, as the processor returns them. Sections:
+
+- **calls**: batches of 1 to 8 images at 256 and 1024 patches, waited latency (medians of many
+  calls, each waited for, CUDA events): the tower eager; layergraph's ``wrap`` with its
+  defaults and with ``attention="triton"`` (the real patches packed per token budget); a
+  hand-written graph of the tower's own forward at that padded shape (``torch.cuda.graph``,
+  new pixels, masks and grids copied in: transformers 5.24 resizes the position table on the
+  device from ``spatial_shapes``), and each one's error against the same weights in float32,
+  eager, over the real patches of ``last_hidden_state`` and ``pooler_output``;
+- **stream**: seeded requests of 1 to 8 images at 256 or 1024 patches, each waited for: the
+  total of eager, of layergraph (its first pass, which captures, and a second) and of
+  hand-written graphs, one per padded shape (captures not counted); layergraph's graphs,
+  budgets, pool and capture seconds; every answer compared with eager's.
+
+``--tiny`` runs a four-layer tower in float32, on the GPU if there is one, else on the CPU,
+where layergraph's graphs are simulated (its Triton column runs ``sdpa_varlen``) and the
+hand-written "graph" runs the forward eagerly, so that every code path runs without a GPU. A
+hand-written graph that cannot be captured is reported with its error, not timed. The console
+gets the rows; ``--json`` every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.models.siglip2.image_processing_siglip2 import (
+    get_image_size_for_max_num_patches,
+)
+
+import layergraph
+from layergraph.reference import plain_graph
+from layergraph.testing import SimulatedGraphs
+from layergraph.timing import waited_ms
+from layergraph.validation import relative_error
+
+SO400M = dict(
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    patch_size=16,
+    num_patches=256,
+)
+"""``Siglip2VisionConfig`` of SigLIP2 so400m/16 NaFlex."""
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    patch_size=4,
+    num_patches=64,
+)
+PHOTOS = ((640, 480), (480, 640), (1920, 1080), (1080, 1920), (512, 512), (1200, 300), (96, 640))
+"""Image sizes (width, height) in pixels, from landscape to a tall strip."""
+CALLS = ((1, 256), (2, 256), (4, 256), (8, 256), (1, 1024), (4, 1024))
+"""The calls section's (images, max_patches)."""
+TINY_CALLS = ((1, 16), (2, 16), (4, 16), (8, 16), (1, 64), (4, 64))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the run measures: device, dtype, the time each median may take, the stream."""
+
+    device: torch.device
+    dtype: torch.dtype
+    seconds: float
+    """Roughly how long each timed median runs (5 to 100 calls)."""
+    requests: int
+    seed: int
+    calls: tuple[tuple[int, int], ...]
+
+    @property
+    def simulated(self) -> bool:
+        """Whether graphs are simulated (no GPU): replays rerun the captured region."""
+        return self.device.type != "cuda"
+
+
+def naflex_call(
+    model: nn.Module, images: int, max_patches: int, rng: random.Random, settings: Settings
+) -> dict[str, torch.Tensor]:
+    """A padded batch of ``images`` random photos (sizes from :data:`PHOTOS`), as SigLIP2's
+    processor gives it at ``max_patches``."""
+    patch = model.config.patch_size
+    grids = []
+    for width, height in rng.choices(PHOTOS, k=images):
+        rows, columns = get_image_size_for_max_num_patches(height, width, patch, max_patches)
+        grids.append((rows // patch, columns // patch))
+    mask = torch.zeros(images, max_patches, dtype=torch.int32)
+    for row, (height, width) in enumerate(grids):
+        mask[row, : height * width] = 1
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    features = model.config.num_channels * patch * patch
+    pixels = torch.randn(images, max_patches, features, generator=generator) * mask[..., None]
+    return {
+        "pixel_values": pixels.to(settings.device, settings.dtype),
+        "pixel_attention_mask": mask.to(settings.device),
+        "spatial_shapes": torch.tensor(grids, device=settings.device),
+    }
+
+
+def answer(output: Any, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """What callers read: ``last_hidden_state`` at the real patches, ``pooler_output``."""
+    real = inputs["pixel_attention_mask"].bool()
+    return [output.last_hidden_state[real], output.pooler_output]
+
+
+def error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The worst relative error over the parts of an answer."""
+    return max(relative_error(part, expected) for part, expected in zip(got, want))
+
+
+@contextlib.contextmanager
+def host_checks_off() -> Iterator[None]:
+    """transformers' input checks off (``TRANSFORMERS_DISABLE_TORCH_CHECK``): they read tensors
+    on the host, which a CUDA graph capture forbids."""
+    before = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"]
+        else:
+            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
+
+
+def hand_graph(
+    model: nn.Module, inputs: dict[str, torch.Tensor]
+) -> tuple[Callable[..., Any] | None, str | None]:
+    """The tower's own forward at the padded shape of ``inputs``, captured by hand (on the
+    CPU, the forward itself), or ``None`` and why the capture failed."""
+    if inputs["pixel_values"].device.type != "cuda":
+        return model, None
+    try:
+        with host_checks_off():
+            return plain_graph(model, **inputs), None
+    except Exception as failure:  # a forward that cannot be captured: reported, not fatal
+        return None, f"{type(failure).__name__}: {failure}"
+
+
+def waited(fn: Callable[[], Any], settings: Settings) -> float:
+    """Median waited milliseconds of ``fn`` over as many calls as fit in ``settings.seconds``
+    (5 to 100), after an untimed call (layergraph captures in it) and a timed probe."""
+    fn()
+    _, probe = timed_call(fn, settings)
+    iters = int(min(100, max(5, settings.seconds * 1e3 / max(probe, 1e-3))))
+    return waited_ms(fn, device=settings.device, warmup=1, iters=iters)
+
+
+def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
+    """One call of ``fn``, waited for: its output and milliseconds (CUDA events on a GPU)."""
+    if settings.device.type != "cuda":
+        started = time.perf_counter()
+        output = fn()
+        return output, (time.perf_counter() - started) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    output = fn()
+    end.record()
+    end.synchronize()
+    return output, start.elapsed_time(end)
+
+
+def wrap(model: nn.Module, settings: Settings, attention: str = "auto") -> Any:
+    """layergraph's wrapper of ``model`` (simulated graphs without a GPU)."""
+    backend = SimulatedGraphs() if settings.simulated else None
+    return layergraph.wrap(model, adapter="siglip2", attention=attention, backend=backend)
+
+
+def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
+    """The calls section: one row per (images, max_patches)."""
+    reference = copy.deepcopy(model).to(torch.float64 if settings.simulated else torch.float32)
+    wide = next(reference.parameters()).dtype
+    rng = random.Random(settings.seed)
+    inputs = [naflex_call(model, n, patches, rng, settings) for n, patches in settings.calls]
+    rows, wants = [], []
+    with torch.inference_mode():
+        for (images, patches), batch in zip(settings.calls, inputs):
+            wide_batch = dict(batch, pixel_values=batch["pixel_values"].to(wide))
+            want = answer(reference(**wide_batch), batch)
+            wants.append(want)
+            real = int(batch["pixel_attention_mask"].sum())
+            row: dict[str, Any] = {"images": images, "max_patches": patches, "tokens": real}
+            row["eager_ms"] = waited(lambda b=batch: model(**b), settings)
+            row["eager_error"] = error(answer(model(**batch), batch), want)
+            by_hand, failure = hand_graph(model, batch)
+            if by_hand is None:
+                row["hand_graph_failure"] = failure
+            else:
+                row["hand_graph_ms"] = waited(lambda h=by_hand, b=batch: h(**b), settings)
+                row["hand_graph_error"] = error(answer(by_hand(**batch), batch), want)
+            del by_hand
+            rows.append(row)
+        del reference
+        for column, attention in (("layergraph", "auto"), ("layergraph_triton", "triton")):
+            if attention == "triton" and settings.simulated:
+                attention = "sdpa_varlen"
+            graphed = wrap(model, settings, attention)
+            for row, batch, want in zip(rows, inputs, wants):
+                row[f"{column}_ms"] = waited(lambda g=graphed, b=batch: g(**b), settings)
+                row[f"{column}_error"] = error(answer(graphed(**batch), batch), want)
+                row[f"{column}_served"] = sorted(
+                    way for tokens, way in graphed.stats.served if tokens == row["tokens"]
+                )
+            graphed.release()
+            graphed.unwrap()
+    return rows
+
+
+def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
+    """The stream: totals of eager, layergraph (first and second pass) and hand-written graphs
+    per padded shape, each call waited for, every answer compared with eager's."""
+    rng = random.Random(settings.seed + 1)
+    shapes = sorted({patches for _, patches in settings.calls})
+    inputs = [
+        naflex_call(model, rng.randint(1, 8), rng.choice(shapes), rng, settings)
+        for _ in range(settings.requests)
+    ]
+    result: dict[str, Any] = {
+        "requests": len(inputs),
+        "images": sum(batch["pixel_values"].shape[0] for batch in inputs),
+        "tokens": sum(int(batch["pixel_attention_mask"].sum()) for batch in inputs),
+        "padded_tokens": sum(batch["pixel_attention_mask"].numel() for batch in inputs),
+    }
+    with torch.inference_mode():
+        expected, total = [], 0.0
+        for batch in inputs:
+            output, ms = timed_call(lambda b=batch: model(**b), settings)
+            expected.append(answer(output, batch))
+            total += ms
+        result["eager_s"] = total / 1e3
+        graphed = wrap(model, settings)
+        for name in ("layergraph_first_pass", "layergraph"):
+            total, worst = 0.0, 0.0
+            for batch, want in zip(inputs, expected):
+                output, ms = timed_call(lambda b=batch: graphed(**b), settings)
+                total += ms
+                worst = max(worst, error(answer(output, batch), want))
+            result[f"{name}_s"], result[f"{name}_error"] = total / 1e3, worst
+        stats = graphed.stats
+        result.update(
+            graphs=stats.graphs,
+            budgets=sorted(key.batch for key in graphed.keys),
+            pool_mib=stats.pool_bytes / 2**20,
+            capture_s=stats.capture_seconds,
+            eager_calls=dict(stats.eager_calls),
+        )
+        graphed.release()
+        graphed.unwrap()
+        result.update(hand_graphs(model, inputs, expected, settings))
+    return result
+
+
+def hand_graphs(
+    model: nn.Module,
+    inputs: list[dict[str, torch.Tensor]],
+    expected: list[list[torch.Tensor]],
+    settings: Settings,
+) -> dict[str, Any]:
+    """Each padded shape of the stream captured by hand once and replayed for its requests, one
+    shape at a time (so that their memory is not held together)."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for index, batch in enumerate(inputs):
+        by_shape.setdefault(tuple(batch["pixel_values"].shape), []).append(index)
+    total, capture, worst, failures = 0.0, 0.0, 0.0, []
+    for indices in by_shape.values():
+        started = time.perf_counter()
+        by_hand, failure = hand_graph(model, inputs[indices[0]])
+        capture += time.perf_counter() - started
+        if by_hand is None:
+            failures.append(failure)
+            continue
+        for index in indices:
+            batch = inputs[index]
+            output, ms = timed_call(lambda h=by_hand, b=batch: h(**b), settings)
+            total += ms
+            worst = max(worst, error(answer(output, batch), expected[index]))
+        del by_hand
+    return {
+        "hand_graphs": len(by_shape),
+        "hand_graph_s": total / 1e3,
+        "hand_graph_capture_s": capture,
+        "hand_graph_error": worst,
+        "hand_graph_failures": failures,
+    }
+
+
+def rounded(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its floats to four significant digits, for the console."""
+    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in record.items()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write every number to this file")
+    parser.add_argument("--tiny", action="store_true", help="a four-layer tower in float32")
+    parser.add_argument("--requests", type=int, default=None, help="stream length (100; 8 tiny)")
+    parser.add_argument("--seconds", type=float, default=None, help="per median (1.0; 0.05 tiny)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not args.tiny and not cuda:
+        parser.error("the so400m tower needs a CUDA GPU; --tiny runs anywhere")
+    settings = Settings(
+        device=torch.device("cuda" if cuda else "cpu"),
+        dtype=torch.float32 if args.tiny else torch.bfloat16,
+        seconds=args.seconds if args.seconds is not None else (0.05 if args.tiny else 1.0),
+        requests=args.requests if args.requests is not None else (8 if args.tiny else 100),
+        seed=args.seed,
+        calls=TINY_CALLS if args.tiny else CALLS,
+    )
+    torch.manual_seed(settings.seed)
+    config = transformers.Siglip2VisionConfig(**(TINY if args.tiny else SO400M))
+    with torch.device(settings.device):
+        model = transformers.Siglip2VisionModel(config)
+    model = model.to(settings.dtype).eval()
+    started = time.perf_counter()
+    rows = calls(model, settings)
+    for row in rows:
+        print(rounded(row))
+    streamed = stream(model, settings)
+    print(rounded(streamed))
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "graphs": "simulated" if settings.simulated else "cuda",
+        "dtype": str(settings.dtype),
+        "config": config.to_dict(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+        "seed": settings.seed,
+        "seconds": time.perf_counter() - started,
+        "calls": rows,
+        "stream": streamed,
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()

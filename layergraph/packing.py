@@ -1,0 +1,123 @@
+"""Packed calls: many images of different sizes in one sequence, served by token budgets.
+
+Some towers (Qwen2-VL's, SigLIP2 NaFlex) take every image at its own resolution: the patches of
+all images of a call are packed into one sequence, and which tokens attend to each other is
+data (``cu_seqlens``), not shape. A graph cannot be captured per image mix; it is captured per
+token *budget* instead, and every call whose tokens fit is written into the budget's buffers in
+place, padded past its real tokens. A plan whose calls pack this way sets
+:attr:`~layergraph.adapter.CapturePlan.packing` to a :class:`Packing`, which says how a call
+becomes buffers and back; the runner chooses the budget (:mod:`layergraph.policy`), captures,
+replays and measures, as it does for batch sizes.
+
+What this module does not do: choose budgets, capture or replay (the runner does), or know any
+model (the plan's :class:`Packing` does).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["PackedCall", "Packing"]
+
+
+@dataclass(frozen=True, eq=False)
+class PackedCall:
+    """One call of a packed plan, as its :class:`Packing` read it on the host.
+
+    The runner reads :attr:`size` to choose a budget, :attr:`signature` (with the budget) to find
+    the graph, and :attr:`tensors` for its device and dtype checks; the plan reads
+    :meth:`argument` in ``eager_reason`` as it would on a
+    :class:`~layergraph.keys.CallInputs`. :attr:`parts` is the plan's own: what it computed
+    from the call to load it into buffers (per-image grids, metadata on the host).
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    size: int
+    """Tokens the call holds: the budget it needs."""
+    signature: Hashable
+    """What fixes a graph besides the budget (dtypes, fixed arguments, a sequence budget)."""
+    tensors: tuple[torch.Tensor, ...]
+    """The inputs whose device and dtype must be the model's for a graph to serve."""
+    parts: Any = field(default=None, repr=False)
+
+    @property
+    def batch(self) -> int:
+        """The call's size in the unit budgets count (tokens), as statistics show it."""
+        return self.size
+
+    def argument(self, name: str, position: int | None = None, default: Any = None) -> Any:
+        """The value of argument ``name`` (keyword, or ``position`` among positional ones)."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        if position is not None and 0 <= position < len(self.args):
+            return self.args[position]
+        return default
+
+
+class Packing(ABC):
+    """How a plan's calls are packed into token budgets, loaded into buffers and cut back out.
+
+    Workflow, driven by the runner: :meth:`pack` reads a call on the host; the runner picks a
+    budget of at least its :attr:`PackedCall.size` tokens (multiples of :attr:`budget_step`, at
+    most :attr:`largest_budget` unless the user gave budgets); for a new budget
+    :meth:`allocate` makes the buffers, which are also the plan's per-key state (bound around
+    capture through :meth:`~layergraph.adapter.CapturePlan.bound`); before every replay
+    :meth:`load` writes the call into them, padding past its real tokens so that no real token
+    attends to padding; :meth:`cut` takes the real rows out of the graph's outputs. A call
+    above every budget is :meth:`split` (by images) and the pieces' outputs are
+    :meth:`join`-ed.
+    """
+
+    budget_unit: int = 1
+    """Every budget, learnt or given, is a multiple of this many tokens: the call's indivisible
+    group of rows (a patch merger's 2x2 patches), so that padding never shares a group with a
+    real token."""
+    budget_step: int = 1
+    """Every learnt budget is a multiple of this many tokens (and of :attr:`budget_unit`)."""
+    largest_budget: int = 1 << 14
+    """The largest budget learnt (``batch_sizes="auto"``); larger calls are split."""
+
+    @abstractmethod
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
+        """Read a call; raise :class:`~layergraph.keys.UnsupportedCall` (the reason it runs
+        eagerly) for one a graph cannot take."""
+
+    @abstractmethod
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
+        """The call cut into calls of at most ``budget`` tokens each, whose joined outputs are
+        the call's; ``None`` if one indivisible part (an image) is larger."""
+
+    @abstractmethod
+    def allocate(self, budget: int, call: PackedCall) -> Any:
+        """The buffers of a graph of ``budget`` tokens for calls like ``call`` (same
+        signature): inputs and metadata. Their addresses never change afterwards."""
+
+    @abstractmethod
+    def load(self, buffers: Any, call: PackedCall) -> None:
+        """Write ``call`` into ``buffers`` in place, padding past its real tokens."""
+
+    @abstractmethod
+    def arguments(self, buffers: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The region's ``(args, kwargs)`` that read ``buffers``."""
+
+    @abstractmethod
+    def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
+        """``output`` of a graph of ``budget`` tokens with only ``call``'s rows (views)."""
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        """The outputs of consecutive pieces of a split call as one output: tensors
+        concatenated along the first dimension, anything else taken from the first piece."""
+        flat = [pytree.tree_flatten(part) for part in parts]
+        columns = zip(*(leaves for leaves, _ in flat))
+        joined = [
+            torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0]
+            for column in columns
+        ]
+        return pytree.tree_unflatten(joined, flat[0][1])

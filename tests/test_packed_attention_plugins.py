@@ -1,0 +1,139 @@
+"""A plugin's attention backend and metadata serving a packed tower (Qwen2.5-VL's).
+
+The plugin registers a backend that reads boundaries when it runs (masked SDPA that records
+what it is handed) and builds its metadata through the ``attention_metadata`` hook, which a
+packed plan asks with a :class:`~layergraph.attention.PackedLayout` per token budget and kind
+of attention (full, windowed). On the CPU through simulated graphs, whose replays run the
+captured region again, so the backend sees the metadata a replay reads: it must be the hook's
+own tensors, holding each call's boundaries, and every answer must equal the tower's (1e-4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.attention import (
+    AttentionMetadata,
+    PackedLayout,
+    SdpaMaskedAttention,
+    SequenceLayout,
+    build_metadata,
+)
+from layergraph.testing import SimulatedGraphs
+
+pytest.importorskip("transformers")
+from test_qwen2_vl_adapter import check, tower
+
+BUDGET = 128
+
+
+class RecordingAttention(SdpaMaskedAttention):
+    """Masked SDPA that records the metadata and boundaries each run is handed."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[AttentionMetadata, list[int]]] = []
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        metadata = kwargs["metadata"]
+        self.seen.append((metadata, metadata.cu_seqlens.tolist()))
+        return super().__call__(q, k, v, **kwargs)
+
+
+class Plugin:
+    """Registers the recording backend and builds its packed metadata: ``cu_seqlens`` only,
+    ``max_seqlen`` as ``build`` says."""
+
+    def __init__(self, build: Callable[[PackedLayout], int] = lambda layout: layout.max_length):
+        self.backend = RecordingAttention()
+        self.build = build
+        self.asked: list[Any] = []
+        self.built: list[AttentionMetadata] = []
+
+    @layergraph.hookimpl
+    def register_attention_backends(self, register: Callable[..., None]) -> None:
+        register(self.backend)
+
+    @layergraph.hookimpl
+    def attention_metadata(
+        self, backend: str, layout: Any, device: torch.device
+    ) -> AttentionMetadata | None:
+        if backend != "recording" or not isinstance(layout, PackedLayout):
+            return None
+        self.asked.append(layout)
+        made = build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
+        metadata = AttentionMetadata(self.build(layout), made.cu_seqlens)
+        self.built.append(metadata)
+        return metadata
+
+
+def boundaries(grids: list[tuple[int, int, int]], slots: int) -> list[int]:
+    """Each frame's first token and the call's end, then the end again for the empty slots."""
+    offsets = [0]
+    for t, h, w in grids:
+        offsets += [offsets[-1] + h * w * (frame + 1) for frame in range(t)]
+    return offsets + [offsets[-1]] * (slots + 1 - len(offsets))
+
+
+def test_a_plugin_backend_reads_the_boundaries_its_hook_built_written_at_each_call(
+    layergraph_registry: Any,
+) -> None:
+    plugin = Plugin()
+    layergraph_registry.add_plugin(plugin, "recording-plugin")
+    model = tower()
+    graphed = layergraph.wrap(
+        model,
+        adapter="qwen2_vl",
+        attention="recording",
+        backend=SimulatedGraphs(),
+        batch_sizes=[BUDGET],
+    )
+    windows = graphed.plan.window_slots(BUDGET, 8)
+    calls = ([(1, 4, 6), (2, 2, 2), (1, 8, 8)], [(1, 8, 8), (1, 6, 4), (2, 2, 2)])  # 96 each
+    for grids in calls:
+        plugin.backend.seen.clear()
+        check(graphed, model, grids)
+        full = [cu for metadata, cu in plugin.backend.seen if metadata is plugin.built[0]]
+        assert full and all(cu == boundaries(grids, slots=8) for cu in full)
+        assert all(
+            any(metadata is built for built in plugin.built) for metadata, _ in plugin.backend.seen
+        )
+    assert plugin.asked == [PackedLayout(BUDGET, 8, BUDGET), PackedLayout(BUDGET, windows, 16)]
+    assert graphed.stats.graphs == 1 and graphed.stats.replays == 2
+
+
+def test_packed_metadata_that_cannot_hold_a_budgets_calls_is_refused_naming_the_hook(
+    layergraph_registry: Any,
+) -> None:
+    layergraph_registry.add_plugin(Plugin(build=lambda layout: 16), "short-plugin")
+    graphed = layergraph.wrap(
+        tower(), adapter="qwen2_vl", attention="recording", backend=SimulatedGraphs()
+    )
+    pixels, grid = torch.randn(64, 3 * 2 * 14 * 14), torch.tensor([[1, 8, 8]])
+    with torch.inference_mode(), pytest.raises(ValueError) as refusal:
+        graphed(pixels, grid_thw=grid)
+    assert "attention metadata from an attention_metadata hook cannot hold calls of up to" in str(
+        refusal.value
+    )
+    assert "max_seqlen must be an int of at least 256" in str(refusal.value)
+
+
+def test_metadata_holds_a_sequence_layouts_boundaries_and_room_for_a_packed_layouts() -> None:
+    layout = SequenceLayout((3, 5))
+    metadata = build_metadata(layout, torch.device("cpu"), cu_seqlens=True, seq_lens=True)
+    assert metadata.cu_seqlens.tolist() == [0, 3, 8] and metadata.seq_lens.tolist() == [3, 5]
+    packed = build_metadata(
+        PackedLayout(8, 2, 5), torch.device("cpu"), cu_seqlens=True, seq_lens=True
+    )
+    assert packed.cu_seqlens.tolist() == [0, 0, 0] and packed.seq_lens.tolist() == [0, 0]
+    assert packed.max_seqlen == 5
+    with pytest.raises(ValueError, match="max_length at most tokens"):
+        PackedLayout(4, 1, 16)

@@ -1,0 +1,81 @@
+"""``benchmarks/packed_towers.py --tiny``: every section runs without a GPU, and every method's
+answers agree with the tower's.
+
+Four-layer Qwen2.5-VL and Qwen3-VL towers in float32: layergraph's graphs are simulated on the
+CPU and the hand-written graph runs its forward eagerly, so each method's error against the
+float64 reference is float32 rounding (about 1e-6; 1e-5 allowed), and in the stream each
+answer of layergraph and of the hand-written graphs equals eager's within 1e-5.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("rich")
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-5
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The benchmark script as a module."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("packed_towers")
+
+
+def test_the_tiny_run_measures_every_section_and_its_answers_agree(
+    bench: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "tiny.json"
+    result = bench.main(["--tiny", "--requests", "6", "--seconds", "0.01", "--json", str(path)])
+    assert json.loads(path.read_text())["towers"][0]["tower"] == "qwen2.5-vl-tiny"
+    assert [record["tower"] for record in result["towers"]] == ["qwen2.5-vl-tiny", "qwen3-vl-tiny"]
+    for record in result["towers"]:
+        assert [row["size"] for row in record["images"]] == [
+            f"{width}x{height}" for width, height in bench.TINY_SIZES
+        ]
+        for row in record["images"]:
+            for method in ("eager", "layergraph_triton", "layergraph", "hand_graph"):
+                assert row[f"{method}_ms"] > 0, (record["tower"], row["size"], method)
+                assert row[f"{method}_error"] <= TOLERANCE, (record["tower"], row["size"], method)
+            assert row["layergraph_served"], row  # the calls were counted
+        assert all(record["image_budgets"].values())
+        stream = record["stream"]
+        assert stream["requests"] == 6 and stream["entries"] >= 6
+        assert stream["eager_s"] > 0 and stream["layergraph_s"] > 0 and stream["hand_graph_s"] > 0
+        assert stream["layergraph_error"] <= TOLERANCE
+        assert stream["hand_graph_error"] <= TOLERANCE
+        assert 1 <= stream["graphs"] == len(stream["budgets"])
+        assert stream["eager_calls"] == {}
+        assert stream["largest_budget_pool_mib"] is not None
+
+
+def test_the_full_size_towers_ask_for_a_gpu_without_one(bench: Any, capsys: Any) -> None:
+    if bench.torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        bench.main([])
+    assert "need a CUDA GPU; --tiny runs anywhere" in capsys.readouterr().err
+
+
+def test_the_stream_is_seeded_and_mixes_sizes_counts_and_videos(bench: Any) -> None:
+    config = bench.towers(tiny=False)[0].config()
+    requests = bench.stream_requests(config, 100, bench.SIZES, seed=0)
+    assert requests == bench.stream_requests(config, 100, bench.SIZES, seed=0)
+    entries = [entry for request in requests for entry in request]
+    assert {len(request) for request in requests} == {1, 2, 3}
+    assert {entry for entry in entries if entry[0] == 1} == {
+        (1, 16, 16),
+        (1, 32, 32),
+        (1, 32, 48),
+        (1, 64, 64),
+        (1, 72, 96),
+    }
+    assert 5 <= sum(entry[0] > 1 for entry in entries) <= 40

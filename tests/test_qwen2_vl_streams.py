@@ -1,0 +1,120 @@
+"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+On the CPU through simulated graphs whose costs make every way win somewhere: eager pays
+``launches`` ms per call, a replay a third of that, and both pay per token, so a budget's graph
+is kept or dropped, a call goes to its own budget, a larger one, is split by images or runs
+eagerly. Calls hold one to three entries drawn from images smaller than a window, images of
+several windows, one image larger than every budget, and two-frame videos; budgets are learnt,
+given or exact; few graphs are allowed. Every answer (the merged features, the last hidden
+state and Qwen3-VL's deep-stack features) must equal the unwrapped tower's on the same fresh
+random input within 1e-4 relative error (float32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+from layergraph.validation import relative_error
+
+pytest.importorskip("transformers")
+from test_qwen2_vl_adapter import (
+    ENTRIES,
+    TOLERANCE,
+    VISION_QWEN3,
+    call,
+    qwen2_vl,
+    sharpen,
+    tower,
+)
+
+LARGEST = 128
+"""The largest budget, learnt or given: a call above it is split by images."""
+BIG = (1, 16, 12)
+"""An image of 192 tokens, above every budget: its calls run eagerly, with the reason."""
+
+
+@functools.cache
+def model(kind: str) -> nn.Module:
+    """The tower of ``kind``, built once (wrapping and unwrapping leave it as it was)."""
+    if kind != "qwen3_vl":
+        return tower(kind)
+    from transformers import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    torch.manual_seed(0)
+    return sharpen(Qwen3VLVisionModel(Qwen3VLVisionConfig(**VISION_QWEN3)).eval())
+
+
+def answer(output: Any) -> list[torch.Tensor]:
+    """What a caller reads: merged features, the last hidden state (Qwen2-VL's tower returns
+    none) and Qwen3-VL's deep-stack features."""
+    parts = [output.pooler_output, output.last_hidden_state]
+    parts += pytree.tree_leaves(getattr(output, "deepstack_features", None))
+    return [part for part in parts if part is not None]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]),
+    stream=st.lists(
+        st.lists(st.sampled_from([*ENTRIES, BIG]), min_size=1, max_size=3), min_size=3, max_size=8
+    ),
+    budgets=st.sampled_from(["auto", (32, 64, LARGEST), None]),
+    max_graphs=st.integers(1, 3),
+    launches=st.sampled_from([0.0, 2.0, 8.0]),
+    static_output=st.booleans(),
+    validate=st.booleans(),
+)
+def test_every_answer_equals_the_towers(
+    kind: str,
+    stream: list[list[tuple[int, int, int]]],
+    budgets: Any,
+    max_graphs: int,
+    launches: float,
+    static_output: bool,
+    validate: bool,
+) -> None:
+    tower = model(kind)
+    backend = SimulatedGraphs(
+        eager_ms=lambda tokens: launches + 0.01 * tokens,
+        replay_ms=lambda tokens: launches / 3 + 0.012 * tokens,
+    )
+    graphed = layergraph.wrap(
+        tower,
+        adapter=qwen2_vl.Qwen2VLAdapter(budget_step=32, max_tokens=LARGEST),
+        backend=backend,
+        batch_sizes=list(budgets) if isinstance(budgets, tuple) else budgets,
+        max_graphs=max_graphs,
+        static_output=static_output,
+        validate=validate,
+    )
+    try:
+        for grids in stream:
+            pixels, grid = call(grids)
+            with torch.inference_mode():
+                got = [part.clone() for part in answer(graphed(pixels, grid_thw=grid))]
+                with graphed.original():
+                    want = answer(tower(pixels, grid_thw=grid))
+            assert [t.shape for t in got] == [t.shape for t in want], grids
+            for part, expected in zip(got, want):
+                assert relative_error(part, expected) <= TOLERANCE, grids
+        stats = graphed.stats
+        assert stats.graphs <= max_graphs
+        assert all(key.batch % 4 == 0 for key in graphed.keys)
+        if budgets is not None:
+            assert all(key.batch <= LARGEST for key in graphed.keys)
+        for reason in stats.eager_calls:
+            if "above the largest token budget" in reason:
+                assert any(BIG in grids for grids in stream) or budgets is None
+    finally:
+        graphed.unwrap()

@@ -1,0 +1,64 @@
+"""``benchmarks/siglip2_naflex.py --tiny``: every section runs without a GPU, and every method's
+answers agree with the tower's.
+
+A four-layer SigLIP2 NaFlex tower in float32: layergraph's graphs are simulated on the CPU and
+the hand-written graph runs the forward eagerly, so each method's error against the float64
+reference is float32 rounding (about 1e-7; 1e-5 allowed), and in the stream each answer of
+layergraph and of the hand-written graphs equals eager's within 1e-5.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-5
+METHODS = ("eager", "hand_graph", "layergraph", "layergraph_triton")
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The benchmark script as a module."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("siglip2_naflex")
+
+
+def test_the_tiny_run_measures_every_section_and_its_answers_agree(
+    bench: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "tiny.json"
+    result = bench.main(["--tiny", "--requests", "4", "--seconds", "0.01", "--json", str(path)])
+    assert json.loads(path.read_text())["graphs"] == result["graphs"]
+    assert [(row["images"], row["max_patches"]) for row in result["calls"]] == list(
+        bench.TINY_CALLS
+    )
+    for row in result["calls"]:
+        assert 0 < row["tokens"] <= row["images"] * row["max_patches"]
+        for method in METHODS:
+            assert row[f"{method}_ms"] > 0, (row, method)
+            assert row[f"{method}_error"] <= TOLERANCE, (row, method)
+        assert row["layergraph_served"] and row["layergraph_triton_served"], row
+    stream = result["stream"]
+    assert stream["requests"] == 4 and stream["images"] >= 4
+    assert stream["tokens"] < stream["padded_tokens"]
+    assert stream["eager_s"] > 0 and stream["layergraph_s"] > 0 and stream["hand_graph_s"] > 0
+    for method in ("layergraph_first_pass", "layergraph", "hand_graph"):
+        assert stream[f"{method}_error"] <= TOLERANCE, method
+    assert 1 <= stream["graphs"] == len(stream["budgets"])
+    assert stream["eager_calls"] == {}
+    assert stream["hand_graph_failures"] == []
+
+
+def test_the_so400m_tower_asks_for_a_gpu_without_one(bench: Any, capsys: Any) -> None:
+    if bench.torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        bench.main([])
+    assert "the so400m tower needs a CUDA GPU; --tiny runs anywhere" in capsys.readouterr().err
