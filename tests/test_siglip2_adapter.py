@@ -325,10 +325,12 @@ class UnwrittenPadding(SdpaMaskedAttention):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
-        real = int(kwargs["metadata"].cu_seqlens[-1])
-        q, k, v = (torch.cat([t[:real], torch.zeros_like(t[real:])]) for t in (q, k, v))
+        # rows past the last boundary, found on the device as a kernel would (no host read)
+        rows = torch.arange(q.shape[0], device=q.device) < kwargs["metadata"].cu_seqlens[-1]
+        real = rows.view(-1, *([1] * (q.dim() - 1)))
+        q, k, v = (torch.where(real, t, torch.zeros_like(t)) for t in (q, k, v))
         out = super().__call__(q, k, v, **kwargs)
-        return torch.cat([out[:real], torch.full_like(out[real:], float("nan"))])
+        return torch.where(real, out, torch.full_like(out, float("nan")))
 
 
 def test_unwritten_attention_rows_of_the_padding_reach_no_pooled_feature(registry: Any) -> None:
@@ -353,12 +355,13 @@ class Recording(SdpaMaskedAttention):
     name = "recording"
 
     def __init__(self) -> None:
-        self.seen: list[tuple[AttentionMetadata, list[int]]] = []
+        self.seen: list[tuple[AttentionMetadata, torch.Tensor]] = []
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
-        self.seen.append((kwargs["metadata"], kwargs["metadata"].cu_seqlens.tolist()))
+        metadata = kwargs["metadata"]
+        self.seen.append((metadata, metadata.cu_seqlens.clone()))  # read after the call
         return super().__call__(q, k, v, **kwargs)
 
 
@@ -397,7 +400,7 @@ def test_a_plugins_metadata_for_the_budget_holds_each_calls_boundaries(registry:
         check(graphed, model, grids)
         assert plugin.backend.seen  # every layer's attention, in the replay
         assert all(metadata is plugin.built[0] for metadata, _ in plugin.backend.seen)
-        assert all(seen == boundaries for _, seen in plugin.backend.seen)
+        assert all(seen.tolist() == boundaries for _, seen in plugin.backend.seen)
     assert plugin.asked == [PackedLayout(64, 8, 64)]
 
 
