@@ -23,7 +23,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from coverage_table import NOTES, SERVED, UNSERVED, family_of, walked_classes  # noqa: E402
+from coverage_table import (  # noqa: E402
+    NOTES,
+    PACKED_SERVED,
+    SERVED,
+    UNSERVED,
+    family_of,
+    walked_classes,
+)
 
 PAGE = ROOT / "docs" / "coverage.md"
 RESULTS = ROOT / "docs" / "results"
@@ -44,6 +51,10 @@ def render(results: dict[str, Any] | None) -> str:
     by_adapter: dict[str, list[str]] = defaultdict(list)
     for name in served:
         by_adapter[SERVED[name].adapter].append(name)
+    packed: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(PACKED_SERVED):
+        packed[PACKED_SERVED[name]].append(name)
+    served += [name for names in packed.values() for name in names]
     runs = _runs_by_adapter(results)
     lines = [
         "# Coverage",
@@ -78,6 +89,13 @@ def render(results: dict[str, Any] | None) -> str:
         lines.append(
             f"| {family_of(adapter)} | `{adapter}` | {classes} | {graphed} | {speed} | "
             f"{against_hand} |"
+        )
+    for adapter in sorted(packed):
+        classes = ", ".join(f"`{name}`" for name in packed[adapter])
+        lines.append(
+            f"| {family_of(adapter)} | `{adapter}` | {classes} | yes, in packed mode: the images "
+            "of a call packed into one sequence, a graph per token budget | see "
+            "`benchmarks/packed_towers.py` | see `benchmarks/packed_towers.py` |"
         )
     lines += ["", "## Not served", "", "| why | classes |", "| --- | --- |"]
     by_reason: dict[str, list[str]] = defaultdict(list)

@@ -22,7 +22,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from coverage_table import SERVED, UNSERVED, meta_model, walked_classes  # noqa: E402
+from coverage_table import (  # noqa: E402
+    PACKED_SERVED,
+    SERVED,
+    UNSERVED,
+    meta_model,
+    walked_classes,
+)
 
 import layergraph  # noqa: E402
 from layergraph import plugins  # noqa: E402
@@ -47,7 +53,7 @@ def test_every_walked_class_is_served_or_has_a_reason() -> None:
     unlisted = {
         name: model_type
         for name, model_type in walked_classes().items()
-        if name not in SERVED and name not in UNSERVED
+        if name not in SERVED and name not in PACKED_SERVED and name not in UNSERVED
     }
     assert not unlisted, (
         f"transformers {transformers.__version__} has classes with a vision tower that "
@@ -60,6 +66,51 @@ def test_every_walked_class_is_served_or_has_a_reason() -> None:
 
 def test_a_class_is_served_or_unserved_not_both() -> None:
     assert not SERVED.keys() & UNSERVED.keys()
+    assert not PACKED_SERVED.keys() & (SERVED.keys() | UNSERVED.keys())
+
+
+def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny ``name`` from its adapter's own tests' builders, and the arguments of one call
+    of its ``get_image_features``: images of several sizes."""
+    if PACKED_SERVED[name] == "qwen2_vl":
+        import test_qwen2_vl_adapter as qwen
+
+        if name.startswith("Qwen3VL"):
+            model = qwen.qwen3_vlm()
+        else:
+            model = qwen.vlm("qwen2_vl" if name.startswith("Qwen2VL") else "qwen2_5_vl")
+        pixels, grid = qwen.call([(1, 4, 6), (1, 2, 2)])
+        return model, {"pixel_values": pixels, "image_grid_thw": grid}
+    import test_siglip2_adapter as siglip2
+
+    if name == "Siglip2Model":
+        torch.manual_seed(0)
+        text = dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+        config = transformers.Siglip2Config(text_config=text, vision_config=siglip2.VISION)
+        model = siglip2.sharpen(transformers.Siglip2Model(config).eval())
+        return model, siglip2.call([(3, 5), (6, 2), (2, 2)], patches=16)
+    return siglip2.lfm2_vl(), siglip2.call([(4, 6), (2, 2)], patches=30)
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_SERVED))
+def test_a_packed_served_class_is_recognised_and_its_image_features_answer_as_eager(
+    name: str, own_plugins: plugins.AdapterRegistry
+) -> None:
+    """Packed towers take images of their own sizes, not a batch of equal ones: one call of
+    several sizes, through the graphs, against the unwrapped model."""
+    model, inputs = packed_tiny(name)
+    assert own_plugins.recognize(model) == PACKED_SERVED[name]
+    with torch.inference_mode():
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+        got = model.get_image_features(**inputs).pooler_output  # graphed in place
+        with graphed.original():
+            want = model.get_image_features(**inputs).pooler_output
+    for have, expected in zip(got, want):
+        assert have.shape == expected.shape
+        assert relative_error(have, expected) <= TOLERANCE
+    assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
 
 
 @pytest.mark.parametrize("name", sorted(SERVED))
