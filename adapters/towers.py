@@ -18,6 +18,7 @@ import torch
 from layergraph import hookimpl
 from layergraph_adapters.fused_qkv import fused_attention_forward
 from layergraph_adapters.hf_vision import adapter_class
+from layergraph_adapters.idefics import IdeficsPlan
 from layergraph_adapters.mllama import MllamaVisionPlan, tiles_of_images
 from layergraph_adapters.tower_specs import TowerExample, TowerSpec, images
 
@@ -101,6 +102,7 @@ IDEFICS = TowerSpec(
     image_sizes="any",  # position ids follow each image's patch grid
     fused_attention=fused_attention_forward,
     inputs=images_with_patch_mask,
+    plan=IdeficsPlan,
     examples={
         "idefics2-8b-980": TowerExample(
             "idefics2.Idefics2VisionTransformer", dict(SO400M, image_size=980, patch_size=14)

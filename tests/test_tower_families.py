@@ -288,3 +288,54 @@ def test_vipllava_graphs_stop_at_the_deepest_layer_it_reads() -> None:
     assert relative_error(got, want) <= TOLERANCE
     assert graphed.plan.feature_layers == (1, 2)
     assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
+
+
+@pytest.mark.parametrize(
+    "name", ["Idefics2VisionTransformer", "Idefics3VisionTransformer", "SmolVLMVisionTransformer"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_idefics_position_ids_equal_the_towers_own_without_boolean_indexing(
+    name: str, dtype: torch.dtype
+) -> None:
+    """transformers 5.6's Idefics embeddings write position ids by boolean-mask indexing, which
+    a CUDA capture refuses; the plan computes the same embeddings with torch.where, for images
+    of every size in a padded batch, in float32 and in bf16 (where 5.6 rounds the coordinates)."""
+    from layergraph_adapters.idefics import CapturablePositions
+
+    embeddings = TOWERS[name].build().embeddings.to(dtype)
+    per_side = embeddings.num_patches_per_side
+    patch = embeddings.patch_size
+    mask = torch.zeros(4, per_side, per_side, dtype=torch.bool)
+    for row, (height, width) in enumerate([(per_side, per_side), (1, 1), (2, 3), (per_side, 1)]):
+        mask[row, :height, :width] = True
+    pixels = torch.randn(4, 3, per_side * patch, per_side * patch, dtype=dtype)
+    rewrite = CapturablePositions(embeddings)
+    with torch.inference_mode():
+        want = embeddings(pixels, patch_attention_mask=mask)
+        rewrite.apply()
+        try:
+            got = embeddings(pixels, patch_attention_mask=mask)
+        finally:
+            rewrite.undo()
+    assert "forward" not in vars(embeddings)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "name", ["Idefics2VisionTransformer", "Idefics3VisionTransformer", "SmolVLMVisionTransformer"]
+)
+def test_idefics_capture_holds_nothing_a_cuda_capture_refuses(name: str) -> None:
+    """A strict simulated capture (what a CUDA stream capture refuses raises) of the whole
+    tower, embeddings included, with a patch mask of padded images as a graph input."""
+    tiny = TOWERS[name]
+    model = tiny.build()
+    per_side = model.embeddings.num_patches_per_side
+    mask = torch.ones(2, per_side, per_side, dtype=torch.bool)
+    mask[1, 1:, :] = False
+    pixels = images(2)
+    with torch.inference_mode():
+        want = model(pixels, patch_attention_mask=mask).last_hidden_state
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(strict=True), batch_sizes=[2])
+        got = graphed(pixels, patch_attention_mask=mask).last_hidden_state
+    assert relative_error(got, want) <= 1e-4
+    assert graphed.stats.captures == 1 and graphed.stats.eager_total == 0
