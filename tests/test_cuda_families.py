@@ -27,6 +27,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("float32_without_tf32")]
 TOLERANCE = 1e-4
 
 
+def assert_served_by_graphs(stats: layergraph.GraphStats, calls: int) -> None:
+    """What holds on any GPU, whichever way the measured policy chooses to serve a batch
+    (pad it up to a larger graph, or split it across smaller ones, each graph kept or dropped
+    by its measured cost): every call was answered from graph replays, none eagerly."""
+    assert stats.eager_total == 0
+    assert stats.replays >= calls
+
+
 @pytest.fixture
 def float32_without_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
     """Convolutions and matrix products in float32, not TF32, for the test."""
@@ -46,7 +54,10 @@ def test_tower_graphs_equal_eager(name: str) -> None:
     for batch, have, want in zip(batches, got, expected):
         assert relative_error(have, want) <= TOLERANCE, batch
     stats = graphed.stats
-    assert stats.padded_calls == 1 and stats.split_calls == 1 and stats.eager_total == 0
+    assert_served_by_graphs(stats, len(batches))
+    # No graph holds 6 images, so that call is split; 3 has no graph of its own either, so it
+    # is padded up to 4 or split too (which, the policy measures on the GPU).
+    assert stats.split_calls >= 1 and stats.padded_calls + stats.split_calls >= 2
 
 
 @pytest.mark.parametrize("name", NEW_VLMS)
@@ -59,7 +70,7 @@ def test_vlm_image_features_come_from_graphs(name: str) -> None:
         got = [tiny.answer(graphed, batch, batch) for batch in (1, 2)]
     for have, want in zip(got, expected):
         assert relative_error(have, want) <= TOLERANCE
-    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+    assert_served_by_graphs(graphed.stats, 2)
 
 
 def test_idefics_padded_image_is_masked_inside_the_graph() -> None:
@@ -75,7 +86,7 @@ def test_idefics_padded_image_is_masked_inside_the_graph() -> None:
         graphed = layergraph.wrap(model)
         got = graphed.get_image_features(pixel_values=pixels, pixel_attention_mask=mask)
     assert relative_error(main_tensor(got), main_tensor(want)) <= TOLERANCE
-    assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
+    assert_served_by_graphs(graphed.stats, 1)
 
 
 def test_mllama_empty_tiles_are_masked_inside_the_graph() -> None:
@@ -88,4 +99,4 @@ def test_mllama_empty_tiles_are_masked_inside_the_graph() -> None:
         graphed = layergraph.wrap(model)
         got = graphed(**call).last_hidden_state
     assert relative_error(got, want) <= TOLERANCE
-    assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
+    assert_served_by_graphs(graphed.stats, 1)
