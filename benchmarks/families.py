@@ -9,7 +9,11 @@ Mllama), built from its configuration with random weights (nothing is downloaded
 image (Mllama: one image of four tiles) at the family's usual size, as its VLM feeds it:
 
 - eager: the unmodified tower;
-- a hand-written ``torch.cuda.graph`` of the tower's whole forward (``layergraph.reference``);
+- a hand-written ``torch.cuda.graph`` of the tower's whole forward (``layergraph.reference``),
+  with the changes layergraph makes so that a CUDA stream can capture the tower at all and
+  nothing else (Idefics' position ids without boolean-mask indexing, the same values): a graph
+  of what layergraph captures. A hand-written graph that still fails is recorded in its row
+  (``hand_written_failure``) and the run goes on;
 - layergraph: ``wrap(tower)`` with the family's adapter, default options, captured ahead.
 
 Latencies are medians of calls each waited for, timed with CUDA events
@@ -28,18 +32,27 @@ import argparse
 import gc
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 import layergraph
+from layergraph.ledger import Change
 from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import waited_ms
 from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
+from layergraph_adapters.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.internvl import INTERNVL
-from layergraph_adapters.tower_specs import TowerSpec, build_tower, pair, transformers_class
+from layergraph_adapters.tower_specs import (
+    TowerSpec,
+    build_tower,
+    find_module,
+    pair,
+    transformers_class,
+)
 from layergraph_adapters.towers import TOWERS
 
 SPECS: tuple[TowerSpec, ...] = (*TOWERS, INTERNVL)
@@ -90,6 +103,10 @@ class Row:
     relative_error: float | None = None
     """layergraph's first output tensor against eager's."""
     hand_written_error: float | None = None
+    hand_written_of: str | None = None
+    """What the hand-written graph captured: the whole tower, with any change a capture needs."""
+    hand_written_failure: str | None = None
+    """Why the hand-written graph could not be made or run, if it could not."""
     within_tolerance: bool | None = None
     served: str | None = None
     """How layergraph served the batch (``graph``, or ``eager`` with the reason)."""
@@ -116,8 +133,65 @@ def settings_for(name: str, settings: dict[str, Any], tiny: bool) -> dict[str, A
     return {**settings, **SMALL, **TINY_FIXES.get(name, {})}
 
 
-def measure(spec: TowerSpec, name: str, *, tiny: bool, device: torch.device, iters: int) -> Row:
-    """One example configuration of ``spec`` at batch 1."""
+HandGraph = Callable[..., Callable[..., Any]]
+"""Makes the hand-written graph: ``plain_graph(model, **inputs)`` returns the replay."""
+
+
+def capture_changes(model: torch.nn.Module, spec: TowerSpec) -> tuple[list[Change], str]:
+    """The changes layergraph makes so that a CUDA stream can capture ``model`` at all (none of
+    its speed options), and what the hand-written graph with them captures."""
+    plan = spec.plan
+    if plan is not None and issubclass(plan, IdeficsPlan):
+        found = find_module(model, spec.embeddings)
+        if found is not None:
+            changes: list[Change] = [CapturablePositions(found[1])]
+            return changes, "the whole tower, position ids as layergraph computes them"
+    return [], "the whole tower"
+
+
+def measure_hand_written(
+    row: Row,
+    spec: TowerSpec,
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    want: torch.Tensor,
+    *,
+    hand_graph: HandGraph,
+    device: torch.device,
+    iters: int,
+) -> None:
+    """The hand-written graph's latency and error into ``row``; a failure recorded there."""
+    changes, row.hand_written_of = capture_changes(model, spec)
+    applied: list[Change] = []
+    try:
+        for change in changes:
+            change.apply()
+            applied.append(change)
+        by_hand = hand_graph(model, **inputs)
+        row.hand_written_error = relative_error(first_tensor(by_hand(**inputs)), want)
+        row.hand_written_ms = waited_ms(lambda: by_hand(**inputs), device=device, iters=iters)
+    except Exception as error:  # a capture the GPU refuses: recorded, the run goes on
+        row.hand_written_failure = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        for change in reversed(applied):
+            change.undo()
+
+
+def measure(
+    spec: TowerSpec,
+    name: str,
+    *,
+    tiny: bool,
+    device: torch.device,
+    iters: int,
+    hand_graph: HandGraph | None = None,
+) -> Row:
+    """One example configuration of ``spec`` at batch 1. ``hand_graph`` makes the hand-written
+    graph (default: :func:`~layergraph.reference.plain_graph` on a GPU, none on the CPU)."""
+    if hand_graph is None and device.type == "cuda":
+        hand_graph = plain_graph
     example = spec.examples[name]
     row = Row(family=spec.family, adapter=spec.adapter, model=name)
     try:
@@ -138,10 +212,10 @@ def measure(spec: TowerSpec, name: str, *, tiny: bool, device: torch.device, ite
     with torch.inference_mode():
         want = first_tensor(model(**inputs))
         row.eager_ms = waited_ms(lambda: model(**inputs), device=device, iters=iters)
-        if device.type == "cuda":
-            by_hand = plain_graph(model, **inputs)
-            row.hand_written_error = relative_error(first_tensor(by_hand(**inputs)), want)
-            row.hand_written_ms = waited_ms(lambda: by_hand(**inputs), device=device, iters=iters)
+        if hand_graph is not None:
+            measure_hand_written(
+                row, spec, model, inputs, want, hand_graph=hand_graph, device=device, iters=iters
+            )
         backend = None if device.type == "cuda" else SimulatedGraphs()
         graphed = layergraph.wrap(model, adapter=spec.adapter, backend=backend)
         graphed.capture(**inputs, progress=False)
@@ -186,7 +260,9 @@ def print_table(rows: list[Row], title: str) -> None:
         [
             row.model,
             row.adapter,
-            *(_cell(value) for value in (row.eager_ms, row.hand_written_ms, row.layergraph_ms)),
+            _cell(row.eager_ms),
+            "failed" if row.hand_written_failure else _cell(row.hand_written_ms),
+            _cell(row.layergraph_ms),
             _cell(row.speedup, "x"),
             _cell(row.against_hand_written),
             "-" if row.relative_error is None else f"{row.relative_error:.1e}",
@@ -219,7 +295,9 @@ def markdown(record: dict[str, Any]) -> str:
         f"{record['dtype']}, random weights; one image at each family's usual size, as its VLM "
         "sends it (Mllama: one image of four tiles); medians of "
         f"{record['iters']} calls each waited for, timed with CUDA events. The hand-written "
-        "graph is the tower's whole forward captured with `torch.cuda.graph`; layergraph is "
+        "graph is the tower's whole forward captured with `torch.cuda.graph` (Idefics': with "
+        "the position ids layergraph computes, the same values without boolean-mask indexing, "
+        "which a capture refuses); one that fails says why; layergraph is "
         "`wrap(tower)` with default options. Errors are layergraph's first output against "
         "eager's (bf16's tolerance: 2e-2).",
         "",
@@ -236,11 +314,17 @@ def markdown(record: dict[str, Any]) -> str:
             continue
         lines.append(
             f"| {row['family']} | {row['model']} | {row['image_size']} | "
-            f"{_cell(row['eager_ms'])} | {_cell(row['hand_written_ms'])} | "
+            f"{_cell(row['eager_ms'])} | {_hand_cell(row)} | "
             f"{_cell(row['layergraph_ms'])} | {_cell(row['speedup'], 'x')} | "
             f"{_cell(row['against_hand_written'])} | {row['relative_error']:.1e} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _hand_cell(row: dict[str, Any]) -> str:
+    """The hand-written graph's latency, or that it failed and why."""
+    failure = row.get("hand_written_failure")
+    return f"failed ({failure})" if failure else _cell(row["hand_written_ms"])
 
 
 def _cell(value: float | None, unit: str = "") -> str:

@@ -81,3 +81,43 @@ def test_every_example_configuration_builds_and_gets_a_plan(spec: object, name: 
     assert adapter.recognizes(model)
     plan = adapter.plan(model, PlanContext(get_registry()))
     assert plan.owner is model and len(plan.layers()) >= 8
+
+
+def refused_capture(model: object, **inputs: object) -> object:
+    """A hand-written graph as a GPU refuses it."""
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+
+def test_a_hand_written_graph_that_fails_is_recorded_and_the_run_goes_on() -> None:
+    spec = next(spec for spec in families.SPECS if spec.adapter == "vit")
+    cpu = torch.device("cpu")
+    row = families.measure(
+        spec, "vit-base-224", tiny=True, device=cpu, iters=1, hand_graph=refused_capture
+    )
+    assert row.hand_written_failure == (
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    )
+    assert row.hand_written_ms is None and row.against_hand_written is None
+    assert row.layergraph_ms is not None and row.within_tolerance  # the row goes on
+    record = {"device": "cpu", "torch": "", "transformers": "", "dtype": "float32", "iters": 1}
+    record["rows"] = [dict(vars(row), speedup=row.speedup, against_hand_written=None)]
+    assert "failed (RuntimeError: CUDA error" in families.markdown(record)
+
+
+def test_the_idefics_hand_written_graph_captures_what_layergraph_captures() -> None:
+    """Idefics' own embeddings index by a boolean mask, which a capture refuses: the hand graph
+    is made with layergraph's position ids (same values), which are undone afterwards."""
+    spec = next(spec for spec in families.SPECS if spec.adapter == "idefics")
+    seen: list[bool] = []
+
+    def replay_as_eager(model: torch.nn.Module, **inputs: object) -> object:
+        seen.append("forward" in vars(model.embeddings))
+        return lambda **new: model(**new)
+
+    name = next(iter(spec.examples))
+    row = families.measure(
+        spec, name, tiny=True, device=torch.device("cpu"), iters=1, hand_graph=replay_as_eager
+    )
+    assert seen == [True]
+    assert row.hand_written_of == "the whole tower, position ids as layergraph computes them"
+    assert row.hand_written_failure is None and row.hand_written_error <= 1e-6
