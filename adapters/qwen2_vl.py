@@ -127,8 +127,16 @@ def tower_kind(module: nn.Module) -> _TowerKind | None:
 
 
 def find_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` or its ``visual`` / ``model.visual``, if a served Qwen vision tower."""
+    """``model`` if a served Qwen vision tower, or its ``visual`` / ``model.visual`` if ``model``
+    is one of the Qwen VLMs themselves.
+
+    Other VLMs hold the same tower classes (Cosmos3Omni builds a Qwen3-VL tower as its
+    ``visual``) but call it their own way and are not checked: they are not recognised, so
+    ``adapter="auto"`` leaves them to the next adapter; their tower alone is served."""
+    holder_is_qwen = type(model).__module__ in {kind.module for kind in _TOWERS}
     for path in _TOWER_PATHS:
+        if path and not holder_is_qwen:
+            continue
         candidate: Any = model
         for name in filter(None, path.split(".")):
             candidate = getattr(candidate, name, None)

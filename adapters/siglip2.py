@@ -53,7 +53,7 @@ from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
 from layergraph_adapters import naflex
 from layergraph_adapters.grid_positions import GridPositions
-from layergraph_adapters.hf_vision import find_tower
+from layergraph_adapters.tower_specs import TOWER_PATHS
 from layergraph_adapters.versions import require_transformers
 
 _MODELING = "transformers.models.siglip2.modeling_siglip2"
@@ -76,7 +76,15 @@ def find_siglip2_tower(model: nn.Module) -> nn.Module | None:
     """``model`` or its ``vision_model`` / ``vision_tower`` / ``model.vision_tower``, if a
     ``Siglip2VisionModel``."""
     cls = tower_class()
-    return None if cls is None else find_tower(model, (cls,))
+    if cls is None:
+        return None
+    for path in ("", *TOWER_PATHS):
+        candidate: Any = model
+        for name in filter(None, path.split(".")):
+            candidate = getattr(candidate, name, None)
+        if isinstance(candidate, cls):
+            return candidate
+    return None
 
 
 class Siglip2Adapter(Adapter):

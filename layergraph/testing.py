@@ -18,6 +18,7 @@ waits for the GPU. It does not simulate kernels, streams or memory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import weakref
@@ -120,6 +121,19 @@ class _HostReadRules(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _stream_capturing() -> Iterator[None]:
+    """Within, ``torch.cuda.is_current_stream_capturing()`` answers ``True``, as it does during
+    a real capture: code that takes another path under capture (transformers' mask helpers,
+    which then skip reading a padding mask on the host) takes that path in a simulated one."""
+    original = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = original
+
+
 @dataclass(eq=False)
 class _SimulatedGraph:
     fn: Callable[[], Any]
@@ -184,7 +198,7 @@ class SimulatedGraphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
         pool.used = True
         if self.strict:
-            with _HostReadRules(), _CaptureRules():
+            with _HostReadRules(), _CaptureRules(), _stream_capturing():
                 output = fn()
         else:
             output = fn()

@@ -73,7 +73,10 @@ def test_unrecognised_model_gets_the_list_and_how_to_name_one(
     message = str(error.value)
     assert "no adapter recognises torch.nn.modules.linear.Linear" in message
     assert "adapter=NAME" in message
-    assert "clip, internvl, qwen2_vl, sequential, siglip, siglip2, timm" in message
+    assert (
+        "aimv2, clip, dinov2, idefics, internvl, janus, llama4, mllama, qwen2_vl, sequential, "
+        "siglip, siglip2, timm, vit" in message
+    )
 
 
 def test_a_plugin_recognize_hook_comes_first() -> None:

@@ -645,3 +645,31 @@ def test_a_capture_refuses_what_a_cuda_capture_refuses(how: str, named: str) -> 
     )
     with torch.inference_mode():
         torch.testing.assert_close(lenient(x), model(x))  # the CPU itself has no such rule
+
+
+class _AsksIfCapturing(nn.Module):
+    """Records what ``torch.cuda.is_current_stream_capturing()`` answered at each call, as
+    transformers' mask helpers ask it to choose their path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:  # as transformers asks: a machine without a CUDA driver raises
+            capturing = torch.cuda.is_current_stream_capturing()
+        except Exception:
+            capturing = False
+        self.answers.append(capturing)
+        return x * 2
+
+
+def test_a_simulated_capture_says_a_stream_is_capturing_as_a_cuda_capture_does() -> None:
+    asks = _AsksIfCapturing()
+    graphed = wrap_simulated(nn.Sequential(nn.Linear(4, 4), asks).eval(), batch_sizes=None)
+    with torch.inference_mode():
+        graphed(torch.randn(2, 4))
+    # warm-up runs, then the capture; a replay re-runs the function on the CPU, where a real
+    # replay runs no Python, so only the capture's answer matters
+    assert True in asks.answers and asks.answers[0] is False
+    assert asks.answers.count(True) == 1
