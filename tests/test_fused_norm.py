@@ -228,3 +228,34 @@ def test_refused_where_triton_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match=r"needs a CUDA device .* the model is on cpu"):
         layergraph.wrap(model, adapter="internvl", backend=SimulatedGraphs(), fuse_norm=True)
     assert rewritten(model) == []
+
+
+def test_compiled_layers_keep_the_kernel_as_one_operator(kernel_calls: list[str]) -> None:
+    """With compile_layers, Dynamo traces the rewritten layer and keeps the launch as the
+    operator ``layergraph.add_norm``, once per layer graph."""
+    torch.manual_seed(0)
+    model = internvit("rms_norm").eval()
+    x = torch.randn(2, 3, IMAGE, IMAGE)
+    traced: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        traced.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = call(model, "internvl", x)
+        graphed = layergraph.wrap(
+            model,
+            adapter="internvl",
+            attention="sdpa",
+            fuse_norm=True,
+            compile_layers={"backend": recording_backend},
+            backend=SimulatedGraphs(),
+        )
+        got = call(graphed, "internvl", x)
+        graphed.unwrap()
+    assert relative_error(got, expected) <= DEFAULT_TOLERANCE[torch.float32]
+    assert "layergraph.add_norm" in traced
+    assert not any("triton_kernel_wrapper" in target for target in traced)
+    assert kernel_calls and set(kernel_calls) == {"rms_norm"}
