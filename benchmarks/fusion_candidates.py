@@ -98,7 +98,8 @@ def time_add_norm(
     width = residual.shape[-1]
     bias = torch.zeros_like(weight) if kind == "layer_norm" else None
 
-    def norm(x: torch.Tensor) -> torch.Tensor:
+    def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The norm as the towers compute it, in ``x``'s dtype with these weights."""
         if kind == "layer_norm":
             return F.layer_norm(x, (width,), weight, bias, 1e-6)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -106,19 +107,20 @@ def time_add_norm(
 
     def eager() -> tuple[torch.Tensor, torch.Tensor]:
         summed = scale * h + residual
-        return summed, norm(summed)
+        return summed, norm(summed, weight, bias)
 
     def fused() -> tuple[torch.Tensor, torch.Tensor]:
         return add_norm(residual, h, scale, weight, bias, 1e-6, kind)
 
-    exact = (residual.float() + scale.float() * h.float()).to(residual.dtype)
+    stored = (residual.float() + scale.float() * h.float()).to(residual.dtype).float()
+    exact = norm(stored, weight.float(), None if bias is None else bias.float())
     device = residual.device
     return {
         "eager_add_norm_ms": captured_ms(eager, device=device),
         "fused_add_norm_ms": captured_ms(fused, device=device),
         "eager_scaled_add_ms": captured_ms(lambda: scale * h + residual, device=device),
         "addcmul_ms": captured_ms(lambda: add_scaled(residual, h, scale), device=device),
-        "error": relative_error(fused()[1], norm(exact.float()).float()),
+        "error": relative_error(fused()[1], exact),
     }
 
 
