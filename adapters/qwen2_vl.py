@@ -22,8 +22,14 @@ order (``window_index`` maps them to themselves), read no position table row (ze
 and belong to no frame or window: the sequences past the real ones are empty. Each attention
 module hands q, k and v to a backend that reads the boundaries from those buffers when it
 runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
-kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. Eager calls run
-the tower's own attention.
+kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. With
+``attention="auto"`` the full-attention and the windowed layers each get the backend timed
+fastest on the frames and windows of the call that made the budget, in the budget's room.
+
+Calls served eagerly (above every budget, a budget whose graph was measured slower, training,
+...) run the tower's own forward with its own attention, as the unwrapped tower would: the
+attention modules hand q, k and v to a backend only while a budget's buffers are bound (warm-up,
+capture, replays), and the host metadata above is computed only for calls a graph serves.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
 or hidden states asked for, and precomputed arguments given by the caller.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -50,11 +57,13 @@ from layergraph.attention import (
     PackedLayout,
     SdpaMaskedAttention,
     SequenceLayout,
-    choose_backend,
+    choose_packed_backend,
+    packed_timer,
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
+from layergraph.staging import Staging
 from layergraph_adapters.versions import QWEN2_VL_CHECKED, require_transformers
 
 
@@ -140,7 +149,7 @@ class Qwen2VLAdapter(Adapter):
     name = "qwen2_vl"
 
     def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 256
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 64
     ) -> None:
         self.attention = attention
         self.max_tokens = max_tokens
@@ -168,14 +177,20 @@ class _WindowBuffers:
 
     index: torch.Tensor
     tail: torch.Tensor
-    """``0 .. budget / merge unit``: what ``index`` holds past the real tokens."""
+    """``0 .. budget / merge unit`` on the host: what ``index`` holds past the real tokens."""
     metadata: AttentionMetadata
+    backend: AttentionBackend
+    """The windowed layers' backend, chosen apart from the full-attention layers'."""
 
 
 @dataclass(frozen=True, eq=False)
 class PackedBuffers:
     """One budget's buffers: the tower's inputs, its precomputed arguments, the attention
-    metadata over them and the backend's workspace. Written in place before every replay."""
+    metadata over them and the backend's workspace. Written in place before every replay.
+
+    The precomputed arguments (positions, window order, position table rows and weights) are
+    views of :attr:`staging`'s device buffer, and so are the boundaries the attention
+    metadata is copied from: a call's metadata reaches the device in one transfer."""
 
     budget: int
     pixels: torch.Tensor
@@ -191,9 +206,31 @@ class PackedBuffers:
     """Both ``None`` for a tower without learned positions; zero weights past the real
     tokens."""
     backend: AttentionBackend
+    """The full-attention layers' backend."""
     workspace: torch.Tensor | None
+    """Shared by both kinds of attention where either backend writes into one."""
     fixed: dict[str, Any]
     """The call's other arguments (part of the signature)."""
+    staging: Staging
+
+
+def _grid_beside_pixels(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with ``grid_thw`` on the device of ``hidden_states``, for the tower's
+    own forward, which computes positions from the grid beside the pixels. Graphs read a grid
+    on the host without a copy; an eager call copies it over."""
+    pixels = kwargs.get("hidden_states", args[0] if args else None)
+    in_args = "grid_thw" not in kwargs and len(args) > 1
+    grid = args[1] if in_args else kwargs.get("grid_thw")
+    if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor):
+        return args, kwargs
+    if grid.device == pixels.device:
+        return args, kwargs
+    moved = grid.to(pixels.device)
+    if in_args:
+        return (args[0], moved, *args[2:]), kwargs
+    return args, {**kwargs, "grid_thw": moved}
 
 
 _current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
@@ -205,7 +242,6 @@ _current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
 class _HostCall:
     """What a call's ``grid_thw`` gives on the host, padded later to a budget."""
 
-    grids: tuple[tuple[int, int, int], ...]
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     window_index: torch.Tensor | None
@@ -214,6 +250,29 @@ class _HostCall:
     interp_indices: torch.Tensor | None
     interp_weights: torch.Tensor | None
     """Both ``None`` for a tower without learned positions."""
+
+
+@dataclass(eq=False)
+class _CallParts:
+    """What :meth:`Qwen2VLPlan.pack` reads from a call, and its host metadata on demand.
+
+    The metadata (:class:`_HostCall`: boundaries, positions, windows, position table rows) is
+    computed the first time a graph needs it (:meth:`Qwen2VLPlan.load`), so a call served
+    eagerly, which runs the tower's own forward, never pays for it: for Qwen3-VL's learned
+    positions it is the larger part of the host work of a call.
+    """
+
+    pixels: torch.Tensor
+    grid: torch.Tensor
+    """``grid_thw`` on the host."""
+    grids: tuple[tuple[int, int, int], ...]
+    fixed: dict[str, Any]
+    compute: Callable[[torch.Tensor], _HostCall]
+
+    @functools.cached_property
+    def host(self) -> _HostCall:
+        """The call's metadata on the host, computed once."""
+        return self.compute(self.grid)
 
 
 class Qwen2VLPlan(CapturePlan, Packing):
@@ -256,10 +315,15 @@ class Qwen2VLPlan(CapturePlan, Packing):
         self.attention = adapter.attention
         self._backends = candidates
         self._registry = context.registry
+        self.attention_by_budget: dict[int, str] = {}
+        """Which backend serves each budget's full-attention layers and, for a tower with
+        windows, its windowed layers (``attention="auto"`` times them apart)."""
 
     # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
+        if _current.get() is None:
+            args, kwargs = _grid_beside_pixels(args, kwargs)
         return self._forward(*args, **kwargs)
 
     def sequence_of(self, call: PackedCall) -> Hashable:
@@ -321,13 +385,13 @@ class Qwen2VLPlan(CapturePlan, Packing):
             )
         on_host = grid.cpu()
         self._check_grid(on_host)
-        host = self._host_call(on_host)
-        tokens = sum(t * h * w for t, h, w in host.grids)
+        grids = tuple(tuple(map(int, row)) for row in on_host.tolist())
+        tokens = sum(t * h * w for t, h, w in grids)
         if tokens != pixels.shape[0]:
             raise UnsupportedCall(
                 f"input hidden_states has {pixels.shape[0]} patches, grid_thw {tokens}"
             )
-        frames = host.cu_seqlens.numel() - 1
+        frames = sum(t for t, _, _ in grids)
         slots = max(_MIN_FRAME_SLOTS, 1 << (frames - 1).bit_length())
         signature = (pixels.dtype, pixels.shape[1], frozen, slots)
         return PackedCall(
@@ -336,7 +400,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             size=tokens,
             signature=signature,
             tensors=(pixels,),
-            parts=(pixels, host, fixed),
+            parts=_CallParts(pixels, on_host, grids, fixed, self._host_call),
         )
 
     def _check_grid(self, grid: torch.Tensor) -> None:
@@ -379,7 +443,6 @@ class Qwen2VLPlan(CapturePlan, Packing):
                 spatial_merge_size=tower.spatial_merge_size,
             )
         return _HostCall(
-            grids=tuple(tuple(map(int, row)) for row in grid.tolist()),
             position_ids=get_vision_position_ids(grid, tower.spatial_merge_size),
             cu_seqlens=get_vision_cu_seqlens(grid),
             window_index=window_index,
@@ -388,72 +451,102 @@ class Qwen2VLPlan(CapturePlan, Packing):
             interp_weights=interp_weights,
         )
 
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
-        pixels, host, fixed = call.parts
-        sizes = [t * h * w for t, h, w in host.grids]
-        if max(sizes) > budget:
-            return None
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+        parts = call.parts
         grid = call.argument("grid_thw", position=1)
-        pieces, first, start, tokens = [], 0, 0, 0
-        for index, size in enumerate([*sizes, None]):
-            if size is not None and tokens + size <= budget:
-                tokens += size
-                continue
-            stop = start + tokens
-            pieces.append(self.pack((pixels[start:stop], grid[first:index]), fixed))
-            first, start, tokens = index, stop, size
+        pieces: list[PackedCall] = []
+        first = start = tokens = 0  # the piece being made: entries first.., patches start..
+
+        def close(stop: int) -> None:
+            nonlocal first, start, tokens
+            if stop > first:
+                piece = (parts.pixels[start : start + tokens], grid[first:stop])
+                pieces.append(self.pack(piece, parts.fixed))
+            first, start, tokens = stop, start + tokens, 0
+
+        for index, (t, h, w) in enumerate(parts.grids):
+            size = t * h * w
+            if tokens + size > budget:
+                close(index)
+            tokens += size
+            if size > budget:
+                close(index + 1)
+        close(len(parts.grids))
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
-        pixels, host, fixed = call.parts
+        parts = call.parts
+        pixels, host, fixed = parts.pixels, parts.host, parts.fixed
         device, slots = pixels.device, call.signature[-1]
         merged = budget // self.budget_unit
-        backend = choose_backend(
-            self.attention,
-            device,
-            pixels.dtype,
-            self.heads,
-            self.head_dim,
-            SequenceLayout((budget,)),
-            backends=self._backends,
-        )
+        timer = packed_timer(device, pixels.dtype, self.heads, self.head_dim)
 
-        def metadata(slots: int, longest: int) -> AttentionMetadata:
+        def attention(
+            slots: int, longest: int, offsets: torch.Tensor
+        ) -> tuple[AttentionBackend, AttentionMetadata]:
+            """The backend for one kind of attention, timed on the call's own sequences in the
+            budget's room, and its metadata from the hook."""
             layout = PackedLayout(budget, slots, longest)
-            return self._registry.attention_metadata(backend, layout, device)
+            lengths = tuple(length for length in offsets.diff().tolist() if length > 0)
+            backend = choose_packed_backend(
+                self.attention,
+                device,
+                pixels.dtype,
+                self.head_dim,
+                layout,
+                lengths,
+                backends=self._backends,
+                timer=timer,
+            )
+            return backend, self._registry.attention_metadata(backend, layout, device)
 
-        full = metadata(slots, budget)
+        backend, full = attention(slots, budget, host.cu_seqlens)
+        chosen = f"full: {_described(backend)}"
+        fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            "position_ids": (torch.long, (budget, 2)),
+            "cu_seqlens": (torch.int32, (slots + 1,)),
+        }
+        window_slots = self.window_slots(budget, slots) if self.windows else 0
+        if self.windows:
+            fields["window_index"] = (torch.long, (merged,))
+            fields["cu_window_seqlens"] = (torch.int32, (window_slots + 1,))
+        if host.interp_weights is not None:
+            taps = host.interp_weights.shape[1]
+            fields["interp_indices"] = (torch.long, (budget, taps))
+            fields["interp_weights"] = (host.interp_weights.dtype, (budget, taps))
+        staging = Staging(fields, device)
+        staged = staging.device
         window = None
         if self.windows:
-            window = _WindowBuffers(
-                index=torch.zeros(merged, dtype=torch.long, device=device),
-                tail=torch.arange(merged, device=device),
-                metadata=metadata(
-                    self.window_slots(budget, slots), min(self.window_tokens, budget)
-                ),
+            window_backend, window_metadata = attention(
+                window_slots, min(self.window_tokens, budget), host.cu_window_seqlens
             )
-        interp_indices = interp_weights = None
-        if host.interp_weights is not None:
-            taps, weights = host.interp_weights.shape[1], host.interp_weights.dtype
-            interp_indices = torch.zeros(budget, taps, dtype=torch.long, device=device)
-            interp_weights = torch.zeros(budget, taps, dtype=weights, device=device)
+            window = _WindowBuffers(
+                index=staged["window_index"],
+                tail=torch.arange(merged),
+                metadata=window_metadata,
+                backend=window_backend,
+            )
+            chosen += f", windows: {_described(window_backend)}"
+        self.attention_by_budget[budget] = chosen
         workspace = (
             torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
-            if backend.needs_workspace
+            if backend.needs_workspace or (window is not None and window.backend.needs_workspace)
             else None
         )
         return PackedBuffers(
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
             grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
-            position_ids=torch.zeros(budget, 2, dtype=torch.long, device=device),
+            position_ids=staged["position_ids"],
             full=full,
             window=window,
-            interp_indices=interp_indices,
-            interp_weights=interp_weights,
+            interp_indices=staged.get("interp_indices"),
+            interp_weights=staged.get("interp_weights"),
             backend=backend,
             workspace=workspace,
             fixed=fixed,
+            staging=staging,
         )
 
     def window_slots(self, budget: int, frames: int) -> int:
@@ -468,23 +561,28 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return min(merged, -(-merged // self.window_side) + frames)
 
     def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
-        pixels, host, _ = call.parts
+        pixels, host = call.parts.pixels, call.parts.host
         tokens, merged = call.size, call.size // self.budget_unit
-        buffers.pixels[:tokens].copy_(pixels)
-        buffers.pixels[tokens:].zero_()
-        buffers.position_ids[:tokens].copy_(host.position_ids)
-        buffers.position_ids[tokens:].zero_()
-        _load_boundaries(buffers.full, host.cu_seqlens, tokens)
+        staging = buffers.staging
+        fields = staging.host()
+        fields["position_ids"][:tokens] = host.position_ids
+        fields["position_ids"][tokens:] = 0
+        _pad_boundaries(fields["cu_seqlens"], host.cu_seqlens, tokens)
         window = buffers.window
         if window is not None:
-            window.index[:merged].copy_(host.window_index)
-            window.index[merged:].copy_(window.tail[merged:])
-            _load_boundaries(window.metadata, host.cu_window_seqlens, tokens)
+            fields["window_index"][:merged] = host.window_index
+            fields["window_index"][merged:] = window.tail[merged:]
+            _pad_boundaries(fields["cu_window_seqlens"], host.cu_window_seqlens, tokens)
         if buffers.interp_indices is not None:
-            buffers.interp_indices[:tokens].copy_(host.interp_indices)
-            buffers.interp_indices[tokens:].zero_()
-            buffers.interp_weights[:tokens].copy_(host.interp_weights)
-            buffers.interp_weights[tokens:].zero_()
+            for name in ("interp_indices", "interp_weights"):
+                fields[name][:tokens] = getattr(host, name)
+                fields[name][tokens:] = 0
+        staging.send()
+        _copy_boundaries(buffers.full, staging.device["cu_seqlens"])
+        if window is not None:
+            _copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
+        buffers.pixels[:tokens].copy_(pixels)
+        buffers.pixels[tokens:].zero_()
 
     def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs = {
@@ -514,14 +612,26 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return pytree.tree_map(real, output)
 
 
-def _load_boundaries(metadata: AttentionMetadata, offsets: torch.Tensor, tokens: int) -> None:
-    """Write a call's boundaries into ``metadata`` in place: the sequences past the real ones
-    are empty (they start and end at the last real token)."""
-    padded = torch.full((metadata.cu_seqlens.numel(),), tokens, dtype=torch.int32)
-    padded[: offsets.numel()] = offsets
-    metadata.cu_seqlens.copy_(padded)
+def _described(backend: AttentionBackend) -> str:
+    """A backend's name, and what runs where that is not the same (``fa3``'s kernel)."""
+    if backend.implementation == backend.name:
+        return backend.name
+    return f"{backend.name} ({backend.implementation})"
+
+
+def _pad_boundaries(field: torch.Tensor, offsets: torch.Tensor, tokens: int) -> None:
+    """Write a call's boundaries into a host ``field`` of the budget's slots: the sequences
+    past the real ones are empty (they start and end at the last real token)."""
+    field[: offsets.numel()] = offsets
+    field[offsets.numel() :] = tokens
+
+
+def _copy_boundaries(metadata: AttentionMetadata, staged: torch.Tensor) -> None:
+    """Copy boundaries already on the device into the attention metadata's own tensors (a
+    plugin's hook may have made them), and the sequences' lengths where it has them."""
+    metadata.cu_seqlens.copy_(staged)
     if metadata.seq_lens is not None:
-        metadata.seq_lens.copy_(padded.diff())
+        torch.sub(staged[1:], staged[:-1], out=metadata.seq_lens)
 
 
 def _routed_attention(module: nn.Module) -> Callable[..., Any]:
@@ -543,13 +653,12 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
         buffers = _current.get()
         if buffers is None:
             return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
-        metadata = buffers.full
+        metadata, backend = buffers.full, buffers.backend
         if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
-            metadata = buffers.window.metadata
+            metadata, backend = buffers.window.metadata, buffers.window.backend
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
         q, k = rotate(q, k, *position_embeddings)
-        backend = buffers.backend
         if not backend.takes_strided_inputs:
             v = v.contiguous()
         out = backend(

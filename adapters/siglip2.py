@@ -293,29 +293,36 @@ class Siglip2Plan(CapturePlan, Packing):
             parts=images,
         )
 
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
         images: _Images = call.parts
-        if max(images.counts) > budget:
-            return None
         options = {name: value for name, value in call.kwargs.items() if name not in _INPUTS}
         inputs = [call.argument(name, position) for position, name in enumerate(_INPUTS)]
-        pieces, first, tokens = [], 0, 0
-        for index, count in enumerate([*images.counts, None]):
-            if count is not None and tokens + count <= budget:
-                tokens += count
-                continue
-            sliced = [tensor[first:index] for tensor in inputs]
-            pieces.append(
-                self._call(
-                    (),
-                    {**options, **dict(zip(_INPUTS, sliced))},
-                    sliced[0],
-                    sliced[1],
-                    images.grids[first:index],
-                    images.return_dict,
+        pieces: list[PackedCall] = []
+        first = tokens = 0  # the piece being made: images first..
+
+        def close(stop: int) -> None:
+            nonlocal first, tokens
+            if stop > first:
+                sliced = [tensor[first:stop] for tensor in inputs]
+                pieces.append(
+                    self._call(
+                        (),
+                        {**options, **dict(zip(_INPUTS, sliced))},
+                        sliced[0],
+                        sliced[1],
+                        images.grids[first:stop],
+                        images.return_dict,
+                    )
                 )
-            )
-            first, tokens = index, count
+            first, tokens = stop, 0
+
+        for index, count in enumerate(images.counts):
+            if tokens + count > budget:
+                close(index)
+            tokens += count
+            if count > budget:
+                close(index + 1)
+        close(len(images.counts))
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:

@@ -9,17 +9,23 @@ random weights, in bf16; nothing is downloaded. For each tower:
 
 - **images**: one image per call at 224x224, 448x448, 672x448, 896x896 and 1344x1008 (sides
   rounded to the tower's patch times merge size, as its processor does), waited latency
-  (medians of many calls, each waited for, CUDA events): the tower eager; layergraph's
-  ``wrap`` with ``attention="triton"`` and with its defaults; a hand-written graph of the
-  tower at that exact shape (``torch.cuda.graph`` around its forward given precomputed
-  boundaries, positions and windows, attention through layergraph's Triton varlen kernel);
+  (medians of many calls, each waited for, CUDA events): the tower eager; layergraph's eager
+  path (``wrap(..., lazy=False)``, every call served eagerly: what a call the policy sends to
+  eager costs, which must be the tower's own); layergraph's ``wrap`` with
+  ``attention="triton"`` and with its defaults (the budget and attention backends each chose);
+  a hand-written graph of the tower at that exact shape (``torch.cuda.graph`` around its
+  forward given precomputed boundaries, positions and windows, attention through
+  layergraph's Triton varlen kernel);
 - **errors**: the relative error of eager, layergraph and the hand graph, each against a
   float32 copy of the same weights run eagerly;
 - **stream**: 100 seeded requests of 1 to 3 entries (images of those sizes, some short
   videos), each waited for: the total time of eager, of layergraph (its first pass, which
   captures, and a second), and of hand-written graphs captured for each request's exact
-  shape (capture not counted); layergraph's graphs held, pool, capture seconds, and the pool
-  of its largest budget captured alone; every answer compared with eager's.
+  shape (capture not counted); layergraph's graphs held, the budgets it chose from the
+  traffic and how often, pool, capture seconds, and the pool of its largest budget captured
+  alone; every answer compared with eager's. The targets of the packed mode are checked and
+  reported (``targets``): at most 8 graphs, a pool at most 1.1x the largest budget's alone,
+  captures under 3 s, the stream within 1.10x of the hand-written graphs.
 
 ``--tiny`` runs four-layer towers in float32, on the GPU if there is one, else on the CPU,
 where graphs are simulated and the hand-written "graph" runs its forward eagerly, so that every
@@ -88,9 +94,14 @@ def waited(fn: Callable[[], Any], settings: Settings) -> float:
     return waited_ms(fn, device=settings.device, warmup=1, iters=iters)
 
 
-def wrap(model: nn.Module, settings: Settings, attention: str) -> Any:
+TARGETS = {"graphs": 8, "pool_vs_largest": 1.1, "capture_s": 3.0, "vs_hand": 1.10}
+"""The packed mode's aims on the stream: graphs held, pool against the largest budget's
+alone, capture seconds, layergraph's second pass against the exact-shape hand graphs."""
+
+
+def wrap(model: nn.Module, settings: Settings, attention: str, **options: Any) -> Any:
     """layergraph's wrapper of ``model`` (simulated graphs without a GPU)."""
-    options: dict[str, Any] = {"adapter": "qwen2_vl", "attention": attention}
+    options.update(adapter="qwen2_vl", attention=attention)
     if settings.simulated:
         options["backend"] = SimulatedGraphs()
     return layergraph.wrap(model, **options)
@@ -134,6 +145,12 @@ def per_image(
             row["hand_graph_error"] = relative_error(merged(by_hand(pixels)), want)
             del by_hand
             rows.append(row)
+        eager_path = wrap(model, settings, "auto", lazy=False)
+        for row, (pixels, grid), want in zip(rows, inputs, wants):
+            call = functools.partial(eager_path, pixels, grid_thw=grid)
+            row["layergraph_eager_ms"] = waited(call, settings)
+            row["layergraph_eager_error"] = relative_error(merged(call()), want)
+        eager_path.unwrap()
         for column, attention in variants(settings).items():
             graphed = wrap(model, settings, attention)
             for row, (pixels, grid), want in zip(rows, inputs, wants):
@@ -141,6 +158,10 @@ def per_image(
                 row[f"{column}_ms"] = waited(call, settings)
                 row[f"{column}_error"] = relative_error(merged(call()), want)
             budgets[column] = served(rows, column, graphed)
+            for row in rows:
+                row[f"{column}_attention"] = graphed.plan.attention_by_budget.get(
+                    next(iter(row[f"{column}_budgets"]), 0), "-"
+                )
             graphed.release()
             graphed.unwrap()
     return rows, budgets
@@ -152,6 +173,11 @@ def served(rows: list[dict], column: str, graphed: Any) -> list[int]:
     for row in rows:
         row[f"{column}_served"] = sorted(
             way for tokens, way in stats.served if tokens == row["tokens"]
+        )
+        row[f"{column}_budgets"] = sorted(
+            int(way.removeprefix("padded to ")) if way.startswith("padded") else tokens
+            for tokens, way in stats.served
+            if tokens == row["tokens"] and (way == "graph" or way.startswith("padded"))
         )
     return sorted(key.batch for key in graphed.keys)
 
@@ -202,6 +228,9 @@ def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
         result.update(
             graphs=stats.graphs,
             budgets=budgets,
+            budgets_chosen=list(stats.budgets),
+            replans=stats.replans,
+            attention=dict(graphed.plan.attention_by_budget),
             pool_mib=stats.pool_bytes / 2**20,
             capture_s=stats.capture_seconds,
             captures=stats.captures,
@@ -212,7 +241,28 @@ def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
         graphed.unwrap()
         result["largest_budget_pool_mib"] = largest_alone(model, settings, budgets)
         result.update(hand_graphs(model, settings, requests, inputs, expected))
+    result["targets"] = targets(result)
     return result
+
+
+def targets(stream: dict[str, Any]) -> dict[str, Any]:
+    """Each aim of :data:`TARGETS`: the value reached on the stream and whether it is met
+    (``None`` where it could not be measured)."""
+    alone, hand = stream["largest_budget_pool_mib"], stream["hand_graph_s"]
+    reached = {
+        "graphs": stream["graphs"],
+        "pool_vs_largest": stream["pool_mib"] / alone if alone else None,
+        "capture_s": stream["capture_s"],
+        "vs_hand": stream["layergraph_s"] / hand if hand else None,
+    }
+    return {
+        name: {
+            "value": value,
+            "aim": TARGETS[name],
+            "met": None if value is None else value <= TARGETS[name],
+        }
+        for name, value in reached.items()
+    }
 
 
 def largest_alone(model: nn.Module, settings: Settings, budgets: list[int]) -> float | None:
@@ -299,8 +349,13 @@ def ratio(numerator: float | None, denominator: float | None) -> str:
 def image_table(record: dict[str, Any]) -> Table:
     """Waited milliseconds per image (speedup over eager) and errors against the reference."""
     table = Table(title=f"{record['tower']}: one image per call, waited ms (x eager)")
-    methods = {"layergraph_triton": "lg triton", "layergraph": "lg", "hand_graph": "hand graph"}
-    for column in ("size", "tokens", "eager", *methods.values(), "lg / hand"):
+    methods = {
+        "layergraph_eager": "lg eager path",
+        "layergraph_triton": "lg triton",
+        "layergraph": "lg",
+        "hand_graph": "hand graph",
+    }
+    for column in ("size", "tokens", "eager", *methods.values(), "lg / hand", "lg attention"):
         table.add_column(column, justify="right")
     for name in ("eager", "lg", "hand"):
         table.add_column(f"error {name}", justify="right")
@@ -312,6 +367,7 @@ def image_table(record: dict[str, Any]) -> Table:
             f"{eager:.2f}",
             *(f"{row[f'{name}_ms']:.2f} ({ratio(eager, row[f'{name}_ms'])})" for name in methods),
             ratio(row["layergraph_ms"], row["hand_graph_ms"]),
+            row["layergraph_attention"],
             *(f"{row[f'{name}_error']:.1e}" for name in ("eager", "layergraph", "hand_graph")),
         )
     return table
@@ -334,6 +390,7 @@ def stream_table(records: list[dict[str, Any]]) -> Table:
         "hand graphs",
         "lg / hand",
         "graphs",
+        "budgets chosen",
         "pool MiB",
         "largest alone MiB",
         "capture s",
@@ -351,10 +408,27 @@ def stream_table(records: list[dict[str, Any]]) -> Table:
             seconds(s, "hand_graph_s") + f" {s['hand_graphs']} graphs",
             ratio(s["layergraph_s"], s["hand_graph_s"]),
             str(s["graphs"]),
+            f"{', '.join(map(str, s['budgets_chosen']))} ({s['replans']}x)",
             f"{s['pool_mib']:.0f}",
             f"{alone:.0f}" if alone is not None else "-",
             f"{s['capture_s']:.2f}",
         )
+    return table
+
+
+def targets_table(records: list[dict[str, Any]]) -> Table:
+    """Whether each tower's stream met the packed mode's aims."""
+    table = Table(title="stream: the packed mode's aims (value, aim)")
+    table.add_column("tower")
+    for name in TARGETS:
+        table.add_column(name, justify="right")
+    for record in records:
+        cells = []
+        for goal in record["stream"]["targets"].values():
+            value = "-" if goal["value"] is None else f"{goal['value']:.2f}"
+            verdict = {True: "met", False: "MISSED", None: "?"}[goal["met"]]
+            cells.append(f"{value} <= {goal['aim']} {verdict}")
+        table.add_row(record["tower"], *cells)
     return table
 
 
@@ -392,6 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         records.append(measure(tower, settings))
         console.print(image_table(records[-1]))
     console.print(stream_table(records))
+    console.print(targets_table(records))
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "graphs": "simulated" if settings.simulated else "cuda",

@@ -20,7 +20,7 @@ measured slower than eager is not captured again), until the model changes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,6 +215,16 @@ class GraphCache:
         """Drop the graph of ``lookup``, if any, with all that was known about it."""
         if self._graphs.pop(lookup, None) is not None:
             self.generation += 1
+
+    def keep_buckets(self, buckets: Collection[int]) -> int:
+        """Drop the graphs of every bucket not in ``buckets`` (their measured costs kept);
+        return how many were dropped."""
+        dropped = [lookup for lookup in self._graphs if lookup[0] not in buckets]
+        for lookup in dropped:
+            self._keep_costs(lookup, self._graphs.pop(lookup))
+        if dropped:
+            self.generation += 1
+        return len(dropped)
 
     def drop_graphs(self) -> None:
         """Drop every graph; sightings, failures and measured costs stay."""

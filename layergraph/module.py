@@ -33,7 +33,7 @@ def wrap(
     *,
     batch_sizes: Sequence[int] | Literal["auto"] | None = "auto",
     lazy: bool = True,
-    max_graphs: int = 32,
+    max_graphs: int | None = None,
     capture_after: int = 1,
     static_output: bool = False,
     validate: bool = False,

@@ -71,8 +71,8 @@ class Packing(ABC):
     capture through :meth:`~layergraph.adapter.CapturePlan.bound`); before every replay
     :meth:`load` writes the call into them, padding past its real tokens so that no real token
     attends to padding; :meth:`cut` takes the real rows out of the graph's outputs. A call
-    above every budget is :meth:`split` (by images) and the pieces' outputs are
-    :meth:`join`-ed.
+    above every budget is :meth:`split` (by images, an image above every budget a piece of its
+    own, run eagerly) and the pieces' outputs are :meth:`join`-ed.
     """
 
     budget_unit: int = 1
@@ -90,9 +90,10 @@ class Packing(ABC):
         eagerly) for one a graph cannot take."""
 
     @abstractmethod
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall] | None:
-        """The call cut into calls of at most ``budget`` tokens each, whose joined outputs are
-        the call's; ``None`` if one indivisible part (an image) is larger."""
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+        """The call cut, in order, into calls whose joined outputs are the call's: each of at
+        most ``budget`` tokens, except an indivisible part (an image) larger than that, which
+        is a call of its own (the runner runs it eagerly)."""
 
     @abstractmethod
     def allocate(self, budget: int, call: PackedCall) -> Any:

@@ -17,8 +17,8 @@ of assuming:
   (:data:`ROUTE_MARGIN`), else eagerly. Its eager time is measured on its first eager call.
 
 Packed plans (:mod:`layergraph.packing`) are served the same way, with token budgets in place
-of batch sizes: a call of ``t`` tokens goes to its own budget (:func:`learnt_budget`, a ladder
-that pads at most by half), captured if admitted and kept only if measured faster than eager;
+of batch sizes: a call of ``t`` tokens goes to the budget chosen for it from the traffic
+(:mod:`layergraph.budgets`), captured if admitted and kept only if measured faster than eager;
 without a graph there, to the cheapest larger budget held, if measured faster than eager by
 the same margin; else it runs eagerly.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ROUTE_MARGIN", "Costs", "Route", "cheapest_route", "learnt_budget"]
+__all__ = ["ROUTE_MARGIN", "Costs", "Route", "cheapest_route"]
 
 ROUTE_MARGIN = 0.95
 """A batch goes through other graphs (padded, or in chunks) only if their replays sum to less
@@ -112,16 +112,3 @@ def cheapest_route(batch: int, graph_ms: Mapping[int, float]) -> Route | None:
         best.append(min(options))
     cost, _, pieces = best[batch]
     return Route(batch, tuple(sorted(pieces, reverse=True)), cost)
-
-
-def learnt_budget(size: int, step: int, largest: int) -> int | None:
-    """The token budget a packed call of ``size`` tokens is served by when budgets are learnt:
-    the smallest ``step * m`` holding it, with ``m`` in 1, 2, 3, 4, 6, 8, 12, 16, ... (a power
-    of two or three times one), so that padding adds at most half of the call; at most
-    ``largest`` tokens, ``None`` for a larger call (it is split)."""
-    if size > largest:
-        return None
-    units = -(-size // step)
-    power = 1 << max(units - 1, 0).bit_length()  # the smallest power of two >= units
-    multiple = 3 * power // 4 if power >= 4 and 3 * power // 4 >= units else power
-    return min(step * multiple, largest)

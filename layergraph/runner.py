@@ -17,12 +17,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .adapter import CapturePlan
+from .budgets import PACKED_MAX_GRAPHS, BudgetPlanner
 from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend
 from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
 from .packing import PackedCall
-from .policy import ROUTE_MARGIN, Costs, Route, cheapest_route, learnt_budget
+from .policy import ROUTE_MARGIN, Costs, Route, cheapest_route
 from .progress import track
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
@@ -32,6 +33,10 @@ __all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "RunnerOptions", "StaleOutputWa
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """A common choice of fixed buckets (``batch_sizes=DEFAULT_BATCH_SIZES``): powers of two."""
+
+DEFAULT_MAX_GRAPHS = 32
+"""The default ``max_graphs`` of a plan keyed by batch size (packed plans:
+:data:`~layergraph.budgets.PACKED_MAX_GRAPHS`)."""
 
 _MEASURED_RUNS = 3
 """Eager calls and replays timed at each capture; the fastest of each is kept."""
@@ -57,7 +62,9 @@ class RunnerOptions:
       :meth:`GraphRunner.capture` replay; other calls run eagerly.
     - ``max_graphs``: no more graphs than this; once all are held, a new key displaces the
       least used graph only after it was seen more often than that graph was used, and runs
-      eagerly until then (:class:`~layergraph.cache.GraphCache`).
+      eagerly until then (:class:`~layergraph.cache.GraphCache`). ``None`` (the default): 32,
+      or 8 for a packed plan, whose learnt token budgets are chosen to make do with that many
+      (:mod:`layergraph.budgets`).
     - ``capture_after``: capture a key only once calls have needed it this many times (the
       calls before run eagerly), so that rare shapes do not take graph memory.
     - ``static_output``: return views of the graph's own output buffers (no copy). They are
@@ -73,7 +80,7 @@ class RunnerOptions:
 
     batch_sizes: Sequence[int] | Literal["auto"] | None = "auto"
     lazy: bool = True
-    max_graphs: int = 32
+    max_graphs: int | None = None
     capture_after: int = 1
     static_output: bool = False
     validate: bool = False
@@ -82,7 +89,7 @@ class RunnerOptions:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_graphs < 1:
+        if self.max_graphs is not None and self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {self.max_graphs}")
         if self.warmup_runs < 1:
             raise ValueError(f"warmup_runs must be at least 1, got {self.warmup_runs}")
@@ -160,7 +167,20 @@ class GraphRunner:
         self._routes: dict[Any, tuple[int, Route | None]] = {}
         """The cheapest route over the graphs held, by lookup, with the cache's generation it
         was chosen in (:func:`~layergraph.policy.cheapest_route`)."""
-        self._entries = GraphCache(options.max_graphs, options.capture_after)
+        self.max_graphs = options.max_graphs or (
+            PACKED_MAX_GRAPHS if plan.packing is not None else DEFAULT_MAX_GRAPHS
+        )
+        """The most graphs held at once (``max_graphs``, or its default for the plan)."""
+        self._planner: BudgetPlanner | None = None
+        """A packed plan's learnt token budgets (``batch_sizes="auto"``)."""
+        self._planned = 0
+        """The planner's generation whose budgets the graphs held follow."""
+        if plan.packing is not None and options.measured:
+            packing = plan.packing
+            self._planner = BudgetPlanner(
+                packing.budget_step, packing.largest_budget, self.max_graphs
+            )
+        self._entries = GraphCache(self.max_graphs, options.capture_after)
         """Every graph, and everything known about each key: its graph with that graph's
         validation, its sightings, or its failed capture."""
         self._done: Any = None
@@ -290,7 +310,7 @@ class GraphRunner:
             and entry.costs.graph_ms is not None
         }
         route = cheapest_route(call.batch, graph_ms)
-        if len(self._routes) >= 4 * self.options.max_graphs + 64:
+        if len(self._routes) >= 4 * self.max_graphs + 64:
             self._routes.clear()
         self._routes[lookup] = (generation, route)
         return route
@@ -349,12 +369,18 @@ class GraphRunner:
 
     def _budget_for(self, size: int) -> int | None:
         """The token budget whose graph serves a call of ``size`` tokens, or ``None`` if the
-        call is above every budget: learnt (``batch_sizes="auto"``), the user's budgets, or
-        the call's own size (``None``)."""
-        if self.options.measured:
-            packing = self.plan.packing
-            return learnt_budget(size, packing.budget_step, packing.largest_budget)
-        return self.buckets.bucket_for(size)
+        call is above every budget: learnt from the traffic (``batch_sizes="auto"``,
+        :class:`~layergraph.budgets.BudgetPlanner`, the graphs of budgets a new plan leaves
+        out dropped), the user's budgets, or the call's own size (``None``)."""
+        if self._planner is None:
+            return self.buckets.bucket_for(size)
+        budget = self._planner.budget_for(size)
+        if self._planner.generation != self._planned:
+            self._planned = self._planner.generation
+            self._stats.replans += 1
+            if self._entries.keep_buckets(self._planner.budgets) and not len(self._entries):
+                self._pool = None
+        return budget
 
     def _serve_packed(self, call: PackedCall, fresh: bool) -> Any:
         """Serve a packed call from its budget's graph, captured if admitted; with learnt
@@ -399,17 +425,31 @@ class GraphRunner:
 
     def _serve_split(self, call: PackedCall) -> Any:
         """A packed call above every budget, split by images into calls that fit, each served
-        on its own; eagerly if one image alone is above every budget."""
+        on its own, and an image above every budget run eagerly apart (the reason counted);
+        a call of that one image alone runs eagerly."""
         largest = (
             self.plan.packing.largest_budget if self.options.measured else self.buckets.largest
         )
-        pieces = self.plan.packing.split(call, largest) if largest is not None else None
-        if pieces is None:
-            reason = f"an image of this call is above the largest token budget ({largest})"
+        reason = f"an image of this call is above the largest token budget ({largest})"
+        pieces = self.plan.packing.split(call, largest) if largest is not None else [call]
+        if len(pieces) == 1:
             return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
-        parts = [self._serve_packed(piece, fresh=True) for piece in pieces]
+        parts, eager = [], 0
+        for piece in pieces:
+            if piece.size > largest:
+                eager += 1
+                parts.append(
+                    self._run_eagerly(
+                        f"{reason}: it ran eagerly, the rest from graphs",
+                        piece.args,
+                        piece.kwargs,
+                    )
+                )
+            else:
+                parts.append(self._serve_packed(piece, fresh=True))
         self._stats.split_calls += 1
-        self._stats.served[(call.size, f"split into {len(pieces)} calls")] += 1
+        way = f"split into {len(pieces)} calls" + (f", {eager} eager" if eager else "")
+        self._stats.served[(call.size, way)] += 1
         return self.plan.packing.join(parts)
 
     def _count_eager(self, reason: str, batch: int | None) -> None:
@@ -620,8 +660,12 @@ class GraphRunner:
     def _measure_packed(
         self, graph: Any, buffers: Any, leaves: Sequence[Any], call: PackedCall
     ) -> Costs:
-        """The fastest of a few eager calls of ``call`` itself, and of a few replays of the
-        budget's graph with the call loaded and the outputs cloned, each waited for."""
+        """The fastest of a few eager calls of ``call`` itself (the plan's region unbound: the
+        model's own forward), and of a few replays of the budget's graph with the outputs
+        cloned, each waited for. A measured replay pays what a call served by the graph pays
+        on the host too: the call is read again (:meth:`~layergraph.packing.Packing.pack`) and
+        loaded, so a plan whose per-call metadata is costly to compute keeps a graph only if
+        it still beats the model's own eager call."""
         packing = self.plan.packing
         with self._hooks.adopting():
             eager_ms = min(
@@ -632,7 +676,7 @@ class GraphRunner:
             )
 
         def replay() -> None:
-            packing.load(buffers, call)
+            packing.load(buffers, packing.pack(call.args, call.kwargs))
             self.backend.replay(graph)
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
@@ -773,10 +817,10 @@ class GraphRunner:
                 lookup = (size, example.signature)
                 entry = self._entries.get(lookup)
                 if entry is None:
-                    if len(sizes) > self.options.max_graphs:
+                    if len(sizes) > self.max_graphs:
                         raise RuntimeError(
                             f"cannot capture {len(sizes)} batch sizes with max_graphs="
-                            f"{self.options.max_graphs}"
+                            f"{self.max_graphs}"
                         )
                     key = ShapeKey(size, self.plan.sequence_of(example))
                     entry, reason = self._capture(key, lookup, example)
@@ -832,6 +876,7 @@ class GraphRunner:
             return replace(
                 self._stats,
                 graphs=len(self._entries),
+                budgets=self._planner.budgets if self._planner is not None else (),
                 eager_calls=self._stats.eager_calls.copy(),
                 served=self._stats.served.copy(),
                 costs=self._entries.costs_by_batch(),

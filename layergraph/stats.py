@@ -62,6 +62,12 @@ class GraphStats:
     """What was measured, by batch size: an eager call and a replay of the batch's own graph
     (at capture), or an eager call alone (a batch served through other graphs or eagerly);
     read when the statistics were taken, forgotten when the model changes."""
+    budgets: tuple[int, ...] = ()
+    """A packed plan's token budgets learnt from the traffic (``batch_sizes="auto"``), read
+    when the statistics were taken; graphs are captured for them as calls need them."""
+    replans: int = 0
+    """Times a packed plan's token budgets were chosen (again), the graphs of budgets left out
+    dropped."""
     capture_seconds: float = 0.0
     """Wall-clock seconds spent capturing, warm-up runs included."""
     pool_bytes: int = 0
@@ -81,6 +87,10 @@ class GraphStats:
             f"slower={self.slower_graphs} failed={self.failed_captures} "
             f"pool={self.pool_bytes / 2**20:.1f} MiB capture={self.capture_seconds:.3f} s"
         ]
+        if self.budgets:
+            lines.append(
+                f"  budgets {', '.join(map(str, self.budgets))} (chosen {self.replans} times)"
+            )
         lines += [f"  eager x{n}: {reason}" for reason, n in self.eager_calls.most_common()]
         for batch in sorted({batch for batch, _ in self.served} | set(self.costs)):
             ways = ", ".join(

@@ -123,7 +123,7 @@ def test_packed_metadata_that_cannot_hold_a_budgets_calls_is_refused_naming_the_
     assert "attention metadata from an attention_metadata hook cannot hold calls of up to" in str(
         refusal.value
     )
-    assert "max_seqlen must be an int of at least 256" in str(refusal.value)
+    assert "max_seqlen must be an int of at least 64" in str(refusal.value)
 
 
 def test_metadata_holds_a_sequence_layouts_boundaries_and_room_for_a_packed_layouts() -> None:
@@ -137,3 +137,78 @@ def test_metadata_holds_a_sequence_layouts_boundaries_and_room_for_a_packed_layo
     assert packed.max_seqlen == 5
     with pytest.raises(ValueError, match="max_length at most tokens"):
         PackedLayout(4, 1, 16)
+
+
+class Named(SdpaMaskedAttention):
+    """Masked SDPA under another name: a stand-in for a kernel that reads boundaries."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Kernels:
+    """Registers two stand-in kernels: ``long`` (fast on sequences longer than a window) and
+    ``short`` (fast on windows)."""
+
+    @layergraph.hookimpl
+    def register_attention_backends(self, register: Callable[..., None]) -> None:
+        register(Named("long"))
+        register(Named("short"))
+
+
+def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
+    layergraph_registry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers.vision_utils import get_vision_window_index
+
+    from layergraph_adapters import qwen2_vl
+
+    timed: list[tuple[str, PackedLayout, tuple[int, ...]]] = []
+
+    def timer(backend: Any, layout: PackedLayout, lengths: tuple[int, ...]) -> float:
+        timed.append((backend.name, layout, lengths))
+        if backend.name == "long":
+            return 1.0 if max(lengths) > 16 else 3.0
+        return 2.0 if backend.name == "short" else 5.0  # the masked SDPA, triton: slowest
+
+    monkeypatch.setattr(qwen2_vl, "packed_timer", lambda *args: timer)
+    layergraph_registry.add_plugin(Kernels(), "kernels")
+    model = tower()
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[BUDGET]
+    )
+    grids = [(1, 4, 6), (2, 2, 2), (1, 8, 8)]
+    check(graphed, model, grids)
+    _, windows = get_vision_window_index(torch.tensor(grids), 2, 56, 14)
+    window_lengths = tuple(n for n in windows.diff().tolist() if n > 0)
+    assert {(layout, lengths) for _, layout, lengths in timed} == {
+        (PackedLayout(BUDGET, 8, BUDGET), (24, 4, 4, 64)),
+        (PackedLayout(BUDGET, graphed.plan.window_slots(BUDGET, 8), 16), window_lengths),
+    }
+    assert {"sdpa_varlen", "long", "short"} <= {name for name, _, _ in timed}
+    assert graphed.plan.attention_by_budget == {BUDGET: "full: long, windows: short"}
+
+
+def test_a_named_packed_backend_must_read_boundaries_and_auto_keeps_the_fastest() -> None:
+    from layergraph.attention import SdpaAttention, choose_packed_backend
+
+    layout, lengths = PackedLayout(64, 8, 64), (24, 40)
+    candidates = (SdpaAttention(), SdpaMaskedAttention(), Named("varlen"))
+    costs = {"sdpa_varlen": 9.0, "varlen": 1.0}
+
+    def choose(name: str, timer: Any) -> str:
+        return choose_packed_backend(
+            name,
+            torch.device("cpu"),
+            torch.float32,
+            16,
+            layout,
+            lengths,
+            backends=candidates,
+            timer=timer,
+        ).name
+
+    assert choose("auto", lambda backend, *_: costs[backend.name]) == "varlen"
+    assert choose("auto", None) == "sdpa_varlen"  # nothing timed: the first that runs
+    with pytest.raises(ValueError, match="unknown attention backend 'sdpa'"):
+        choose("sdpa", None)  # dense SDPA cannot serve every packing of a budget

@@ -1,5 +1,6 @@
-"""``benchmarks/packed_towers.py --tiny``: every section runs without a GPU, and every method's
-answers agree with the tower's.
+"""``benchmarks/packed_towers.py --tiny``: every section runs without a GPU, every method's
+answers agree with the tower's (layergraph's eager path too), and the stream reports the
+budgets chosen and the packed mode's aims.
 
 Four-layer Qwen2.5-VL and Qwen3-VL towers in float32: layergraph's graphs are simulated on the
 CPU and the hand-written graph runs its forward eagerly, so each method's error against the
@@ -42,7 +43,13 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
             f"{width}x{height}" for width, height in bench.TINY_SIZES
         ]
         for row in record["images"]:
-            for method in ("eager", "layergraph_triton", "layergraph", "hand_graph"):
+            for method in (
+                "eager",
+                "layergraph_eager",
+                "layergraph_triton",
+                "layergraph",
+                "hand_graph",
+            ):
                 assert row[f"{method}_ms"] > 0, (record["tower"], row["size"], method)
                 assert row[f"{method}_error"] <= TOLERANCE, (record["tower"], row["size"], method)
             assert row["layergraph_served"], row  # the calls were counted
@@ -55,6 +62,10 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
         assert 1 <= stream["graphs"] == len(stream["budgets"])
         assert stream["eager_calls"] == {}
         assert stream["largest_budget_pool_mib"] is not None
+        assert set(stream["budgets"]) <= set(stream["budgets_chosen"])
+        assert len(stream["budgets_chosen"]) <= 8 and stream["replans"] >= 1
+        assert stream["targets"]["graphs"] == {"value": stream["graphs"], "aim": 8, "met": True}
+        assert set(stream["targets"]) == {"graphs", "pool_vs_largest", "capture_s", "vs_hand"}
 
 
 def test_the_full_size_towers_ask_for_a_gpu_without_one(bench: Any, capsys: Any) -> None:

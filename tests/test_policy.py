@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import layergraph
-from layergraph.policy import Costs, Route, cheapest_route, learnt_budget
+from layergraph.policy import Costs, Route, cheapest_route
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5
@@ -233,10 +233,3 @@ def test_no_call_is_served_a_way_measured_slower_than_eager(
         else:
             pieces = [int(size) for size in way.removeprefix("chunks ").split("+")]
             assert sum(map(replay_ms, pieces)) < eager_ms(batch)
-
-
-def test_learnt_budgets_pad_by_at_most_half_up_to_the_largest() -> None:
-    budgets = [learnt_budget(size, 32, 512) for size in (1, 32, 33, 65, 97, 129, 200, 500)]
-    assert budgets == [32, 32, 64, 96, 128, 192, 256, 512]
-    assert all(learnt_budget(size, 32, 4096) < 1.5 * size + 32 for size in range(1, 4097))
-    assert learnt_budget(513, 32, 512) is None

@@ -4,7 +4,8 @@ On the CPU through simulated graphs whose costs make every way win somewhere: ea
 ``launches`` ms per call, a replay a third of that, and both pay per token, so a budget's graph
 is kept or dropped, a call goes to its own budget, a larger one, is split by images or runs
 eagerly. Calls hold one to three entries drawn from images smaller than a window, images of
-several windows, one image larger than every budget, and two-frame videos; budgets are learnt,
+several windows, one image larger than every budget (run eagerly, the rest of its call from
+graphs), and two-frame videos; budgets are learnt,
 given or exact; few graphs are allowed. Every answer (the merged features, the last hidden
 state and Qwen3-VL's deep-stack features) must equal the unwrapped tower's on the same fresh
 random input within 1e-4 relative error (float32).
@@ -13,6 +14,7 @@ random input within 1e-4 relative error (float32).
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import layergraph
+from layergraph.budgets import PACKED_MAX_GRAPHS, REPLAN_GAIN, best_budgets, padding
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 
@@ -40,7 +43,7 @@ from test_qwen2_vl_adapter import (
 LARGEST = 128
 """The largest budget, learnt or given: a call above it is split by images."""
 BIG = (1, 16, 12)
-"""An image of 192 tokens, above every budget: its calls run eagerly, with the reason."""
+"""An image of 192 tokens, above every budget: it runs eagerly, with the reason."""
 
 
 @functools.cache
@@ -116,5 +119,48 @@ def test_every_answer_equals_the_towers(
         for reason in stats.eager_calls:
             if "above the largest token budget" in reason:
                 assert any(BIG in grids for grids in stream) or budgets is None
+    finally:
+        graphed.unwrap()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]),
+    stream=st.lists(
+        st.lists(st.sampled_from(ENTRIES), min_size=1, max_size=3), min_size=9, max_size=14
+    ),
+)
+def test_learnt_budgets_follow_the_traffic_within_eight_graphs(
+    kind: str, stream: list[list[tuple[int, int, int]]]
+) -> None:
+    """Budgets learnt from the calls' token totals (multiples of 4): never more than eight
+    graphs (a packed plan's default ``max_graphs``), every answer the tower's, and the budgets
+    held pad the totals seen by at most the least any eight budgets would plus 3 % of their
+    tokens."""
+    tower = model(kind)
+    graphed = layergraph.wrap(
+        tower,
+        adapter=qwen2_vl.Qwen2VLAdapter(budget_step=4, max_tokens=256),
+        backend=SimulatedGraphs(eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 1.0),
+    )
+    try:
+        totals: Counter[int] = Counter()
+        for grids in stream:
+            pixels, grid = call(grids)
+            totals[pixels.shape[0]] += 1
+            with torch.inference_mode():
+                got = answer(graphed(pixels, grid_thw=grid))
+                with graphed.original():
+                    want = answer(tower(pixels, grid_thw=grid))
+            for part, expected in zip(got, want):
+                assert relative_error(part, expected) <= TOLERANCE, grids
+            assert graphed.stats.graphs <= PACKED_MAX_GRAPHS
+        stats = graphed.stats
+        assert stats.eager_total == 0, dict(stats.eager_calls)
+        assert len(stats.budgets) <= PACKED_MAX_GRAPHS
+        assert {key.batch for key in graphed.keys} <= set(stats.budgets)
+        _, least = best_budgets(totals, PACKED_MAX_GRAPHS, 4)
+        tokens = sum(size * count for size, count in totals.items())
+        assert padding(totals, stats.budgets) <= least + REPLAN_GAIN * tokens
     finally:
         graphed.unwrap()

@@ -191,15 +191,20 @@ def test_a_position_table_updated_in_place_reaches_the_next_replay() -> None:
 
 
 @pytest.mark.usefixtures("registry")
-def test_calls_above_every_budget_are_split_by_images_or_run_eagerly_with_the_reason() -> None:
+def test_calls_above_every_budget_are_split_by_images_an_image_above_them_eagerly() -> None:
     model = tower()
     graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[32, 64])
     check(graphed, model, [(6, 6), (4, 7), (2, 5), (5, 5)])  # 99 tokens: 64 + 35
     assert graphed.stats.split_calls == 1
     assert graphed.stats.served[(99, "split into 2 calls")] == 1
-    check(graphed, model, [(9, 8), (1, 1)])  # an image of 72 tokens
+    check(graphed, model, [(2, 3), (9, 8), (1, 1)])  # 6 | an image of 72 tokens | 1
+    assert graphed.stats.split_calls == 2
+    assert graphed.stats.served[(79, "split into 3 calls, 1 eager")] == 1
+    check(graphed, model, [(9, 8)])  # that image alone
     assert graphed.stats.eager_calls == {
-        "an image of this call is above the largest token budget (64)": 1
+        "an image of this call is above the largest token budget (64): it ran eagerly, "
+        "the rest from graphs": 1,
+        "an image of this call is above the largest token budget (64)": 1,
     }
 
 

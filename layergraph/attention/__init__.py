@@ -13,10 +13,13 @@ adapters use it.
 from .backends import (
     AttentionBackend,
     Fa3Attention,
+    PackedTimer,
     SdpaAttention,
     SdpaMaskedAttention,
     TritonVarlenAttention,
     choose_backend,
+    choose_packed_backend,
+    packed_timer,
 )
 from .layout import (
     AttentionMetadata,
@@ -24,6 +27,7 @@ from .layout import (
     SequenceLayout,
     build_metadata,
     check_packed_metadata,
+    padded_offsets,
 )
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "AttentionMetadata",
     "Fa3Attention",
     "PackedLayout",
+    "PackedTimer",
     "SdpaAttention",
     "SdpaMaskedAttention",
     "SequenceLayout",
@@ -38,4 +43,7 @@ __all__ = [
     "build_metadata",
     "check_packed_metadata",
     "choose_backend",
+    "choose_packed_backend",
+    "packed_timer",
+    "padded_offsets",
 ]

@@ -18,21 +18,31 @@ import functools
 import importlib.util
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..timing import captured_ms
-from .layout import AttentionMetadata, PackedLayout, SequenceLayout, build_metadata
+from .layout import (
+    AttentionMetadata,
+    PackedLayout,
+    SequenceLayout,
+    build_metadata,
+    padded_offsets,
+)
 
 __all__ = [
     "AttentionBackend",
     "Fa3Attention",
+    "PackedTimer",
     "SdpaAttention",
     "SdpaMaskedAttention",
     "TritonVarlenAttention",
     "choose_backend",
+    "choose_packed_backend",
+    "packed_timer",
 ]
 
 
@@ -345,6 +355,99 @@ def _time_ms(
     def run() -> None:
         backend(
             q, k, v, layout=layout, metadata=metadata, workspace=workspace, scale=head_dim**-0.5
+        )
+
+    return captured_ms(run, device=device)
+
+
+PackedTimer = Callable[[AttentionBackend, PackedLayout, tuple[int, ...]], float]
+"""Milliseconds of one attention call of a backend in a packed graph: room of a
+:class:`~layergraph.attention.PackedLayout`, sequences of the given lengths in it."""
+
+
+@functools.lru_cache(maxsize=256)
+def choose_packed_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    layout: PackedLayout,
+    lengths: tuple[int, ...],
+    *,
+    backends: tuple[AttentionBackend, ...],
+    timer: PackedTimer | None,
+) -> AttentionBackend:
+    """The backend for one kind of attention of a packed graph: ``name`` itself if it reads
+    boundaries and can run here, or for ``"auto"`` the fastest on the layout the graph runs.
+
+    ``layout`` is the graph's room (its metadata's sizes, which fix a kernel's grid) and
+    ``lengths`` the sequences of a real call in it (the frames of the call that made the
+    budget, or its windows), so that a kernel is timed on what it will serve, not on one
+    sequence as long as the budget: per-frame attention over a long packed sequence is cheap
+    for a varlen kernel and quadratic in all tokens for a masked one. With ``timer`` (on a GPU,
+    :func:`packed_timer`) every candidate that can run is timed and the fastest kept; without,
+    the first that can run is taken (``sdpa_varlen`` off the GPU). A plan calls this once per
+    kind of attention (full, windowed), so the two may get different backends.
+
+    What it does not do: compare with the model's own eager attention (per-image SDPA). That
+    cannot be captured for every packing of a budget; the shape policy compares whole graphs
+    with the model's eager calls and drops a graph that loses.
+    """
+    sequences = SequenceLayout(lengths)
+    candidates = [backend for backend in backends if backend.reads_boundaries]
+    if name != "auto":
+        backend = _named(name, tuple(candidates))
+        reason = backend.unavailable_reason(device, dtype, head_dim, sequences)
+        if reason is not None:
+            raise RuntimeError(f"attention backend {name!r} cannot run: {reason}")
+        return backend
+    reasons = {
+        backend: backend.unavailable_reason(device, dtype, head_dim, sequences)
+        for backend in candidates
+    }
+    usable = [backend for backend, reason in reasons.items() if reason is None]
+    if not usable:
+        why = "; ".join(f"{backend.name}: {reason}" for backend, reason in reasons.items())
+        raise RuntimeError(f"no attention backend that reads boundaries can run here ({why})")
+    if timer is None or len(usable) == 1:
+        return usable[0]
+    return min(usable, key=lambda backend: timer(backend, layout, lengths))
+
+
+def packed_timer(
+    device: torch.device, dtype: torch.dtype, heads: int, head_dim: int
+) -> PackedTimer | None:
+    """Times backends inside a CUDA graph on ``device`` (:func:`choose_packed_backend`);
+    ``None`` off a GPU, where nothing is timed."""
+    if device.type != "cuda":
+        return None
+    return functools.partial(_time_packed_ms, device, dtype, heads, head_dim)
+
+
+def _time_packed_ms(
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    backend: AttentionBackend,
+    layout: PackedLayout,
+    lengths: tuple[int, ...],
+) -> float:
+    """One call of ``backend`` on ``layout``'s tokens with ``lengths`` written into its
+    metadata, as a packed graph runs it, timed inside a CUDA graph."""
+    q, k, v = torch.randn(3, layout.tokens, heads, head_dim, device=device, dtype=dtype).unbind(0)
+    metadata = backend.default_metadata(layout, device)
+    offsets = padded_offsets(lengths, layout.slots)
+    if metadata.cu_seqlens is not None:
+        metadata.cu_seqlens.copy_(offsets)
+    if metadata.seq_lens is not None:
+        metadata.seq_lens.copy_(offsets.diff())
+    workspace = torch.empty_like(q) if backend.needs_workspace else None
+    sequences = SequenceLayout((layout.tokens,))
+
+    def run() -> None:
+        backend(
+            q, k, v, layout=sequences, metadata=metadata, workspace=workspace, scale=head_dim**-0.5
         )
 
     return captured_ms(run, device=device)

@@ -13,6 +13,7 @@ __all__ = [
     "SequenceLayout",
     "build_metadata",
     "check_packed_metadata",
+    "padded_offsets",
 ]
 
 
@@ -157,3 +158,14 @@ def check_packed_metadata(metadata: AttentionMetadata, layout: PackedLayout, sou
             f"attention metadata from {source} cannot hold calls of {layout}: "
             + "; ".join(problems)
         )
+
+
+def padded_offsets(lengths: tuple[int, ...] | list[int], slots: int) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of ``slots`` sequences on the host: ``lengths`` first, then empty
+    sequences at the end of the last (a packed call's padding belongs to none)."""
+    if len(lengths) > slots:
+        raise ValueError(f"{len(lengths)} sequences do not fit {slots} slots")
+    offsets = torch.zeros(slots + 1, dtype=torch.int32)
+    offsets[1 : len(lengths) + 1] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    offsets[len(lengths) + 1 :] = offsets[len(lengths)]
+    return offsets

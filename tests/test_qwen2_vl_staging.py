@@ -1,0 +1,107 @@
+"""A packed call's metadata goes to the device in one transfer from a staging buffer.
+
+On the CPU through simulated graphs: each call a graph serves writes the budget's staging
+buffer once and sends it once, the graph reads the boundaries, positions, windows and position
+table rows of the call at hand (calls of equal token totals and other images, one after the
+other, through both host buffers in turn), and every answer equals the tower's within 1e-4.
+On a GPU: a replayed call with ``grid_thw`` on the host runs with PyTorch's synchronisation
+checks set to error, and the staging host buffers are pinned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.staging import Staging
+from layergraph.testing import SimulatedGraphs
+
+pytest.importorskip("transformers")
+from test_qwen2_vl_adapter import check
+from test_qwen2_vl_streams import model
+
+EQUAL_TOTALS = ([(1, 4, 6), (2, 2, 2), (1, 8, 8)], [(1, 8, 8), (1, 6, 4), (2, 2, 2)])
+"""Two calls of 96 tokens each, with other frames, windows and positions."""
+
+
+@pytest.fixture
+def staged(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What happened to staging buffers, in order: ``"host"`` (views taken to write a call)
+    and ``"send"`` (the transfer)."""
+    events: list[str] = []
+    host, send = Staging.host, Staging.send
+
+    def counted_host(staging: Staging) -> dict[str, torch.Tensor]:
+        events.append("host")
+        return host(staging)
+
+    def counted_send(staging: Staging) -> None:
+        events.append("send")
+        send(staging)
+
+    monkeypatch.setattr(Staging, "host", counted_host)
+    monkeypatch.setattr(Staging, "send", counted_send)
+    return events
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_each_call_writes_and_sends_its_metadata_once_and_never_reads_a_stale_one(
+    kind: str, staged: list[str]
+) -> None:
+    tower = model(kind)
+    graphed = layergraph.wrap(
+        tower, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
+    )
+    try:
+        for grids in EQUAL_TOTALS * 3:
+            check(graphed, tower, grids)
+        stats = graphed.stats
+        assert stats.graphs == 1 and stats.replays == 6 and stats.eager_total == 0
+        assert staged == ["host", "send"] * (stats.captures + stats.replays)
+    finally:
+        graphed.unwrap()
+
+
+def test_fields_are_laid_out_apart_and_reach_the_device_views_through_both_host_buffers() -> None:
+    staging = Staging(
+        {"a": (torch.long, (3, 2)), "b": (torch.int32, (5,)), "c": (torch.float32, (2, 4))},
+        torch.device("cpu"),
+    )
+    for value in (1, 2, 3):
+        fields = staging.host()
+        fields["a"].fill_(value)
+        fields["b"].copy_(torch.arange(5) * value)
+        fields["c"].fill_(value / 2)
+        staging.send()
+        assert staging.device["a"].eq(value).all()
+        assert staging.device["b"].tolist() == [i * value for i in range(5)]
+        assert staging.device["c"].eq(value / 2).all()
+    assert staging.sends == 3
+    pointers = sorted(view.data_ptr() for view in staging.device.values())
+    assert all(pointer % 16 == 0 for pointer in pointers)
+
+
+@pytest.mark.cuda
+def test_a_replayed_call_with_its_grid_on_the_host_does_not_synchronise() -> None:
+    tower = model("qwen2_5_vl").cuda()
+    graphed = layergraph.wrap(tower, adapter="qwen2_vl", batch_sizes=[128], attention="auto")
+    try:
+        for grids in EQUAL_TOTALS:  # the first captures (and synchronises)
+            pixels = torch.randn(96, 3 * 2 * 14 * 14, device="cuda")
+            with torch.inference_mode():
+                graphed(pixels, grid_thw=torch.tensor(grids))
+        entry: Any = next(iter(graphed._runner._entries))
+        assert all(host.is_pinned() for host in entry.state.staging._hosts)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                graphed(pixels, grid_thw=torch.tensor(EQUAL_TOTALS[0]))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert graphed.stats.replays >= 2
+    finally:
+        graphed.unwrap()
+        tower.cpu()
