@@ -35,6 +35,7 @@ from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
 from layergraph_adapters.feature_outputs import with_rest_on_demand
+from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.fused_qkv import FusedQKV
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
@@ -73,7 +74,9 @@ class VisionTowerAdapter(Adapter):
     (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu=True`` applies each MLP's GELU
     in its up-projection's epilogue where the GELU is the tanh approximation, and
     ``fuse_gelu="approximate"`` for the exact GELU too, approximating it
-    (:mod:`layergraph_adapters.gelu_epilogue`). All of them change values by rounding only
+    (:mod:`layergraph_adapters.gelu_epilogue`); ``fuse_norm=True`` computes each layer's
+    residual adds and second norm with one Triton kernel, on CUDA
+    (:mod:`layergraph_adapters.fused_norm`). All of them change values by rounding only
     (and ``"approximate"`` by the approximation), and are off by default; a family whose
     layers do not fit one of them refuses it with the reason.
     """
@@ -87,11 +90,13 @@ class VisionTowerAdapter(Adapter):
         fuse_qkv: bool = False,
         patch_matmul: bool = False,
         fuse_gelu: bool | str = False,
+        fuse_norm: bool = False,
     ) -> None:
         self.feature_layers = feature_layers
         self.fuse_qkv = fuse_qkv
         self.patch_matmul = patch_matmul
         self.fuse_gelu = fuse_gelu
+        self.fuse_norm = fuse_norm
 
     def recognizes(self, model: nn.Module) -> bool:
         if "transformers" not in sys.modules:
@@ -125,6 +130,7 @@ class VisionTowerAdapter(Adapter):
             "fuse_qkv": self.fuse_qkv,
             "patch_matmul": self.patch_matmul,
             "fuse_gelu": self.fuse_gelu,
+            "fuse_norm": self.fuse_norm,
         }
 
     def example_models(self) -> list[str]:
@@ -170,6 +176,7 @@ class VisionTowerPlan(CapturePlan):
         fuse_qkv: bool = False,
         patch_matmul: bool = False,
         fuse_gelu: bool | str = False,
+        fuse_norm: bool = False,
     ) -> None:
         config = tower.config
         self.owner = tower
@@ -222,11 +229,12 @@ class VisionTowerPlan(CapturePlan):
             *([RowMajorOutput(embeddings)] if embeddings is not None else []),
             *patch_matmul_for(embeddings, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
+            *fused_norms(self.layers(), fuse_norm),
         ]
         """What is rewritten while wrapped, each a change made through the ledger: the
         embeddings' output made row-major (SigLIP's comes out column-major,
         :mod:`layergraph_adapters.layout`; CLIP's is row-major already), and the
-        ``patch_matmul`` and ``fuse_gelu`` options."""
+        ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm`` options."""
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:

@@ -101,8 +101,9 @@ class InternVLAdapter(VisionTowerAdapter):
         fuse_qkv: bool = False,
         patch_matmul: bool = False,
         fuse_gelu: bool | str = False,
+        fuse_norm: bool = False,
     ) -> None:
-        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu)
+        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu, fuse_norm)
         self.attention = attention
 
     def make_plan(
