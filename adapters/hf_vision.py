@@ -22,6 +22,7 @@ holds what the model's would. Calls that say they need more run eagerly and say 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -34,6 +35,7 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, Plan
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
+from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.feature_outputs import with_rest_on_demand
 from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.fused_qkv import FusedQKV
@@ -87,10 +89,10 @@ class VisionTowerAdapter(Adapter):
     def __init__(
         self,
         feature_layers: int | list[int] | None = None,
-        fuse_qkv: bool = False,
-        patch_matmul: bool = False,
+        fuse_qkv: bool | str = "auto",
+        patch_matmul: bool | str = "auto",
         fuse_gelu: bool | str = False,
-        fuse_norm: bool = False,
+        fuse_norm: bool | str = "auto",
     ) -> None:
         self.feature_layers = feature_layers
         self.fuse_qkv = fuse_qkv
@@ -122,7 +124,12 @@ class VisionTowerAdapter(Adapter):
     ) -> VisionTowerPlan:
         """The plan for ``tower``: the family's own plan class, or the shared one."""
         plan_class = self.spec.plan or VisionTowerPlan
-        return plan_class(tower, self.spec, feature_layers=feature_layers, **self.rewrite_options())
+        return build_with_automatic_options(
+            tower,
+            self.rewrite_options(),
+            functools.partial(plan_class, tower, self.spec, feature_layers=feature_layers),
+            context,
+        )
 
     def rewrite_options(self) -> dict[str, Any]:
         """The options that rewrite parts of the tower while wrapped, for the plan."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from layergraph.attention import (
     choose_backend,
 )
 from layergraph.keys import CallInputs
+from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.fused_qkv import FusedQKV
 from layergraph_adapters.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
 from layergraph_adapters.tower_specs import TowerExample, TowerSpec, build_tower
@@ -98,10 +100,10 @@ class InternVLAdapter(VisionTowerAdapter):
         self,
         attention: str = "auto",
         feature_layers: int | list[int] | None = None,
-        fuse_qkv: bool = False,
-        patch_matmul: bool = False,
+        fuse_qkv: bool | str = "auto",
+        patch_matmul: bool | str = "auto",
         fuse_gelu: bool | str = False,
-        fuse_norm: bool = False,
+        fuse_norm: bool | str = "auto",
     ) -> None:
         super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu, fuse_norm)
         self.attention = attention
@@ -109,13 +111,18 @@ class InternVLAdapter(VisionTowerAdapter):
     def make_plan(
         self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
     ) -> VisionTowerPlan:
-        return InternViTPlan(
+        return build_with_automatic_options(
             tower,
-            self.spec,
-            attention=self.attention,
-            context=context,
-            feature_layers=feature_layers,
-            **self.rewrite_options(),
+            self.rewrite_options(),
+            functools.partial(
+                InternViTPlan,
+                tower,
+                self.spec,
+                attention=self.attention,
+                context=context,
+                feature_layers=feature_layers,
+            ),
+            context,
         )
 
 

@@ -8,6 +8,7 @@ Eva covers eva_* and eva02_* (rotary position embeddings). The whole forward is 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -26,6 +27,7 @@ from layergraph import (
 )
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
+from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
@@ -55,7 +57,10 @@ class TimmVisionTransformerAdapter(Adapter):
     name = "timm"
 
     def __init__(
-        self, patch_matmul: bool = False, fuse_gelu: bool | str = False, fuse_norm: bool = False
+        self,
+        patch_matmul: bool | str = "auto",
+        fuse_gelu: bool | str = False,
+        fuse_norm: bool | str = "auto",
     ) -> None:
         self.patch_matmul = patch_matmul
         self.fuse_gelu = fuse_gelu
@@ -78,11 +83,15 @@ class TimmVisionTransformerAdapter(Adapter):
                 f"the timm adapter serves timm VisionTransformer (vit_*, deit_*, ...) and Eva "
                 f"(eva_*, eva02_*) models; got {type(model).__module__}.{type(model).__name__}"
             )
-        return _TimmViTPlan(
+        return build_with_automatic_options(
             model,
-            patch_matmul=self.patch_matmul,
-            fuse_gelu=self.fuse_gelu,
-            fuse_norm=self.fuse_norm,
+            {
+                "patch_matmul": self.patch_matmul,
+                "fuse_gelu": self.fuse_gelu,
+                "fuse_norm": self.fuse_norm,
+            },
+            functools.partial(_TimmViTPlan, model),
+            context,
         )
 
     def example_models(self) -> list[str]:
