@@ -7,16 +7,40 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from .capture_lanes import CaptureLane, take_lane
 
-__all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend"]
+__all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend", "GraphCaptureError"]
+
+
+class GraphCaptureError(RuntimeError):
+    """A capture that failed after its warm-up runs of the same function succeeded: the function
+    runs eagerly but cannot be captured (an operator a CUDA stream capture refuses, a read of a
+    value on the host, a synchronisation). ``__cause__`` is the error the capture raised.
+
+    A backend raises it only once nothing of the capture is left: no capture in progress, no
+    graph, no memory held for it. Errors of the warm-up runs are the model's own and are raised
+    as they are, not as this.
+    """
+
+    @classmethod
+    def caused_by(cls, error: BaseException) -> GraphCaptureError:
+        """The error for a capture that failed with ``error`` (to raise ``from error``): its
+        message is ``error``'s type, the first line of its message (CUDA's errors add lines of
+        advice) and the innermost line outside PyTorch and layergraph that it was raised in,
+        the model's line where the model raised it or called the operator that did."""
+        lines = str(error).strip().splitlines()
+        message = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        where = _model_line(error)
+        return cls(f"{message} (in {where})" if where else message)
 
 
 class GraphBackend(Protocol):
@@ -35,7 +59,10 @@ class GraphBackend(Protocol):
         """A fresh memory pool that all graphs of one wrapped model share."""
 
     def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
-        """Run ``fn`` eagerly ``warmup_runs`` times, then capture it; return (graph, output)."""
+        """Run ``fn`` eagerly ``warmup_runs`` times, then capture it; return (graph, output).
+
+        Raises :class:`GraphCaptureError` if the capture fails after the warm-up runs did not.
+        """
 
     def replay(self, graph: Any) -> None:
         """Launch ``graph`` on the caller's current stream."""
@@ -127,8 +154,10 @@ class CudaGraphs:
             pool.lane = take_lane(device, pool)
         pool.lane.pin()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool.handle, stream=pool.lane.stream):
-            output = fn()
+        try:
+            output = _capture_on(graph, pool.lane.stream, pool.handle, fn)
+        except Exception as error:
+            raise GraphCaptureError.caused_by(error) from error
         return CudaGraph(graph, pool), output
 
     def replay(self, graph: CudaGraph) -> None:
@@ -171,6 +200,108 @@ class CudaGraphs:
             for segment in torch.cuda.memory_snapshot()
             if tuple(segment.get("segment_pool_id", ())) == pool_id
         )
+
+
+def _capture_on(
+    graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool: Any, fn: Callable[[], Any]
+) -> Any:
+    """Capture ``fn`` into ``graph`` on ``stream``, allocating from ``pool``; return its output.
+
+    What ``torch.cuda.graph`` does (wait for the device, empty the cache, capture on
+    ``stream``), except where the capture fails: ``torch.cuda.graph``'s exit then ends the
+    capture with an error of its own in place of the first, and on PyTorch 2.11 leaves
+    ``stream`` current, the allocator still sending allocations to ``pool`` (so that no other
+    capture can use it) and the default generator refusing random numbers outside a capture
+    ("Offset increment outside graph capture"). Here the capture is abandoned
+    (:func:`_abandon`) and the first error raised.
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            output = fn()
+            graph.capture_end()
+        except BaseException:
+            _abandon(graph, pool)
+            raise
+    return output
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    """Leave nothing of a failed capture into ``pool`` on the current stream: end the stream's
+    capture if it is still under way, stop sending allocations to ``pool`` and give back the
+    capture's share of it where PyTorch did not, release ``graph``, put the device's default
+    generator back out of capture mode, and wait for the device.
+
+    Memory the capture allocated returns to ``pool`` once the tensors holding it are gone (the
+    caller's traceback holds some); it does not free the pool, which other graphs may share.
+    """
+    device = torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        # The capture is over either way: an invalidated capture ends with an error.
+        with contextlib.suppress(RuntimeError):
+            graph.capture_end()
+    if _stop_allocating_to(device, pool):
+        # PyTorch's capture_end failed before it stopped the allocator, and so before the
+        # point its reset() gives back the capture's use of the pool: give it back here.
+        torch._C._cuda_releasePool(device, pool)
+    graph.reset()
+    _release_default_generator(device)
+    torch.cuda.synchronize()
+
+
+def _stop_allocating_to(device: int, pool: Any) -> bool:
+    """Stop the allocator sending allocations on ``device`` to ``pool`` for a capture; whether
+    it still did (it does not once ``capture_end`` got past ending the stream's capture)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError as error:
+        if "not currently recording" not in str(error):
+            raise
+        return False
+    return True
+
+
+def _release_default_generator(device: int) -> None:
+    """Give ``device``'s default generator a state out of capture mode, with the same seed and
+    offset, if a failed capture left its state in capture mode (it then refuses every random
+    number drawn outside a capture). Graphs captured before keep the state they drew from.
+
+    It does nothing to a generator that draws: it checks by drawing one number, and puts the
+    generator's state back after.
+    """
+    generator = torch.cuda.default_generators[device]
+    state = generator.get_state()
+    try:
+        torch.empty(1, device=device).uniform_(generator=generator)
+    except RuntimeError as error:
+        if "outside graph capture" not in str(error):
+            raise
+        fresh = torch.Generator(device=torch.device("cuda", device))
+        fresh.set_state(state)
+        generator.graphsafe_set_state(fresh)
+    else:
+        generator.set_state(state)
+
+
+_NOT_THE_MODEL = ("torch", "layergraph")
+"""Packages whose frames :meth:`GraphCaptureError.caused_by` passes over to name the model's."""
+
+
+def _model_line(error: BaseException) -> str | None:
+    """``function (file:line)`` of the innermost frame of ``error``'s traceback outside
+    :data:`_NOT_THE_MODEL`, or ``None`` if every frame is inside."""
+    found = None
+    entry = error.__traceback__
+    while entry is not None:
+        module = entry.tb_frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _NOT_THE_MODEL:
+            code = entry.tb_frame.f_code
+            name = getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11
+            found = f"{name} ({Path(code.co_filename).name}:{entry.tb_lineno})"
+        entry = entry.tb_next
+    return found
 
 
 _warmup_streams: dict[int, torch.cuda.Stream] = {}

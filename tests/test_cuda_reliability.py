@@ -16,6 +16,7 @@ import torch
 
 import layergraph
 from layergraph.capture_lanes import free_lanes
+from layergraph.runner import CaptureFailedWarning
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 timm = pytest.importorskip("timm")
@@ -74,7 +75,7 @@ def test_out_of_memory_during_capture_gives_memory_back_and_runs_eagerly(
         assert graphed.stats.graphs == 1
 
 
-def test_an_exception_inside_a_layer_during_capture(
+def test_an_exception_inside_a_layer_during_capture_runs_the_call_eagerly(
     model: torch.nn.Module, record_property: Callable[[str, object], None]
 ) -> None:
     def fail_while_capturing(*_: object) -> None:
@@ -87,16 +88,18 @@ def test_an_exception_inside_a_layer_during_capture(
     handle = model.blocks[3].register_forward_hook(fail_while_capturing)
     graphed = layergraph.wrap(model, batch_sizes=[2])
     with torch.inference_mode():
+        x = images(2)
         before = settled_memory()
-        with pytest.raises(RuntimeError, match="layer failed during capture"):
-            graphed(images(2))
+        with pytest.warns(CaptureFailedWarning, match="layer failed during capture"):
+            assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        stats = graphed.stats
+        assert stats.failed_captures == 1 and stats.graphs == 0
         handle.remove()
         graphed.release()  # graphs are captured again with the hooks the model has now
         after = settled_memory()
         record_property("memory_before_bytes", before)
         record_property("memory_after_bytes", after)
-        assert graphed.stats.graphs == 0
-        assert after[0] <= before[0]
+        assert after[0] <= before[0] and after[1] <= before[1]
         x = images(2)
         assert relative_error(graphed(x), model(x)) <= TOLERANCE
     assert graphed.stats.graphs == 1
