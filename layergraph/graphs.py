@@ -26,9 +26,9 @@ class GraphCaptureError(RuntimeError):
     runs eagerly but cannot be captured (an operator a CUDA stream capture refuses, a read of a
     value on the host, a synchronisation). ``__cause__`` is the error the capture raised.
 
-    A backend raises it only once nothing of the capture is left: no capture in progress, no
-    graph, no memory held for it. Errors of the warm-up runs are the model's own and are raised
-    as they are, not as this.
+    A backend raises it only once nothing of the capture is left but the tensors that the
+    traceback still refers to: no capture in progress, no graph, no share of the pool held for
+    it. Errors of the warm-up runs are the model's own and are raised as they are, not as this.
     """
 
     @classmethod

@@ -571,7 +571,7 @@ class GraphRunner:
             entry = self._capture_entry(key, lookup, call)
         except Exception as error:
             failed = error if isinstance(error, GraphCaptureError) else None
-            cause = error.__cause__ if failed is not None else error
+            cause = (error.__cause__ or error) if failed is not None else error
             # The failed capture's frames hold its half-built graph and the tensors of its
             # private pool; clear them, so that the error, held or dropped, keeps no memory.
             traceback.clear_frames(error.__traceback__)
