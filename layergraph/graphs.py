@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,8 +98,18 @@ class CudaPool:
     """
 
     handle: Any
-    """The pool's id, from ``torch.cuda.graph_pool_handle()``."""
+    """The id that captures allocate from, from ``torch.cuda.graph_pool_handle()``."""
     lane: CaptureLane | None = None
+    retired: list[Any] = field(default_factory=list)
+    """Earlier ids of the pool, which graphs captured before still use and no capture can
+    allocate from any more (:meth:`renew`)."""
+
+    def renew(self) -> None:
+        """Capture into a new id from now on: a failed capture left PyTorch recording into the
+        current one, where a later capture into it is refused ("already recording to
+        mempool_id")."""
+        self.retired.append(self.handle)
+        self.handle = torch.cuda.graph_pool_handle()
 
 
 @dataclass(eq=False)
@@ -155,7 +165,7 @@ class CudaGraphs:
         pool.lane.pin()
         graph = torch.cuda.CUDAGraph()
         try:
-            output = _capture_on(graph, pool.lane.stream, pool.handle, fn)
+            output = _capture_on(graph, pool, fn)
         except Exception as error:
             raise GraphCaptureError.caused_by(error) from error
         return CudaGraph(graph, pool), output
@@ -194,31 +204,30 @@ class CudaGraphs:
         return stream
 
     def pool_bytes(self, pool: CudaPool) -> int:
-        pool_id = tuple(pool.handle)
+        pool_ids = {tuple(handle) for handle in (pool.handle, *pool.retired)}
         return sum(
             segment["total_size"]
             for segment in torch.cuda.memory_snapshot()
-            if tuple(segment.get("segment_pool_id", ())) == pool_id
+            if tuple(segment.get("segment_pool_id", ())) in pool_ids
         )
 
 
-def _capture_on(
-    graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool: Any, fn: Callable[[], Any]
-) -> Any:
-    """Capture ``fn`` into ``graph`` on ``stream``, allocating from ``pool``; return its output.
+def _capture_on(graph: torch.cuda.CUDAGraph, pool: CudaPool, fn: Callable[[], Any]) -> Any:
+    """Capture ``fn`` into ``graph`` on ``pool``'s lane, allocating from ``pool``; return its
+    output.
 
-    What ``torch.cuda.graph`` does (wait for the device, empty the cache, capture on
-    ``stream``), except where the capture fails: ``torch.cuda.graph``'s exit then ends the
-    capture with an error of its own in place of the first, and on PyTorch 2.11 leaves
-    ``stream`` current, the allocator still sending allocations to ``pool`` (so that no other
-    capture can use it) and the default generator refusing random numbers outside a capture
-    ("Offset increment outside graph capture"). Here the capture is abandoned
-    (:func:`_abandon`) and the first error raised.
+    What ``torch.cuda.graph`` does (wait for the device, empty the cache, capture on the
+    stream), except where the capture fails: ``torch.cuda.graph``'s exit then ends the capture
+    with an error of its own in place of the first, and on PyTorch 2.11 leaves the capture
+    stream current, the allocators recording into the pool (every later capture into it is
+    refused) and the default generator refusing random numbers outside a capture ("Offset
+    increment outside graph capture"). Here the capture is abandoned (:func:`_abandon`) and
+    the first error raised.
     """
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
+    with torch.cuda.stream(pool.lane.stream):
+        graph.capture_begin(pool=pool.handle)
         try:
             output = fn()
             graph.capture_end()
@@ -228,13 +237,15 @@ def _capture_on(
     return output
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+def _abandon(graph: torch.cuda.CUDAGraph, pool: CudaPool) -> None:
     """Leave nothing of a failed capture into ``pool`` on the current stream: end the stream's
-    capture if it is still under way, stop sending allocations to ``pool`` and give back the
-    capture's share of it where PyTorch did not, release ``graph``, put the device's default
-    generator back out of capture mode, and wait for the device.
+    capture if it is still under way; where PyTorch's ``capture_end`` failed before it stopped
+    the allocators recording into the pool, stop the device's, give back the capture's use of
+    the pool and :meth:`~CudaPool.renew` it (the pinned-host allocator's recording cannot be
+    stopped from Python); release ``graph``; put the device's default generator back out of
+    capture mode; and wait for the device.
 
-    Memory the capture allocated returns to ``pool`` once the tensors holding it are gone (the
+    Memory the capture allocated returns to the pool once the tensors holding it are gone (the
     caller's traceback holds some); it does not free the pool, which other graphs may share.
     """
     device = torch.cuda.current_device()
@@ -242,18 +253,26 @@ def _abandon(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         # The capture is over either way: an invalidated capture ends with an error.
         with contextlib.suppress(RuntimeError):
             graph.capture_end()
-    if _stop_allocating_to(device, pool):
-        # PyTorch's capture_end failed before it stopped the allocator, and so before the
-        # point its reset() gives back the capture's use of the pool: give it back here.
-        torch._C._cuda_releasePool(device, pool)
+    if _stop_allocating_to(device, pool.handle):
+        # capture_end failed before the point where it stops the allocators, and so before
+        # the point where reset() gives back the capture's use of the pool.
+        torch._C._cuda_releasePool(device, pool.handle)
+        pool.renew()
+        _stranded.append(graph)
     graph.reset()
     _release_default_generator(device)
     torch.cuda.synchronize()
 
 
+_stranded: list[torch.cuda.CUDAGraph] = []
+"""Graphs of captures that left the pinned-host allocator recording into their pool: it keeps
+a filter that refers to the graph object, so the object (reset, holding nothing) is kept for as
+long as the process runs, one per such failure."""
+
+
 def _stop_allocating_to(device: int, pool: Any) -> bool:
-    """Stop the allocator sending allocations on ``device`` to ``pool`` for a capture; whether
-    it still did (it does not once ``capture_end`` got past ending the stream's capture)."""
+    """Stop the device's allocator sending allocations to the pool id ``pool`` for a capture;
+    whether it still did (it does not once ``capture_end`` got past ending the capture)."""
     try:
         torch._C._cuda_endAllocateToPool(device, pool)
     except RuntimeError as error:

@@ -147,25 +147,24 @@ def test_after_a_failed_capture_random_numbers_and_new_graphs_work(how: str) -> 
 def test_a_failed_capture_leaves_no_memory_behind(
     record_property: Callable[[str, object], None],
 ) -> None:
-    """Once every graph is released, memory is back at its level before the failed capture:
-    nothing of the failed graph, and no pool kept in use by it."""
+    """Memory after a round of capture, failed capture and release is back at its level after
+    the same round before: nothing of the failed graph stays, and no pool is kept in use by it.
+    The first round makes the process's one-time allocations: the capture lane, cuBLAS's
+    workspaces, and, where PyTorch left the default generator in capture mode, the state that
+    replaced it."""
     model = stack("item")
     x2, x4 = rows(2), rows(4)
-    with torch.inference_mode():
-        # The process's one-time allocations (capture lane, cuBLAS workspaces) first.
-        first = wrap(model, batch_sizes=[2])
-        first(x2)
-        first.unwrap()
-        del first
-        before = settled_memory()
-        graphed = wrap(model, batch_sizes=[2, 4])
-        graphed(x2)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CaptureFailedWarning)
+    levels = []
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureFailedWarning)
+        for _ in range(2):
+            graphed = wrap(model, batch_sizes=[2, 4])
+            graphed(x2)
             graphed(x4)
-        assert graphed.stats.failed_captures == 1 and graphed.stats.graphs == 1
-        graphed.release()
-        after = settled_memory()
-    record_property("memory_before_bytes", before)
-    record_property("memory_after_bytes", after)
-    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+            assert graphed.stats.failed_captures == 1 and graphed.stats.graphs == 1
+            graphed.unwrap()
+            del graphed
+            levels.append(settled_memory())
+    record_property("memory_after_rounds_bytes", levels)
+    (allocated, reserved), (allocated_after, reserved_after) = levels
+    assert allocated_after <= allocated and reserved_after <= reserved, levels
