@@ -266,8 +266,9 @@ def _abandon(graph: torch.cuda.CUDAGraph, pool: CudaPool) -> None:
 
 _stranded: list[torch.cuda.CUDAGraph] = []
 """Graphs of captures that left the pinned-host allocator recording into their pool: it keeps
-a filter that refers to the graph object, so the object (reset, holding nothing) is kept for as
-long as the process runs, one per such failure."""
+a filter that refers to the graph object, so the object, reset, is kept for as long as the
+process runs, one per such failure (on PyTorch 2.11 a failure left 1 KiB of device memory
+allocated, taken to be held by it)."""
 
 
 def _stop_allocating_to(device: int, pool: Any) -> bool:

