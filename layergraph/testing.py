@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .graphs import GraphCaptureError
+
 __all__ = [
     "AdapterCheck",
     "CaptureUnsafeOperation",
@@ -42,7 +44,8 @@ __all__ = [
 
 
 class CaptureUnsafeOperation(RuntimeError):
-    """Raised by a :class:`SimulatedGraphs` capture for an operator that a CUDA stream capture
+    """What a :class:`SimulatedGraphs` capture fails with (the cause of its
+    :class:`~layergraph.graphs.GraphCaptureError`) at an operator that a CUDA stream capture
     refuses (``cudaErrorStreamCaptureUnsupported`` on a GPU)."""
 
 
@@ -154,9 +157,11 @@ class SimulatedGraphs:
     Costs, which the runner measures to choose how each batch size is served
     (:mod:`layergraph.policy`), are wall-clock time for eager calls and nothing for replays,
     unless given: ``eager_ms(rows)`` and ``replay_ms(rows)`` make them a function of the batch,
-    so that a test decides which way wins. With ``strict`` (the default) a capture raises
-    :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
-    docstring lists it); warm-up runs, like a GPU's, may do anything.
+    so that a test decides which way wins. With ``strict`` (the default) a capture fails
+    with :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
+    docstring lists it), raised as the cause of a
+    :class:`~layergraph.graphs.GraphCaptureError`; warm-up runs, like a GPU's, may do
+    anything.
     """
 
     device_type = "cpu"
@@ -190,18 +195,24 @@ class SimulatedGraphs:
         """Warm up, then "capture" ``fn``.
 
         Raises if ``pool`` was used and none of its graphs lives any more: PyTorch's allocator
-        refuses that capture whenever memory of the pool is still held.
+        refuses that capture whenever memory of the pool is still held. Raises
+        :class:`~layergraph.graphs.GraphCaptureError`, the error chained, if ``fn`` raises in
+        the capture after its warm-up runs did not; the failed capture leaves the pool as it
+        was, as a GPU backend's does.
         """
         for _ in range(warmup_runs):
             fn()
         if pool.used and not pool.graphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
-        pool.used = True
-        if self.strict:
-            with _HostReadRules(), _CaptureRules(), _stream_capturing():
+        try:
+            if self.strict:
+                with _HostReadRules(), _CaptureRules(), _stream_capturing():
+                    output = fn()
+            else:
                 output = fn()
-        else:
-            output = fn()
+        except Exception as error:
+            raise GraphCaptureError.caused_by(error) from error
+        pool.used = True
         graph = _SimulatedGraph(fn, output)
         pool.outputs.append(output)
         pool.graphs.add(graph)

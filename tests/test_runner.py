@@ -629,22 +629,32 @@ class _ReadsValues(nn.Module):
     ],
 )
 def test_a_capture_refuses_what_a_cuda_capture_refuses(how: str, named: str) -> None:
+    """The refused operator fails the capture: the call runs eagerly, with the operator named in
+    the warning and the reason; validate=True raises it instead."""
+    from layergraph.runner import CaptureFailedWarning
     from layergraph.testing import CaptureUnsafeOperation
 
     model = nn.Sequential(nn.Linear(4, 4), _ReadsValues(how)).eval()
     graphed = wrap_simulated(model, batch_sizes=None)
     x = torch.randn(2, 4)
     with torch.inference_mode():
-        with pytest.raises(CaptureUnsafeOperation, match=named):
-            graphed(x)
-        assert graphed.stats.graphs == 0 and graphed.stats.pool_bytes == 0
+        with pytest.warns(CaptureFailedWarning, match=named):
+            torch.testing.assert_close(graphed(x), model(x))
+        stats = graphed.stats
+        assert stats.graphs == 0 and stats.pool_bytes == 0 and stats.failed_captures == 1
+        ((reason, count),) = stats.eager_calls.items()
+        assert count == 1 and "CaptureUnsafeOperation" in reason and named in reason
         with graphed.original() as original:  # the model itself is left as it was
             torch.testing.assert_close(original(x), model(x))
+        strict = wrap_simulated(model, batch_sizes=None, validate=True)
+        with pytest.raises(CaptureUnsafeOperation, match=named):
+            strict(x)
     lenient = layergraph.wrap(
         model, adapter=layergraph.SequentialAdapter(), backend=SimulatedGraphs(strict=False)
     )
     with torch.inference_mode():
         torch.testing.assert_close(lenient(x), model(x))  # the CPU itself has no such rule
+    assert lenient.stats.replays == 1
 
 
 class _AsksIfCapturing(nn.Module):
