@@ -1,15 +1,22 @@
-"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, from transformers.
+"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM, from
+transformers.
 
-Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
-and ``Qwen3VLVisionModel``, alone or inside their VLMs (the ``...VLModel`` classes at
-``visual``, the ``...ForConditionalGeneration`` classes at ``model.visual``). A tower takes
-every image and video at its own resolution: the patches of all of a call's entries
-(``grid_thw``) are packed into one sequence, attention is block-diagonal per frame (Qwen2-VL,
-Qwen3-VL: in every layer; Qwen2.5-VL: in its full-attention layers, per window in the others),
-and a patch merger closes the stack; Qwen3-VL also adds a learned position table interpolated
+Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``,
+``Qwen3VLVisionModel`` and GLM's towers (``Glm4vVisionModel``: GLM-4.1V and GLM-4.6V;
+``Glm4vMoeVisionModel``: GLM-4.5V; ``GlmOcrVisionModel``; ``Glm5NextVisionModel``), alone or
+inside their VLMs (the ``...Model`` classes at ``visual``, the ``...ForConditionalGeneration``
+classes at ``model.visual``). A tower takes every image and video at its own resolution: the
+patches of all of a call's entries (``grid_thw``) are packed into one sequence, attention is
+block-diagonal per frame (Qwen2-VL, Qwen3-VL, GLM: in every layer; Qwen2.5-VL: in its
+full-attention layers, per window in the others), and a patch merger closes the stack (GLM's
+after a downsampling convolution); Qwen3-VL also adds a learned position table interpolated
 to each grid and returns deep-stack features (intermediate layers, each through its own
-merger). Wrapping a VLM graphs its tower in place, so ``generate()`` and
-``get_image_features()`` use the graphs; ``unwrap()`` restores it.
+merger). GLM-4.1V's and GLM-4.5V's towers add a learned position table resampled to each
+frame's height and width (bicubic ``grid_sample``), which their forward computes on the
+device from the frame boundaries, the rotary positions and ``grid_thw``'s rows, all given to
+the graph in the budget's buffers; GLM-OCR's and GLM-5-Next's normalise q and k per head.
+Wrapping a VLM graphs its tower in place, so ``generate()``, ``get_image_features()`` and
+``get_video_features()`` use the graphs; ``unwrap()`` restores it.
 
 Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's
 frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL windows
@@ -17,7 +24,9 @@ frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen
 weights per patch (``interp_indices``, ``interp_weights``) are computed by transformers' own
 ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
 takes as precomputed arguments (transformers 5.17 and later,
-:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`). Padding tokens come last in every
+:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`; the GLM towers:
+:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
+towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come last in every
 order (``window_index`` maps them to themselves), read no position table row (zero weights)
 and belong to no frame or window: the sequences past the real ones are empty. Each attention
 module hands q, k and v to a backend that reads the boundaries from those buffers when it
@@ -32,7 +41,10 @@ attention modules hand q, k and v to a backend only while a budget's buffers are
 capture, replays), and the host metadata above is computed only for calls a graph serves.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
-or hidden states asked for, and precomputed arguments given by the caller.
+or hidden states asked for, precomputed arguments given by the caller, and for GLM-4.1V's and
+GLM-4.5V's towers an entry of several frames (their forward reads ``grid_thw``'s rows by frame
+index; their VLMs pass a video as one row per frame). GLM-Image's tower
+(``GlmImageVisionModel``: no rotary positions, no merger) is not served.
 """
 
 from __future__ import annotations
