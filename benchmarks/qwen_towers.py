@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -20,8 +21,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from packaging.specifiers import SpecifierSet
 from torch import nn
 from transformers import vision_utils
+
+from layergraph_adapters.versions import (
+    GLM_VISION_CHECKED,
+    QWEN2_VL_CHECKED,
+    UNCHECKED_VARIABLE,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,15 @@ class Tower:
     video_rows: bool = False
     """Whether the tower is given a video as one ``grid_thw`` row per frame (GLM-4.1V's, whose
     forward reads the rows by frame; its VLM passes videos so)."""
+    served_with: str = QWEN2_VL_CHECKED
+    """The transformers releases the qwen2_vl adapter serves this tower with."""
+
+    def served_here(self) -> bool:
+        """Whether the installed transformers is one of :attr:`served_with` (or the adapters'
+        release check is switched off), so that wrapping the tower does not refuse it."""
+        if os.environ.get(UNCHECKED_VARIABLE) == "1":
+            return True
+        return SpecifierSet(self.served_with).contains(transformers.__version__, prereleases=True)
 
 
 def towers(tiny: bool) -> list[Tower]:
@@ -90,6 +107,7 @@ def towers(tiny: bool) -> list[Tower]:
             "Glm4vVisionModel",
             lambda: transformers.Glm4vVisionConfig(**glm4v),
             video_rows=True,
+            served_with=GLM_VISION_CHECKED,
         ),
     ]
 

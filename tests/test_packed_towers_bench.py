@@ -103,3 +103,13 @@ def test_glm_4_1v_9b_is_its_configurations_defaults_and_gets_videos_as_frames(be
     assert (config.depth, config.hidden_size, config.num_heads) == (24, 1536, 12)
     assert (config.patch_size, config.spatial_merge_size, config.out_hidden_size) == (14, 2, 4096)
     assert bench.frame_rows([(2, 4, 6), (1, 2, 2)]) == [(1, 4, 6), (1, 4, 6), (1, 2, 2)]
+
+
+def test_a_tower_the_installed_transformers_is_not_served_with_is_skipped_by_name(
+    bench: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LAYERGRAPH_UNCHECKED_TRANSFORMERS", raising=False)
+    monkeypatch.setattr(bench.transformers, "__version__", "5.17.0")
+    result = bench.main(["--tiny", "--towers", "glm-4.1v-tiny", "--requests", "1"])
+    assert result["towers"] == []
+    assert result["skipped"] == {"glm-4.1v-tiny": ">=5.24.0,<5.25"}
