@@ -8,7 +8,8 @@ layers and embeddings (each family's :class:`~layergraph_adapters.tower_specs.To
 Another release may change that code, and a copy that no longer matches it computes something
 else without failing, so the plans refuse transformers outside the checked range
 (:func:`require_transformers`).
-The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`).
+The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
+:data:`GLM_VISION_CHECKED` for the GLM towers it serves).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from layergraph import AdapterMismatch
 
 __all__ = [
+    "GLM_VISION_CHECKED",
     "QWEN2_VL_CHECKED",
     "TRANSFORMERS_CHECKED",
     "UNCHECKED_VARIABLE",
@@ -38,6 +40,12 @@ Qwen vision towers precomputed boundaries, positions and windows (``cu_seqlens``
 ``window_index``, ``interp_indices`` ...), which their forwards take from 5.17 on, computed by
 ``transformers.vision_utils``, which older releases lack. Its CPU tests pass with 5.17.0 and
 5.24.0."""
+
+GLM_VISION_CHECKED = ">=5.24.0,<5.25"
+"""The transformers releases whose GLM vision towers (GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR,
+GLM-5-Next) the qwen2_vl adapter serves: 5.24.x, the release its CPU tests pass with. Their
+forwards take the same precomputed arguments as the Qwen towers'; GLM-4.1V's also reads
+``grid_thw``'s rows in its position embeddings, which the graphs are given in a buffer."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""

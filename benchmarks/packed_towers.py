@@ -1,11 +1,13 @@
-"""Qwen2.5-VL's and Qwen3-VL's packed vision towers: transformers eager, layergraph, by hand.
+"""Qwen2.5-VL's, Qwen3-VL's and GLM-4.1V's packed vision towers: transformers eager, layergraph,
+by hand.
 
     python3 benchmarks/packed_towers.py --json packed.json      # an H200: about 5 minutes
     python3 benchmarks/packed_towers.py --tiny --json tiny.json  # tiny towers, any machine
 
 Towers are transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (Qwen2.5-VL-7B's vision
-configuration) and ``Qwen3VLVisionModel`` (Qwen3-VL-8B's), built from their configurations with
-random weights, in bf16; nothing is downloaded. For each tower:
+configuration), ``Qwen3VLVisionModel`` (Qwen3-VL-8B's) and ``Glm4vVisionModel`` (GLM-4.1V-9B's),
+built from their configurations with random weights, in bf16; nothing is downloaded. For each
+tower:
 
 - **images**: one image per call at 224x224, 448x448, 672x448, 896x896 and 1344x1008 (sides
   rounded to the tower's patch times merge size, as its processor does), waited latency
@@ -19,17 +21,20 @@ random weights, in bf16; nothing is downloaded. For each tower:
 - **errors**: the relative error of eager, layergraph and the hand graph, each against a
   float32 copy of the same weights run eagerly;
 - **stream**: 100 seeded requests of 1 to 3 entries (images of those sizes, some short
-  videos), each waited for: the total time of eager, of layergraph (its first pass, which
-  captures, and a second), and of hand-written graphs captured for each request's exact
-  shape (capture not counted); layergraph's graphs held, the budgets it chose from the
-  traffic and how often, pool, capture seconds, and the pool of its largest budget captured
-  alone; every answer compared with eager's. The targets of the packed mode are checked and
-  reported (``targets``): at most 8 graphs, a pool at most 1.1x the largest budget's alone,
-  captures under 3 s, the stream within 1.10x of the hand-written graphs.
+  videos, given to GLM-4.1V's tower as one row per frame, as its VLM does), each waited for:
+  the total time of eager, of layergraph (its first pass, which captures, and a second), and
+  of hand-written graphs captured for each request's exact shape (capture not counted);
+  layergraph's graphs held, the budgets it chose from the traffic and how often, pool,
+  capture seconds, and the pool of its largest budget captured alone; every answer compared
+  with eager's. The targets of the packed mode are checked and reported (``targets``): at most
+  8 graphs, a pool at most 1.1x the largest budget's alone, captures under 3 s, the stream
+  within 1.10x of the hand-written graphs.
 
-``--tiny`` runs four-layer towers in float32, on the GPU if there is one, else on the CPU,
-where graphs are simulated and the hand-written "graph" runs its forward eagerly, so that every
-code path of the benchmark runs without a GPU. The console gets tables; ``--json`` gets every
+A tower whose adapter refuses the installed transformers (GLM-4.1V's is served with 5.24) is
+skipped, and the console and the JSON (``skipped``) say so. ``--tiny`` runs four-layer towers
+in float32, on the GPU if there is one, else on the CPU, where graphs are simulated and the
+hand-written "graph" runs its forward eagerly, so that every code path of the benchmark runs
+without a GPU. The console gets tables; ``--json`` gets every
 number. The tower definitions and the hand-written graph are in ``qwen_towers.py`` beside it.
 """
 
@@ -47,7 +52,16 @@ from typing import Any
 
 import torch
 import transformers
-from qwen_towers import HandGraph, Tower, build, grid_for, pixels_for, stream_requests, towers
+from qwen_towers import (
+    HandGraph,
+    Tower,
+    build,
+    frame_rows,
+    grid_for,
+    pixels_for,
+    stream_requests,
+    towers,
+)
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -196,18 +210,21 @@ def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
     return output, start.elapsed_time(end)
 
 
-def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
+def stream(model: nn.Module, settings: Settings, video_rows: bool) -> dict[str, Any]:
     """The stream: totals of eager, layergraph (first and second pass) and exact-shape hand
-    graphs, each call waited for, every answer compared with eager's."""
+    graphs, each call waited for, every answer compared with eager's. ``video_rows``: each
+    video is given as one row per frame (:attr:`qwen_towers.Tower.video_rows`)."""
     requests = stream_requests(model.config, settings.requests, settings.sizes, settings.seed)
-    generator = torch.Generator().manual_seed(settings.seed + 1)
-    inputs = [pixels_for(model, grids, generator) for grids in requests]
     result: dict[str, Any] = {
         "requests": len(requests),
         "entries": sum(map(len, requests)),
         "videos": sum(t > 1 for grids in requests for t, _, _ in grids),
-        "tokens": sum(pixels.shape[0] for pixels, _ in inputs),
     }
+    if video_rows:
+        requests = [frame_rows(grids) for grids in requests]
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    inputs = [pixels_for(model, grids, generator) for grids in requests]
+    result["tokens"] = sum(pixels.shape[0] for pixels, _ in inputs)
     with torch.inference_mode():
         expected, total = [], 0.0
         for pixels, grid in inputs:
@@ -329,7 +346,7 @@ def measure(tower: Tower, settings: Settings) -> dict[str, Any]:
     del reference
     if settings.device.type == "cuda":
         torch.cuda.empty_cache()
-    record["stream"] = stream(model, settings)
+    record["stream"] = stream(model, settings, tower.video_rows)
     del model
     if settings.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -459,8 +476,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             parser.error(f"unknown towers {unknown}; choose from {[t.name for t in chosen]}")
         chosen = [tower for tower in chosen if tower.name in names]
+    skipped = {tower.name: tower.served_with for tower in chosen if not tower.served_here()}
+    chosen = [tower for tower in chosen if tower.name not in skipped]
     started = time.perf_counter()
     console = Console(width=max(Console().width, 150))
+    for name, releases in skipped.items():
+        console.print(
+            f"{name} skipped: layergraph serves it with transformers{releases}, and "
+            f"{transformers.__version__} is installed"
+        )
     records = []
     for tower in chosen:
         records.append(measure(tower, settings))
@@ -479,6 +503,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seed": args.seed,
         "seconds": time.perf_counter() - started,
         "towers": records,
+        "skipped": skipped,
     }
     console.print(f"{result['seconds']:.0f} s")
     if args.json:

@@ -72,6 +72,11 @@ def test_a_class_is_served_or_unserved_not_both() -> None:
 def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A tiny ``name`` from its adapter's own tests' builders, and the arguments of one call
     of its ``get_image_features``: images of several sizes."""
+    if name.startswith("Glm"):
+        import test_glm4v_adapter as glm
+
+        pixels, grid = glm.call([(1, 4, 6), (1, 2, 2)])
+        return glm.vlm(name), {"pixel_values": pixels, "image_grid_thw": grid}
     if PACKED_SERVED[name] == "qwen2_vl":
         import test_qwen2_vl_adapter as qwen
 
