@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import sys
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ from layergraph.attention import (
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing
+from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph.staging import Staging
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
@@ -530,25 +531,18 @@ class Qwen2VLPlan(CapturePlan, Packing):
     def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
         parts = call.parts
         grid = call.argument("grid_thw", position=1)
-        pieces: list[PackedCall] = []
-        first = start = tokens = 0  # the piece being made: entries first.., patches start..
-
-        def close(stop: int) -> None:
-            nonlocal first, start, tokens
-            if stop > first:
-                piece = (parts.pixels[start : start + tokens], grid[first:stop])
-                pieces.append(self.pack(piece, parts.fixed))
-            first, start, tokens = stop, start + tokens, 0
-
-        for index, (t, h, w) in enumerate(parts.grids):
-            size = t * h * w
-            if tokens + size > budget:
-                close(index)
-            tokens += size
-            if size > budget:
-                close(index + 1)
-        close(len(parts.grids))
-        return pieces
+        sizes = [t * h * w for t, h, w in parts.grids]
+        starts = [0, *itertools.accumulate(sizes)]
+        return [
+            self.pack(
+                (
+                    parts.pixels[starts[piece.start] : starts[piece.stop]],
+                    grid[piece.start : piece.stop],
+                ),
+                parts.fixed,
+            )
+            for piece in split_ranges(sizes, budget)
+        ]
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
         parts = call.parts

@@ -50,7 +50,7 @@ from layergraph.attention import (
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing
+from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters import naflex
 from layergraph_adapters.grid_positions import GridPositions
 from layergraph_adapters.tower_specs import TOWER_PATHS
@@ -305,32 +305,19 @@ class Siglip2Plan(CapturePlan, Packing):
         images: _Images = call.parts
         options = {name: value for name, value in call.kwargs.items() if name not in _INPUTS}
         inputs = [call.argument(name, position) for position, name in enumerate(_INPUTS)]
-        pieces: list[PackedCall] = []
-        first = tokens = 0  # the piece being made: images first..
-
-        def close(stop: int) -> None:
-            nonlocal first, tokens
-            if stop > first:
-                sliced = [tensor[first:stop] for tensor in inputs]
-                pieces.append(
-                    self._call(
-                        (),
-                        {**options, **dict(zip(_INPUTS, sliced))},
-                        sliced[0],
-                        sliced[1],
-                        images.grids[first:stop],
-                        images.return_dict,
-                    )
+        pieces = []
+        for piece in split_ranges(images.counts, budget):
+            sliced = [tensor[piece.start : piece.stop] for tensor in inputs]
+            pieces.append(
+                self._call(
+                    (),
+                    {**options, **dict(zip(_INPUTS, sliced))},
+                    sliced[0],
+                    sliced[1],
+                    images.grids[piece.start : piece.stop],
+                    images.return_dict,
                 )
-            first, tokens = stop, 0
-
-        for index, count in enumerate(images.counts):
-            if tokens + count > budget:
-                close(index)
-            tokens += count
-            if count > budget:
-                close(index + 1)
-        close(len(images.counts))
+            )
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:
