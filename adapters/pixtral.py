@@ -490,7 +490,7 @@ class PixtralPlan(CapturePlan, Packing):
         for image, (height, width) in zip(images.pixels, images.grids):
             count = height * width
             cut = image[:, : height * patch, : width * patch]
-            patches = cut.view(channels, height, patch, width, patch).permute(1, 3, 0, 2, 4)
+            patches = cut.reshape(channels, height, patch, width, patch).permute(1, 3, 0, 2, 4)
             rows[start : start + count].view(height, width, channels, patch, patch).copy_(patches)
             start += count
         rows[start:].zero_()

@@ -248,6 +248,24 @@ def test_tuple_outputs_and_image_sizes_given_otherwise() -> None:
 
 
 @pytest.mark.usefixtures("registry")
+def test_pixel_values_of_other_layouts_are_read_where_they_lie() -> None:
+    model = tower()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[64])
+    inputs = call([(6, 10), (14, 4)], padded=(16, 12))
+    layouts = (
+        inputs["pixel_values"].contiguous(memory_format=torch.channels_last),
+        torch.randn(3, 2, 16, 12).transpose(0, 1),  # channels outermost in memory
+    )
+    for pixels in layouts:
+        with torch.inference_mode():
+            got = graphed(pixels, image_sizes=inputs["image_sizes"])
+            with graphed.original():
+                want = model(pixels, image_sizes=inputs["image_sizes"])
+        assert_equal_outputs(got, want)
+    assert graphed.stats.replays == 2
+
+
+@pytest.mark.usefixtures("registry")
 def test_calls_above_every_budget_are_split_by_images_an_image_above_them_eagerly() -> None:
     model = tower()
     graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[32, 64])
