@@ -9,7 +9,8 @@ Another release may change that code, and a copy that no longer matches it compu
 else without failing, so the plans refuse transformers outside the checked range
 (:func:`require_transformers`).
 The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
-:data:`GLM_VISION_CHECKED` for the GLM towers it serves).
+:data:`GLM_VISION_CHECKED` for the GLM towers it serves), and so does the pixtral adapter
+(:data:`PIXTRAL_CHECKED`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from layergraph import AdapterMismatch
 
 __all__ = [
     "GLM_VISION_CHECKED",
+    "PIXTRAL_CHECKED",
     "QWEN2_VL_CHECKED",
     "TRANSFORMERS_CHECKED",
     "UNCHECKED_VARIABLE",
@@ -46,6 +48,12 @@ GLM_VISION_CHECKED = ">=5.24.0,<5.25"
 GLM-5-Next) the qwen2_vl adapter serves: 5.24.x, the release its CPU tests pass with. Their
 forwards take the same precomputed arguments as the Qwen towers'; GLM-4.1V's also reads
 ``grid_thw``'s rows in its position embeddings, which the graphs are given in a buffer."""
+
+PIXTRAL_CHECKED = ">=5.24.0,<5.25"
+"""The transformers releases the pixtral adapter serves: 5.24.x. Its graphs compute the rotary
+embeddings by the tower's own module from each patch's (row, column), the positions 5.24's
+``PixtralVisionRotaryEmbedding`` takes, and route ``PixtralAttention`` as 5.24 writes it; its
+CPU tests pass with 5.24.0, the only release they were run with."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""

@@ -31,20 +31,25 @@ from layergraph_adapters.versions import (
     UNCHECKED_VARIABLE,
 )
 
+ADAPTER = "qwen2_vl"
+"""The layergraph adapter that serves these towers."""
+
 
 @dataclass(frozen=True)
 class Tower:
-    """A tower to benchmark: its class and configuration."""
+    """A tower to benchmark: its class and configuration, and the module beside this one
+    whose functions make its inputs and calls (``qwen_towers``, ``pixtral_towers``)."""
 
     name: str
     module: str
     cls: str
     config: Callable[[], Any]
+    kit: str = "qwen_towers"
     video_rows: bool = False
     """Whether the tower is given a video as one ``grid_thw`` row per frame (GLM-4.1V's, whose
     forward reads the rows by frame; its VLM passes videos so)."""
     served_with: str = QWEN2_VL_CHECKED
-    """The transformers releases the qwen2_vl adapter serves this tower with."""
+    """The transformers releases the tower's adapter serves it with."""
 
     def served_here(self) -> bool:
         """Whether the installed transformers is one of :attr:`served_with` (or the adapters'
@@ -140,6 +145,16 @@ def pixels_for(
     parameter = next(model.parameters())
     pixels = torch.randn(tokens, features, generator=generator).to(parameter)
     return pixels, torch.tensor(grids, device=parameter.device)
+
+
+def call(model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> Any:
+    """One call of the tower (or its wrapper), as a VLM makes it."""
+    return model(pixels, grid_thw=grid)
+
+
+def features(output: Any) -> torch.Tensor:
+    """What a VLM reads: the merged features."""
+    return output.pooler_output
 
 
 def stream_requests(

@@ -31,6 +31,9 @@ PACKED_SERVED: dict[str, str] = {
     "GlmOcrForConditionalGeneration": "qwen2_vl",
     "Glm5NextForConditionalGeneration": "qwen2_vl",
     "Lfm2VlForConditionalGeneration": "siglip2",
+    "LightOnOcrForConditionalGeneration": "pixtral",
+    "Mistral3ForConditionalGeneration": "pixtral",
+    "MistralLarge4ForConditionalGeneration": "pixtral",
     "Siglip2Model": "siglip2",
 }
 """Every class layergraph serves in packed mode (images of their own sizes packed into one
@@ -64,9 +67,6 @@ UNSERVED: dict[str, str] = {
             "Qwen3_5ForConditionalGeneration",
             "Qwen3_5MoeForConditionalGeneration",
             "Qwen4ExpForConditionalGeneration",
-            "Mistral3ForConditionalGeneration",
-            "MistralLarge4ForConditionalGeneration",
-            "LightOnOcrForConditionalGeneration",
             "Lfm3VlForConditionalGeneration",
             "Kimi_K25ForConditionalGeneration",
             "PaddleOCRVLForConditionalGeneration",

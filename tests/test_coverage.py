@@ -86,6 +86,15 @@ def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
             model = qwen.vlm("qwen2_vl" if name.startswith("Qwen2VL") else "qwen2_5_vl")
         pixels, grid = qwen.call([(1, 4, 6), (1, 2, 2)])
         return model, {"pixel_values": pixels, "image_grid_thw": grid}
+    if PACKED_SERVED[name] == "pixtral":
+        import test_pixtral_adapter as pixtral
+
+        family = {
+            "LightOnOcrForConditionalGeneration": "lighton_ocr",
+            "Mistral3ForConditionalGeneration": "mistral3",
+            "MistralLarge4ForConditionalGeneration": "mistral_large4",
+        }[name]
+        return pixtral.vlm(family), pixtral.call([(8, 12), (4, 4), (12, 4)])
     import test_siglip2_adapter as siglip2
 
     if name == "Siglip2Model":

@@ -2,7 +2,7 @@
 answers agree with the tower's (layergraph's eager path too), and the stream reports the
 budgets chosen and the packed mode's aims.
 
-Four-layer Qwen2.5-VL, Qwen3-VL and GLM-4.1V towers in float32: layergraph's graphs are
+Four-layer Qwen2.5-VL, Qwen3-VL, GLM-4.1V and Pixtral towers in float32: layergraph's graphs are
 simulated on the CPU and the hand-written graph runs its forward eagerly, so each method's error
 against the float64 reference is float32 rounding (about 1e-6; 1e-5 allowed), and in the stream
 each answer of layergraph and of the hand-written graphs equals eager's within 1e-5.
@@ -41,6 +41,7 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
         "qwen2.5-vl-tiny",
         "qwen3-vl-tiny",
         "glm-4.1v-tiny",
+        "pixtral-tiny",
     ]
     for record in result["towers"]:
         assert [row["size"] for row in record["images"]] == [
@@ -82,8 +83,8 @@ def test_the_full_size_towers_ask_for_a_gpu_without_one(bench: Any, capsys: Any)
 
 def test_the_stream_is_seeded_and_mixes_sizes_counts_and_videos(bench: Any) -> None:
     config = bench.towers(tiny=False)[0].config()
-    requests = bench.stream_requests(config, 100, bench.SIZES, seed=0)
-    assert requests == bench.stream_requests(config, 100, bench.SIZES, seed=0)
+    requests = bench.qwen_towers.stream_requests(config, 100, bench.SIZES, seed=0)
+    assert requests == bench.qwen_towers.stream_requests(config, 100, bench.SIZES, seed=0)
     entries = [entry for request in requests for entry in request]
     assert {len(request) for request in requests} == {1, 2, 3}
     assert {entry for entry in entries if entry[0] == 1} == {
@@ -113,3 +114,16 @@ def test_a_tower_the_installed_transformers_is_not_served_with_is_skipped_by_nam
     result = bench.main(["--tiny", "--towers", "glm-4.1v-tiny", "--requests", "1"])
     assert result["towers"] == []
     assert result["skipped"] == {"glm-4.1v-tiny": ">=5.24.0,<5.25"}
+
+
+def test_pixtrals_stream_holds_images_scaled_to_fit_its_largest_side(bench: Any) -> None:
+    config = bench.pixtral_towers.towers(tiny=False)[0].config()
+    requests = bench.pixtral_towers.stream_requests(config, 100, bench.SIZES, seed=0)
+    assert {len(request) for request in requests} == {1, 2, 3}
+    assert {entry for request in requests for entry in request} == {
+        (1, 14, 14),
+        (1, 28, 28),
+        (1, 28, 42),  # 672 wide, 448 high
+        (1, 56, 56),
+        (1, 48, 64),  # 1344x1008 scaled to 1024x768
+    }
