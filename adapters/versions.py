@@ -43,9 +43,10 @@ Qwen vision towers precomputed boundaries, positions and windows (``cu_seqlens``
 ``transformers.vision_utils``, which older releases lack. Its CPU tests pass with 5.17.0 and
 5.24.0."""
 
-GLM_VISION_CHECKED = ">=5.24.0,<5.25"
+GLM_VISION_CHECKED = ">=5.17.0,<5.25"
 """The transformers releases whose GLM vision towers (GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR,
-GLM-5-Next) the qwen2_vl adapter serves: 5.24.x, the release its CPU tests pass with. Their
+GLM-5-Next) the qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass with 5.17.0 and
+5.24.0 (GLM-OCR and GLM-5-Next come with later releases than 5.17). Their
 forwards take the same precomputed arguments as the Qwen towers'; GLM-4.1V's also reads
 ``grid_thw``'s rows in its position embeddings, which the graphs are given in a buffer."""
 
