@@ -39,8 +39,8 @@ def _scaled(model: torch.nn.Module) -> torch.nn.Module:
 def _internvit(name: str, depth: int) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         pytest.importorskip("transformers")
-        from layergraph_adapters.hf_vision import build_tower
         from layergraph_adapters.internvl import INTERNVIT_CONFIGS
+        from layergraph_adapters.tower_specs import build_tower
 
         settings = {**INTERNVIT_CONFIGS[name], "num_hidden_layers": depth}
         return _scaled(build_tower("InternVLVisionModel", settings, torch.bfloat16, "cuda"))

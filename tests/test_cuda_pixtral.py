@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 
 import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 transformers = pytest.importorskip("transformers")
+from layergraph_adapters.versions import PIXTRAL_CHECKED  # noqa: E402
+
+if not SpecifierSet(PIXTRAL_CHECKED).contains(transformers.__version__, prereleases=True):
+    pytest.skip(
+        f"the pixtral adapter is served with transformers{PIXTRAL_CHECKED}",
+        allow_module_level=True,
+    )
 
 pytestmark = pytest.mark.cuda
 

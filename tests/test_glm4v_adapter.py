@@ -11,6 +11,7 @@ the wrong grid) or wrong boundaries give errors near 1.
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 from typing import Any
@@ -316,7 +317,9 @@ def test_releases_the_glm_towers_were_not_checked_with_are_refused_by_name(
 def test_glm_4_1v_9b_tower_graphs_equal_eager_in_bf16() -> None:
     """GLM-4.1V-9B's vision tower (its configuration's defaults: 24 layers of 1536, 12 heads,
     patch 14, merge 2, 4096 out), random weights, bf16 on the GPU: graphs against the tower's
-    own forward, computed before wrapping, within bf16's tolerance (relative error 2e-2).
+    own forward, both against a float32 copy of the same weights: the graphs' error at most
+    bf16's tolerance (2e-2) or 1.25 times eager's own, whichever is larger (a 24-layer tower
+    in bf16 is itself about 3e-2 from float32).
     A budget whose graph was measured slower than eager serves its calls eagerly; at least one
     call must come from a graph."""
     from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
@@ -331,11 +334,15 @@ def test_glm_4_1v_9b_tower_graphs_equal_eager_in_bf16() -> None:
         pixels, grid = call(grids)
         inputs.append((pixels.to("cuda", torch.bfloat16), grid.cuda()))
     tolerance = DEFAULT_TOLERANCE[torch.bfloat16]
+    reference = copy.deepcopy(model).float()
     with torch.inference_mode():
+        exact = [reference(p.float(), grid_thw=g).pooler_output for p, g in inputs]
         expected = [model(pixels, grid_thw=grid).pooler_output for pixels, grid in inputs]
+        del reference
         graphed = layergraph.wrap(model, adapter="qwen2_vl", batch_sizes=[1024, 2048])
-        for (pixels, grid), want in zip(inputs, expected):
+        for (pixels, grid), want, truth in zip(inputs, expected, exact):
             got = graphed(pixels, grid_thw=grid).pooler_output
             assert got.shape == want.shape
-            assert relative_error(got, want) <= tolerance
+            bound = max(tolerance, 1.25 * relative_error(want.float(), truth))
+            assert relative_error(got.float(), truth) <= bound
     assert graphed.stats.replays > 0
