@@ -61,9 +61,9 @@ from layergraph.attention import (
     AttentionBackend,
     AttentionMetadata,
     PackedLayout,
-    SdpaMaskedAttention,
     SequenceLayout,
     choose_packed_backend,
+    packed_backends,
     packed_timer,
 )
 from layergraph.keys import UnsupportedCall
@@ -240,15 +240,8 @@ class PixtralPlan(CapturePlan, Packing):
         config = tower.config
         self.patch = tower.patch_size
         self.channels = config.num_channels
-        candidates = (
-            SdpaMaskedAttention(),
-            *(b for b in context.registry.attention_backends() if b.reads_boundaries),
-        )
-        names = (*(b.name for b in candidates), "auto")
-        if adapter.attention not in names:
-            raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
+        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
         self.attention = adapter.attention
-        self._backends = candidates
         self._registry = context.registry
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's attention."""

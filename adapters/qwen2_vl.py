@@ -68,9 +68,9 @@ from layergraph.attention import (
     AttentionBackend,
     AttentionMetadata,
     PackedLayout,
-    SdpaMaskedAttention,
     SequenceLayout,
     choose_packed_backend,
+    packed_backends,
     packed_timer,
 )
 from layergraph.keys import UnsupportedCall
@@ -375,15 +375,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
         self.heads = self._attentions[0].num_heads
         self.head_dim = self._attentions[0].head_dim
-        candidates = (
-            SdpaMaskedAttention(),
-            *(b for b in context.registry.attention_backends() if b.reads_boundaries),
-        )
-        names = (*(b.name for b in candidates), "auto")
-        if adapter.attention not in names:
-            raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
+        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
         self.attention = adapter.attention
-        self._backends = candidates
         self._registry = context.registry
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's full-attention layers and, for a tower with

@@ -44,9 +44,9 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hooki
 from layergraph.adapter import own_forward
 from layergraph.attention import (
     PackedLayout,
-    SdpaMaskedAttention,
     SequenceLayout,
     choose_backend,
+    packed_backends,
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
@@ -169,15 +169,8 @@ class Siglip2Plan(CapturePlan, Packing):
         self.head_dim = self._attentions[0].head_dim
         config = tower.config
         self.features = config.num_channels * config.patch_size**2
-        candidates = (
-            SdpaMaskedAttention(),
-            *(b for b in context.registry.attention_backends() if b.reads_boundaries),
-        )
-        names = (*(b.name for b in candidates), "auto")
-        if adapter.attention not in names:
-            raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
+        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
         self.attention = adapter.attention
-        self._backends = candidates
         self._registry = context.registry
 
     # ---- what the runner asks ----------------------------------------------------------------
