@@ -1,8 +1,9 @@
 """Speed options on by default where they fit: the value ``"auto"``.
 
-``fuse_qkv``, ``patch_matmul`` and ``fuse_norm`` change a tower's values by rounding only and
-take GPU time off every call, graphed or eager; the transformers adapters (every family of
-:mod:`layergraph_adapters.towers`, and ``internvl``) and ``timm`` default them to ``"auto"``.
+``fuse_qkv``, ``patch_matmul``, ``fuse_norm`` and ``align_mlp`` change a tower's values by
+rounding only and take GPU time off every call, graphed or eager; the transformers adapters
+(every family of :mod:`layergraph_adapters.towers`, and ``internvl``) and ``timm`` default the
+first three to ``"auto"``, ``qwen2_vl`` the last.
 :func:`build_with_automatic_options` turns each ``"auto"`` into ``True`` when the tower's
 parameters are on a CUDA device and the plan accepts that option alone (the family has the
 projections, the patch convolution or the layers it rewrites, and Triton runs for
@@ -29,7 +30,7 @@ from layergraph.adapter import AdapterMismatch, CapturePlan, PlanContext
 
 __all__ = ["AUTOMATIC_OPTIONS", "build_with_automatic_options", "not_on_a_gpu"]
 
-AUTOMATIC_OPTIONS = ("fuse_qkv", "patch_matmul", "fuse_norm")
+AUTOMATIC_OPTIONS = ("fuse_qkv", "patch_matmul", "fuse_norm", "align_mlp")
 """The options whose default is ``"auto"``, in the order they are tried."""
 
 Plan = TypeVar("Plan", bound=CapturePlan)

@@ -77,6 +77,8 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph.staging import Staging
+from layergraph_adapters.aligned_mlp import AlignedForward, AlignedMLP
+from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
@@ -204,16 +206,24 @@ class Qwen2VLAdapter(Adapter):
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
     (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
+    (:mod:`~layergraph_adapters.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
+    and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420).
     """
 
     name = "qwen2_vl"
 
     def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 64
+        self,
+        attention: str = "auto",
+        max_tokens: int = 16384,
+        budget_step: int = 64,
+        align_mlp: bool | str = "auto",
     ) -> None:
         self.attention = attention
         self.max_tokens = max_tokens
         self.budget_step = budget_step
+        self.align_mlp = align_mlp
 
     def recognizes(self, model: nn.Module) -> bool:
         return "transformers" in sys.modules and find_tower(model) is not None
@@ -231,7 +241,12 @@ class Qwen2VLAdapter(Adapter):
         kind = tower_kind(tower)
         assert kind is not None, "find_tower returned a served tower"
         require_transformers(self.name, kind.checked)
-        return Qwen2VLPlan(tower, self, context)
+        return build_with_automatic_options(
+            tower,
+            {"align_mlp": self.align_mlp},
+            functools.partial(Qwen2VLPlan, tower, self, context),
+            context,
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -347,9 +362,17 @@ class Qwen2VLPlan(CapturePlan, Packing):
     """The tower's whole forward per token budget, with attention routed to a backend that
     reads the budget's boundaries; the plan is its own :class:`~layergraph.packing.Packing`."""
 
-    def __init__(self, tower: nn.Module, adapter: Qwen2VLAdapter, context: PlanContext) -> None:
+    def __init__(
+        self,
+        tower: nn.Module,
+        adapter: Qwen2VLAdapter,
+        context: PlanContext,
+        align_mlp: bool = False,
+    ) -> None:
         kind = tower_kind(tower)
         assert kind is not None, "find_tower returned the tower"
+        self.alignments = [AlignedMLP(block.mlp) for block in tower.blocks] if align_mlp else []
+        """One :class:`AlignedMLP` per block with ``align_mlp``; empty without."""
         self.owner = tower
         self.windows = kind.windows
         self.learned_positions = kind.learned_positions
@@ -385,6 +408,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
     # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
+        for alignment in self.alignments:
+            alignment.refresh()
         if _current.get() is None:
             args, kwargs = _grid_beside_pixels(args, kwargs)
         return self._forward(*args, **kwargs)
@@ -422,6 +447,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
                 _routed_attention(module, self.qk_norms),
                 "q, k and v handed to the attention backend",
             )
+        for alignment in self.alignments:
+            changes.apply(alignment)
+            changes.apply(AlignedForward(alignment))
 
     # ---- packing -----------------------------------------------------------------------------
 
