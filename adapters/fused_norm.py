@@ -20,8 +20,11 @@ them. Values change by rounding only: the kernel rounds once where eager rounds 
 operation.
 
 Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
-``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, and timm's ``Block`` (the blocks of
-``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Dropout and
+``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, the packed towers' blocks (Qwen2-VL's,
+Qwen2.5-VL's and Qwen3-VL's ``VisionBlock``, GLM-4.1V's, GLM-4.5V's and GLM-OCR's, LayerNorm
+or RMSNorm), and timm's
+``Block`` (the blocks of ``VisionTransformer``) whose layer scales are ``LayerScale`` or
+``Identity``. Dropout and
 drop path are left out: they do nothing at inference.
 
 A layer's own forward runs instead for training calls, calls with gradients enabled, under
@@ -45,7 +48,13 @@ from layergraph_adapters.rewrites import InferenceForward
 
 __all__ = ["FusedAddNorm", "fused_norm_unavailable", "fused_norms", "norm_kind"]
 
-_RMS_NORM_CLASSES = ("InternVLVisionRMSNorm",)
+_RMS_NORM_CLASSES = (
+    "InternVLVisionRMSNorm",
+    "Qwen2_5_VLRMSNorm",
+    "Glm4vRMSNorm",
+    "Glm4vMoeRMSNorm",
+    "GlmOcrRMSNorm",
+)
 """RMSNorm classes computing ``weight * (x * rsqrt(mean(x^2) + variance_epsilon))``."""
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -104,8 +113,9 @@ class FusedAddNorm(InferenceForward):
         parts = _layer_parts(layer)
         if parts is None:
             raise ValueError(
-                f"fuse_norm serves transformers' InternVLVisionLayer, CLIPEncoderLayer and "
-                f"SiglipEncoderLayer and timm's Block; {type(layer).__name__} is not one"
+                f"fuse_norm serves transformers' InternVLVisionLayer, CLIPEncoderLayer, "
+                f"SiglipEncoderLayer and the Qwen-VL and GLM-4.1V vision blocks, and timm's "
+                f"Block; {type(layer).__name__} is not one"
             )
         self._call_layer, self._norm_name, self._scale_names = parts
         norm = getattr(layer, self._norm_name)
@@ -199,6 +209,8 @@ def _layer_parts(layer: nn.Module) -> tuple[LayerCall, str, ScaleNames] | None:
         return _internvit_layer, "layernorm_after", ("lambda_1", "lambda_2")
     if name in ("CLIPEncoderLayer", "SiglipEncoderLayer"):
         return _clip_layer, "layer_norm2", (None, None)
+    if name in _PACKED_BLOCKS:
+        return _packed_block, "norm2", (None, None)
     timm_classes = _timm_classes()
     if timm_classes is None or type(layer).forward is not timm_classes[0].forward:
         return None
@@ -207,6 +219,17 @@ def _layer_parts(layer: nn.Module) -> tuple[LayerCall, str, ScaleNames] | None:
     ):
         return None
     return _timm_block, "norm2", ("ls1", "ls2")
+
+
+_PACKED_BLOCKS = (
+    "Qwen2VLVisionBlock",
+    "Qwen2_5_VLVisionBlock",
+    "Qwen3VLVisionBlock",
+    "Glm4vVisionBlock",
+    "Glm4vMoeVisionBlock",
+    "GlmOcrVisionBlock",
+)
+"""Packed towers' blocks computing ``x + attn(norm1(x), ...)`` then ``x + mlp(norm2(x))``."""
 
 
 def _timm_classes() -> tuple[type, type] | None:
@@ -251,4 +274,13 @@ def _timm_block(
     if attn_mask is not None:
         kwargs["attn_mask"] = attn_mask
     residual, normed = rewrite.add_norm(x, block.attn(block.norm1(x), **kwargs))
+    return rewrite.add_scaled(residual, block.mlp(normed))
+
+
+def _packed_block(
+    rewrite: FusedAddNorm, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    block = rewrite.module
+    attention = block.attn(block.norm1(hidden_states), *args, **kwargs)
+    residual, normed = rewrite.add_norm(hidden_states, attention)
     return rewrite.add_scaled(residual, block.mlp(normed))

@@ -79,6 +79,7 @@ from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph.staging import Staging
 from layergraph_adapters.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.automatic import build_with_automatic_options
+from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
@@ -208,7 +209,9 @@ class Qwen2VLAdapter(Adapter):
     (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
     ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
     (:mod:`~layergraph_adapters.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
-    and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420).
+    and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
+    block's residual add and second norm through one Triton kernel
+    (:mod:`~layergraph_adapters.fused_norm`; ``"auto"``: on a CUDA device).
     """
 
     name = "qwen2_vl"
@@ -219,11 +222,13 @@ class Qwen2VLAdapter(Adapter):
         max_tokens: int = 16384,
         budget_step: int = 64,
         align_mlp: bool | str = "auto",
+        fuse_norm: bool | str = "auto",
     ) -> None:
         self.attention = attention
         self.max_tokens = max_tokens
         self.budget_step = budget_step
         self.align_mlp = align_mlp
+        self.fuse_norm = fuse_norm
 
     def recognizes(self, model: nn.Module) -> bool:
         return "transformers" in sys.modules and find_tower(model) is not None
@@ -243,7 +248,7 @@ class Qwen2VLAdapter(Adapter):
         require_transformers(self.name, kind.checked)
         return build_with_automatic_options(
             tower,
-            {"align_mlp": self.align_mlp},
+            {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm},
             functools.partial(Qwen2VLPlan, tower, self, context),
             context,
         )
@@ -368,11 +373,14 @@ class Qwen2VLPlan(CapturePlan, Packing):
         adapter: Qwen2VLAdapter,
         context: PlanContext,
         align_mlp: bool = False,
+        fuse_norm: bool = False,
     ) -> None:
         kind = tower_kind(tower)
         assert kind is not None, "find_tower returned the tower"
         self.alignments = [AlignedMLP(block.mlp) for block in tower.blocks] if align_mlp else []
         """One :class:`AlignedMLP` per block with ``align_mlp``; empty without."""
+        self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm)
+        """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
         self.owner = tower
         self.windows = kind.windows
         self.learned_positions = kind.learned_positions
@@ -450,6 +458,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
         for alignment in self.alignments:
             changes.apply(alignment)
             changes.apply(AlignedForward(alignment))
+        for rewrite in self.norm_rewrites:
+            changes.apply(rewrite)
 
     # ---- packing -----------------------------------------------------------------------------
 
