@@ -80,6 +80,7 @@ from layergraph.staging import Staging
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
+    QWEN3_5_VISION_CHECKED,
     require_transformers,
 )
 
@@ -139,6 +140,20 @@ _TOWERS = (
         "Qwen3VLVisionModel",
         windows=False,
         learned_positions=True,
+    ),
+    _TowerKind(
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        "Qwen3_5VisionModel",
+        windows=False,
+        learned_positions=True,
+        checked=QWEN3_5_VISION_CHECKED,
+    ),
+    _TowerKind(
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        "Qwen3_5MoeVisionModel",
+        windows=False,
+        learned_positions=True,
+        checked=QWEN3_5_VISION_CHECKED,
     ),
     _glm(
         "glm4v",
