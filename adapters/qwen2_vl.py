@@ -1,36 +1,38 @@
-"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM, from
+"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM, from
 transformers.
 
 Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``,
-``Qwen3VLVisionModel`` and GLM's towers (``Glm4vVisionModel``: GLM-4.1V and GLM-4.6V;
-``Glm4vMoeVisionModel``: GLM-4.5V; ``GlmOcrVisionModel``; ``Glm5NextVisionModel``), alone or
-inside their VLMs (the ``...Model`` classes at ``visual``, the ``...ForConditionalGeneration``
-classes at ``model.visual``). A tower takes every image and video at its own resolution: the
-patches of all of a call's entries (``grid_thw``) are packed into one sequence, attention is
-block-diagonal per frame (Qwen2-VL, Qwen3-VL, GLM: in every layer; Qwen2.5-VL: in its
-full-attention layers, per window in the others), and a patch merger closes the stack (GLM's
-after a downsampling convolution); Qwen3-VL also adds a learned position table interpolated
-to each grid and returns deep-stack features (intermediate layers, each through its own
-merger). GLM-4.1V's and GLM-4.5V's towers add a learned position table resampled to each
-frame's height and width (bicubic ``grid_sample``), which their forward computes on the
-device from the frame boundaries, the rotary positions and ``grid_thw``'s rows, all given to
-the graph in the budget's buffers; GLM-OCR's and GLM-5-Next's normalise q and k per head.
-Wrapping a VLM graphs its tower in place, so ``generate()``, ``get_image_features()`` and
+``Qwen3VLVisionModel``, Qwen3.5's towers (``Qwen3_5VisionModel``, ``Qwen3_5MoeVisionModel``) and
+GLM's towers (``Glm4vVisionModel``: GLM-4.1V and GLM-4.6V; ``Glm4vMoeVisionModel``: GLM-4.5V;
+``GlmOcrVisionModel``; ``Glm5NextVisionModel``), alone or inside their VLMs (the ``...Model``
+classes at ``visual``, the ``...ForConditionalGeneration`` classes at ``model.visual``). A tower
+takes every image and video at its own resolution: the patches of all of a call's entries
+(``grid_thw``) are packed into one sequence, attention is block-diagonal per frame (Qwen2-VL,
+Qwen3-VL, Qwen3.5, GLM: in every layer; Qwen2.5-VL: in its full-attention layers, per window in
+the others), and a patch merger closes the stack (GLM's after a downsampling convolution);
+Qwen3-VL and Qwen3.5 also add a learned position table interpolated to each grid, and Qwen3-VL
+returns deep-stack features (intermediate layers, each through its own merger; Qwen3.5's tower
+has none). GLM-4.1V's and GLM-4.5V's towers add a learned position table resampled to each
+frame's height and width (bicubic ``grid_sample``), which their forward computes on the device
+from the frame boundaries, the rotary positions and ``grid_thw``'s rows, all given to the graph
+in the budget's buffers; GLM-OCR's and GLM-5-Next's normalise q and k per head. Wrapping a VLM
+graphs its tower in place, so ``generate()``, ``get_image_features()`` and
 ``get_video_features()`` use the graphs; ``unwrap()`` restores it.
 
-Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's
-frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL windows
-(``cu_window_seqlens``, ``window_index``) and for Qwen3-VL the position table's rows and
-weights per patch (``interp_indices``, ``interp_weights``) are computed by transformers' own
-``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
+Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's frame
+boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL windows
+(``cu_window_seqlens``, ``window_index``) and for Qwen3-VL the position table's rows and weights
+per patch (``interp_indices``, ``interp_weights``; Qwen3.5's too) are computed by transformers'
+own ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
 takes as precomputed arguments (transformers 5.17 and later,
 :data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`; the GLM towers:
-:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
-towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come last in every
-order (``window_index`` maps them to themselves), read no position table row (zero weights)
-and belong to no frame or window: the sequences past the real ones are empty. Each attention
-module hands q, k and v to a backend that reads the boundaries from those buffers when it
-runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
+:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`; Qwen3.5's:
+:data:`~layergraph_adapters.versions.QWEN3_5_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
+towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come last in
+every order (``window_index`` maps them to themselves), read no position table row (zero
+weights) and belong to no frame or window: the sequences past the real ones are empty. Each
+attention module hands q, k and v to a backend that reads the boundaries from those buffers when
+it runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
 kernel, its grid bounded by the budget and by a window's tokens) or ``fa3``. With
 ``attention="auto"`` the full-attention and the windowed layers each get the backend timed
 fastest on the frames and windows of the call that made the budget, in the budget's room.
@@ -83,6 +85,7 @@ from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
+    QWEN3_5_VISION_CHECKED,
     require_transformers,
 )
 
@@ -143,6 +146,20 @@ _TOWERS = (
         windows=False,
         learned_positions=True,
     ),
+    _TowerKind(
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        "Qwen3_5VisionModel",
+        windows=False,
+        learned_positions=True,
+        checked=QWEN3_5_VISION_CHECKED,
+    ),
+    _TowerKind(
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        "Qwen3_5MoeVisionModel",
+        windows=False,
+        learned_positions=True,
+        checked=QWEN3_5_VISION_CHECKED,
+    ),
     _glm(
         "glm4v",
         "Glm4vVisionModel",
@@ -181,8 +198,9 @@ def tower_kind(module: nn.Module) -> _TowerKind | None:
 
 
 def find_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` if a served Qwen or GLM vision tower, or its ``visual`` / ``model.visual`` if
-    ``model`` is one of the VLMs of a served tower's modeling module (or its ``holders``).
+    """``model`` if a served Qwen, Qwen3.5 or GLM vision tower, or its ``visual`` /
+    ``model.visual`` if ``model`` is one of the VLMs of a served tower's modeling module (or its
+    ``holders``).
 
     Other VLMs hold the same tower classes (Cosmos3Omni builds a Qwen3-VL tower as its
     ``visual``) but call it their own way and are not checked: they are not recognised, so
@@ -201,8 +219,8 @@ def find_tower(model: nn.Module) -> nn.Module | None:
 
 
 class Qwen2VLAdapter(Adapter):
-    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or GLM (GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR,
-    GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
+    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V, GLM-4.6V,
+    GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
 
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt

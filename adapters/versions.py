@@ -9,7 +9,8 @@ Another release may change that code, and a copy that no longer matches it compu
 else without failing, so the plans refuse transformers outside the checked range
 (:func:`require_transformers`).
 The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
-:data:`GLM_VISION_CHECKED` for the GLM towers it serves), and so does the pixtral adapter
+:data:`GLM_VISION_CHECKED` for the GLM towers it serves, :data:`QWEN3_5_VISION_CHECKED` for
+Qwen3.5's), and so does the pixtral adapter
 (:data:`PIXTRAL_CHECKED`).
 """
 
@@ -23,6 +24,7 @@ __all__ = [
     "GLM_VISION_CHECKED",
     "PIXTRAL_CHECKED",
     "QWEN2_VL_CHECKED",
+    "QWEN3_5_VISION_CHECKED",
     "TRANSFORMERS_CHECKED",
     "UNCHECKED_VARIABLE",
     "require_transformers",
@@ -49,6 +51,12 @@ GLM-5-Next) the qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass wi
 5.24.0 (GLM-OCR and GLM-5-Next come with later releases than 5.17). Their
 forwards take the same precomputed arguments as the Qwen towers'; GLM-4.1V's also reads
 ``grid_thw``'s rows in its position embeddings, which the graphs are given in a buffer."""
+
+QWEN3_5_VISION_CHECKED = ">=5.17.0,<5.25"
+"""The transformers releases whose Qwen3.5 vision towers (``Qwen3_5VisionModel``,
+``Qwen3_5MoeVisionModel``) the qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass
+with 5.17.0 and 5.24.0. Their forwards are Qwen3-VL's without the deep-stack mergers, taking
+the same precomputed arguments, and return ``BaseModelOutputWithPooling``."""
 
 PIXTRAL_CHECKED = ">=5.24.0,<5.25"
 """The transformers releases the pixtral adapter serves: 5.24.x. Its graphs compute the rotary

@@ -32,6 +32,12 @@ from coverage_table import (  # noqa: E402
     walked_classes,
 )
 
+PACKED_BENCHMARKS = {
+    "pixtral": "packed_towers.py",
+    "qwen2_vl": "packed_towers.py",
+    "siglip2": "siglip2_naflex.py",
+}
+"""The benchmark that measures each packed adapter's towers, in ``benchmarks``."""
 PAGE = ROOT / "docs" / "coverage.md"
 RESULTS = ROOT / "docs" / "results"
 
@@ -92,10 +98,11 @@ def render(results: dict[str, Any] | None) -> str:
         )
     for adapter in sorted(packed):
         classes = ", ".join(f"`{name}`" for name in packed[adapter])
+        script = f"see `benchmarks/{PACKED_BENCHMARKS[adapter]}`"
         lines.append(
             f"| {family_of(adapter)} | `{adapter}` | {classes} | yes, in packed mode: the images "
-            "of a call packed into one sequence, a graph per token budget | see "
-            "`benchmarks/packed_towers.py` | see `benchmarks/packed_towers.py` |"
+            f"of a call packed into one sequence, a graph per token budget | {script} | "
+            f"{script} |"
         )
     lines += ["", "## Not served", "", "| why | classes |", "| --- | --- |"]
     by_reason: dict[str, list[str]] = defaultdict(list)

@@ -1,11 +1,12 @@
-"""Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and Pixtral's packed vision towers: transformers eager,
-layergraph, by hand.
+"""Qwen2.5-VL's, Qwen3-VL's, Qwen3.5's, GLM-4.1V's and Pixtral's packed vision towers:
+transformers eager, layergraph, by hand.
 
-    python3 benchmarks/packed_towers.py --json packed.json      # an H200: about 5 minutes
+    python3 benchmarks/packed_towers.py --json packed.json      # an H200: about 6 minutes
     python3 benchmarks/packed_towers.py --tiny --json tiny.json  # tiny towers, any machine
 
 Towers are transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (Qwen2.5-VL-7B's vision
-configuration), ``Qwen3VLVisionModel`` (Qwen3-VL-8B's), ``Glm4vVisionModel`` (GLM-4.1V-9B's)
+configuration), ``Qwen3VLVisionModel`` (Qwen3-VL-8B's), ``Qwen3_5VisionModel`` (its
+configuration's defaults), ``Glm4vVisionModel`` (GLM-4.1V-9B's)
 and ``PixtralVisionModel`` (Pixtral-12B's), built from their configurations with random
 weights, in bf16; nothing is downloaded. For each tower:
 
@@ -33,9 +34,9 @@ weights, in bf16; nothing is downloaded. For each tower:
   8 graphs, a pool at most 1.1x the largest budget's alone, captures under 3 s, the stream
   within 1.10x of the hand-written graphs.
 
-A tower whose adapter refuses the installed transformers (GLM-4.1V's and Pixtral's are served
-with 5.24) is
-skipped, and the console and the JSON (``skipped``) say so. ``--tiny`` runs four-layer towers
+A tower whose adapter refuses the installed transformers (the Qwen, Qwen3.5 and GLM towers are
+served with 5.17 to 5.24, Pixtral's with 5.24) is skipped, and the console and the JSON
+(``skipped``) say so. ``--tiny`` runs four-layer towers
 in float32, on the GPU if there is one, else on the CPU, where graphs are simulated and the
 hand-written "graph" runs its forward eagerly, so that every code path of the benchmark runs
 without a GPU. The console gets tables; ``--json`` gets every
@@ -116,8 +117,8 @@ alone, capture seconds, layergraph's second pass against the exact-shape hand gr
 
 
 def towers(tiny: bool) -> list[Tower]:
-    """Every tower measured: Qwen2.5-VL-7B's, Qwen3-VL-8B's, GLM-4.1V-9B's and Pixtral-12B's
-    (or tiny ones)."""
+    """Every tower measured: Qwen2.5-VL-7B's, Qwen3-VL-8B's, Qwen3.5's, GLM-4.1V-9B's and
+    Pixtral-12B's (or tiny ones)."""
     return [*qwen_towers.towers(tiny), *pixtral_towers.towers(tiny)]
 
 

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's, Qwen3-VL's and GLM-4.1V's vision towers for benchmarks: configurations,
-inputs, and the hand-written graph layergraph is measured against.
+"""Qwen2.5-VL's, Qwen3-VL's, Qwen3.5's and GLM-4.1V's vision towers for benchmarks:
+configurations, inputs, and the hand-written graph layergraph is measured against.
 
 The hand-written graph is what a user writes without layergraph: the tower's forward given its
 precomputed boundaries, positions and windows for one exact grid (transformers'
@@ -28,6 +28,7 @@ from transformers import vision_utils
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
+    QWEN3_5_VISION_CHECKED,
     UNCHECKED_VARIABLE,
 )
 
@@ -60,9 +61,11 @@ class Tower:
 
 
 def towers(tiny: bool) -> list[Tower]:
-    """Qwen2.5-VL-7B's, Qwen3-VL-8B's and GLM-4.1V-9B's vision towers, or four-layer ones like
-    them. GLM-4.1V-9B's is its configuration's defaults (24 layers of 1536, 12 heads, patch 14,
-    merge 2, 4096 out, a 24x24 position table)."""
+    """Qwen2.5-VL-7B's, Qwen3-VL-8B's, Qwen3.5's and GLM-4.1V-9B's vision towers, or four-layer
+    ones like them. Qwen3.5's is its configuration's defaults (27 layers of 1152, 16 heads,
+    patch 16, merge 2, a 48x48 position table, 3584 out: Qwen3-VL-8B's without the deep-stack
+    mergers); GLM-4.1V-9B's too (24 layers of 1536, 12 heads, patch 14, merge 2, 4096 out, a
+    24x24 position table)."""
     qwen25 = dict(
         depth=32,
         hidden_size=1280,
@@ -87,11 +90,13 @@ def towers(tiny: bool) -> list[Tower]:
         patch_size=16,
         temporal_patch_size=2,
     )
+    qwen35: dict[str, Any] = {}
     glm4v: dict[str, Any] = {}
     if tiny:
         small = dict(depth=4, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=32)
         qwen25.update(small, window_size=56, fullatt_block_indexes=[1, 3])
         qwen3.update(small, num_position_embeddings=16, deepstack_visual_indexes=[1, 2])
+        qwen35.update(small, num_position_embeddings=16)
         glm4v.update(small, image_size=56)
     return [
         Tower(
@@ -105,6 +110,13 @@ def towers(tiny: bool) -> list[Tower]:
             "transformers.models.qwen3_vl.modeling_qwen3_vl",
             "Qwen3VLVisionModel",
             lambda: transformers.Qwen3VLVisionConfig(**qwen3),
+        ),
+        Tower(
+            "qwen3.5" if not tiny else "qwen3.5-tiny",
+            "transformers.models.qwen3_5.modeling_qwen3_5",
+            "Qwen3_5VisionModel",
+            lambda: transformers.Qwen3_5VisionConfig(**qwen35),
+            served_with=QWEN3_5_VISION_CHECKED,
         ),
         Tower(
             "glm-4.1v-9b" if not tiny else "glm-4.1v-tiny",

@@ -1,31 +1,45 @@
-"""SigLIP2 so400m/16 NaFlex on one GPU: transformers eager, layergraph, a hand-written graph.
+"""SigLIP2 NaFlex towers on one GPU: transformers eager, layergraph, a hand-written graph.
 
     python3 benchmarks/siglip2_naflex.py --json siglip2.json      # an H200: a few minutes
+    python3 benchmarks/siglip2_naflex.py --tower lfm2-vl-1.6b --json lfm2-vl-1.6b.json
     python3 benchmarks/siglip2_naflex.py --tiny --json tiny.json  # a tiny tower, any machine
 
-The tower is transformers' ``Siglip2VisionModel`` with SigLIP2 so400m/16 NaFlex's configuration
-(27 layers, width 1152, 16 heads, 16-pixel patches, a 16x16 position table, the pooling head),
-random weights, bf16; nothing is downloaded. A call holds images of several aspect ratios, each
-given the largest patch grid of at most ``max_patches`` patches (SigLIP2's processor's own
-rule) and padded to ``max_patches``, as the processor returns them. Sections:
+The tower (``--tower``, :data:`TOWERS`) is transformers' ``Siglip2VisionModel`` with random
+weights, bf16; nothing is downloaded:
 
-- **calls**: batches of 1 to 8 images at 256 and 1024 patches, waited latency (medians of many
-  calls, each waited for, CUDA events): the tower eager; layergraph's ``wrap`` with its
-  defaults and with ``attention="triton"`` (the real patches packed per token budget); a
-  hand-written graph of the tower's own forward at that padded shape (``torch.cuda.graph``,
-  new pixels, masks and grids copied in: transformers 5.24 resizes the position table on the
-  device from ``spatial_shapes``), and each one's error against the same weights in float32,
-  eager, over the real patches of ``last_hidden_state`` and ``pooler_output``;
-- **stream**: seeded requests of 1 to 8 images at 256 or 1024 patches, each waited for: the
-  total of eager, of layergraph (its first pass, which captures, and a second) and of
-  hand-written graphs, one per padded shape (captures not counted); layergraph's graphs,
-  budgets, pool and capture seconds; every answer compared with eager's.
+- ``siglip2-so400m`` (the default): SigLIP2 so400m/16 NaFlex's configuration (27 layers, width
+  1152, 16 heads, 16-pixel patches, a 16x16 position table, the pooling head). A call holds
+  images of several aspect ratios, each given the largest patch grid of at most
+  ``max_patches`` patches (SigLIP2's processor's own rule) and padded to ``max_patches``, as
+  the processor returns them;
+- ``lfm2-vl-450m`` and ``lfm2-vl-1.6b``: the towers LFM2-VL builds, SigLIP2 base/16 NaFlex's
+  (12 layers, width 768, 12 heads) and so400m/16 NaFlex's configurations without the pooling
+  head. A call holds photos made into LFM2-VL's inputs by its own image processor
+  (``Lfm2VlImageProcessor``): a photo above 256 image tokens cut into 512-pixel tiles (with a
+  thumbnail for LFM2-VL-1.6B), a smaller one resized whole, every image padded to 1024
+  patches; ``images`` counts photos, ``encoded_images`` what the tower is given.
 
-``--tiny`` runs a four-layer tower in float32, on the GPU if there is one, else on the CPU,
-where layergraph's graphs are simulated (its Triton column runs ``sdpa_varlen``) and the
+Sections:
+
+- **calls**: batches of 1 to 8 images at 256 and 1024 patches (1 to 4 photos for LFM2-VL's towers),
+  waited latency (medians of many calls, each waited for, CUDA events): the tower eager;
+  layergraph's ``wrap`` with its defaults and with ``attention="triton"`` (the real patches packed
+  per token budget); a hand-written graph of the tower's own forward at that padded shape
+  (``torch.cuda.graph``, new pixels, masks and grids copied in: transformers 5.24 resizes the
+  position table on the device from ``spatial_shapes``), and each one's error against the same
+  weights in float32, eager, over the real patches of ``last_hidden_state`` and ``pooler_output``
+  (where the tower has a pooling head);
+- **stream**: seeded requests of 1 to 8 images at 256 or 1024 patches (1 to 3 photos for LFM2-VL's
+  towers), each waited for: the total of eager, of layergraph (its first pass, which captures, and a
+  second) and of hand-written graphs, one per padded shape (captures not counted); layergraph's
+  graphs, budgets, pool and capture seconds; every answer compared with eager's.
+
+``--tiny`` runs a four-layer tower of the same kind in float32 (LFM2-VL's processor with 4-pixel
+patches, 32-pixel tiles and photos a sixteenth of the size), on the GPU if there is one, else on the
+CPU, where layergraph's graphs are simulated (its Triton column runs ``sdpa_varlen``) and the
 hand-written "graph" runs the forward eagerly, so that every code path runs without a GPU. A
-hand-written graph that cannot be captured is reported with its error, not timed. The console
-gets the rows; ``--json`` every number.
+hand-written graph that cannot be captured is reported with its error, not timed. The console gets
+the rows; ``--json`` every number.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
 from transformers.models.siglip2.image_processing_siglip2 import (
     get_image_size_for_max_num_patches,
 )
@@ -64,6 +79,15 @@ SO400M = dict(
     num_patches=256,
 )
 """``Siglip2VisionConfig`` of SigLIP2 so400m/16 NaFlex."""
+BASE = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    patch_size=16,
+    num_patches=256,
+)
+"""``Siglip2VisionConfig`` of SigLIP2 base/16 NaFlex."""
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -77,6 +101,53 @@ PHOTOS = ((640, 480), (480, 640), (1920, 1080), (1080, 1920), (512, 512), (1200,
 CALLS = ((1, 256), (2, 256), (4, 256), (8, 256), (1, 1024), (4, 1024))
 """The calls section's (images, max_patches)."""
 TINY_CALLS = ((1, 16), (2, 16), (4, 16), (8, 16), (1, 64), (4, 64))
+TINY_LFM2_VL = dict(encoder_patch_size=4, tile_size=32, min_image_tokens=4, max_image_tokens=16)
+"""LFM2-VL's image processor for the tiny towers: 4-pixel patches, tiles of 8x8 patches."""
+
+
+@dataclass(frozen=True)
+class NaflexTower:
+    """A tower to measure: its configuration, the calls section's calls and how a call's
+    images are made."""
+
+    name: str
+    config: dict[str, Any]
+    calls: tuple[tuple[int, int], ...]
+    """The calls section's (images, max_patches): images are photos for LFM2-VL's towers, and
+    max_patches the processor's."""
+    processor: dict[str, Any] | None = None
+    """LFM2-VL's image processor's settings, for the towers LFM2-VL builds: photos made into
+    tiles, thumbnails and whole images by it. ``None``: one image per photo, SigLIP2's rule."""
+    photo_scale: int = 1
+    """Photos are :data:`PHOTOS` divided by it (LFM2-VL's tiny towers: 16)."""
+    most_photos: int = 8
+    """The most photos a request of the stream holds."""
+
+
+def lfm2_vl_tower(name: str, config: dict[str, Any], tiny: bool, **processor: Any) -> NaflexTower:
+    """A tower as LFM2-VL builds it (no pooling head), given photos through its image processor
+    (``processor``: settings besides its defaults)."""
+    if tiny:
+        config, processor = TINY, {**processor, **TINY_LFM2_VL}
+    patches = Lfm2VlImageProcessor(**processor).max_num_patches
+    return NaflexTower(
+        name=name,
+        config={**config, "vision_use_head": False},
+        calls=tuple((photos, patches) for photos in (1, 2, 4)),
+        processor=processor,
+        photo_scale=16 if tiny else 1,
+        most_photos=3,
+    )
+
+
+TOWERS: dict[str, Callable[[bool], NaflexTower]] = {
+    "siglip2-so400m": lambda tiny: NaflexTower(
+        "siglip2-so400m", TINY if tiny else SO400M, TINY_CALLS if tiny else CALLS
+    ),
+    "lfm2-vl-450m": lambda tiny: lfm2_vl_tower("lfm2-vl-450m", BASE, tiny, use_thumbnail=False),
+    "lfm2-vl-1.6b": lambda tiny: lfm2_vl_tower("lfm2-vl-1.6b", SO400M, tiny),
+}
+"""Each tower ``--tower`` names, full size or tiny (``--tiny``)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +160,7 @@ class Settings:
     """Roughly how long each timed median runs (5 to 100 calls)."""
     requests: int
     seed: int
-    calls: tuple[tuple[int, int], ...]
+    tower: NaflexTower
 
     @property
     def simulated(self) -> bool:
@@ -101,10 +172,13 @@ def naflex_call(
     model: nn.Module, images: int, max_patches: int, rng: random.Random, settings: Settings
 ) -> dict[str, torch.Tensor]:
     """A padded batch of ``images`` random photos (sizes from :data:`PHOTOS`), as SigLIP2's
-    processor gives it at ``max_patches``."""
+    processor gives it at ``max_patches``, or LFM2-VL's (:attr:`NaflexTower.processor`)."""
+    photos = rng.choices(PHOTOS, k=images)
+    if settings.tower.processor is not None:
+        return lfm2_vl_call(photos, rng, settings)
     patch = model.config.patch_size
     grids = []
-    for width, height in rng.choices(PHOTOS, k=images):
+    for width, height in photos:
         rows, columns = get_image_size_for_max_num_patches(height, width, patch, max_patches)
         grids.append((rows // patch, columns // patch))
     mask = torch.zeros(images, max_patches, dtype=torch.int32)
@@ -120,10 +194,37 @@ def naflex_call(
     }
 
 
+def lfm2_vl_call(
+    photos: list[tuple[int, int]], rng: random.Random, settings: Settings
+) -> dict[str, torch.Tensor]:
+    """Random ``photos`` (width, height, divided by :attr:`NaflexTower.photo_scale`) made into a
+    call by LFM2-VL's image processor."""
+    tower = settings.tower
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    images = [
+        torch.randint(
+            0,
+            256,
+            (3, max(8, height // tower.photo_scale), max(8, width // tower.photo_scale)),
+            dtype=torch.uint8,
+            generator=generator,
+        )
+        for width, height in photos
+    ]
+    batch = Lfm2VlImageProcessor(**tower.processor)(images, return_tensors="pt")
+    return {
+        "pixel_values": batch["pixel_values"].to(settings.device, settings.dtype),
+        "pixel_attention_mask": batch["pixel_attention_mask"].to(settings.device),
+        "spatial_shapes": batch["spatial_shapes"].to(settings.device),
+    }
+
+
 def answer(output: Any, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """What callers read: ``last_hidden_state`` at the real patches, ``pooler_output``."""
+    """What callers read: ``last_hidden_state`` at the real patches, and ``pooler_output``
+    where the tower has a pooling head."""
     real = inputs["pixel_attention_mask"].bool()
-    return [output.last_hidden_state[real], output.pooler_output]
+    pooled = [] if output.pooler_output is None else [output.pooler_output]
+    return [output.last_hidden_state[real], *pooled]
 
 
 def error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -194,15 +295,21 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
     reference = copy.deepcopy(model).to(torch.float64 if settings.simulated else torch.float32)
     wide = next(reference.parameters()).dtype
     rng = random.Random(settings.seed)
-    inputs = [naflex_call(model, n, patches, rng, settings) for n, patches in settings.calls]
+    calls = settings.tower.calls
+    inputs = [naflex_call(model, n, patches, rng, settings) for n, patches in calls]
     rows, wants = [], []
     with torch.inference_mode():
-        for (images, patches), batch in zip(settings.calls, inputs):
+        for (images, patches), batch in zip(calls, inputs):
             wide_batch = dict(batch, pixel_values=batch["pixel_values"].to(wide))
             want = answer(reference(**wide_batch), batch)
             wants.append(want)
             real = int(batch["pixel_attention_mask"].sum())
-            row: dict[str, Any] = {"images": images, "max_patches": patches, "tokens": real}
+            row: dict[str, Any] = {
+                "images": images,
+                "encoded_images": batch["pixel_values"].shape[0],
+                "max_patches": patches,
+                "tokens": real,
+            }
             row["eager_ms"] = waited(lambda b=batch: model(**b), settings)
             row["eager_error"] = error(answer(model(**batch), batch), want)
             by_hand, failure = hand_graph(model, batch)
@@ -233,9 +340,10 @@ def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
     """The stream: totals of eager, layergraph (first and second pass) and hand-written graphs
     per padded shape, each call waited for, every answer compared with eager's."""
     rng = random.Random(settings.seed + 1)
-    shapes = sorted({patches for _, patches in settings.calls})
+    shapes = sorted({patches for _, patches in settings.tower.calls})
+    most = settings.tower.most_photos
     inputs = [
-        naflex_call(model, rng.randint(1, 8), rng.choice(shapes), rng, settings)
+        naflex_call(model, rng.randint(1, most), rng.choice(shapes), rng, settings)
         for _ in range(settings.requests)
     ]
     result: dict[str, Any] = {
@@ -315,6 +423,7 @@ def rounded(record: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write every number to this file")
+    parser.add_argument("--tower", choices=sorted(TOWERS), default="siglip2-so400m")
     parser.add_argument("--tiny", action="store_true", help="a four-layer tower in float32")
     parser.add_argument("--requests", type=int, default=None, help="stream length (100; 8 tiny)")
     parser.add_argument("--seconds", type=float, default=None, help="per median (1.0; 0.05 tiny)")
@@ -322,17 +431,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not args.tiny and not cuda:
-        parser.error("the so400m tower needs a CUDA GPU; --tiny runs anywhere")
+        parser.error(f"the {args.tower} tower needs a CUDA GPU; --tiny runs anywhere")
     settings = Settings(
         device=torch.device("cuda" if cuda else "cpu"),
         dtype=torch.float32 if args.tiny else torch.bfloat16,
         seconds=args.seconds if args.seconds is not None else (0.05 if args.tiny else 1.0),
         requests=args.requests if args.requests is not None else (8 if args.tiny else 100),
         seed=args.seed,
-        calls=TINY_CALLS if args.tiny else CALLS,
+        tower=TOWERS[args.tower](args.tiny),
     )
     torch.manual_seed(settings.seed)
-    config = transformers.Siglip2VisionConfig(**(TINY if args.tiny else SO400M))
+    config = transformers.Siglip2VisionConfig(**settings.tower.config)
     with torch.device(settings.device):
         model = transformers.Siglip2VisionModel(config)
     model = model.to(settings.dtype).eval()
@@ -343,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     streamed = stream(model, settings)
     print(rounded(streamed))
     result = {
+        "tower": settings.tower.name,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "graphs": "simulated" if settings.simulated else "cuda",
         "dtype": str(settings.dtype),

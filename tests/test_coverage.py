@@ -77,6 +77,11 @@ def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 
         pixels, grid = glm.call([(1, 4, 6), (1, 2, 2)])
         return glm.vlm(name), {"pixel_values": pixels, "image_grid_thw": grid}
+    if name.startswith("Qwen3_5"):
+        import test_qwen3_5_adapter as qwen3_5
+
+        pixels, grid = qwen3_5.call([(1, 4, 6), (1, 2, 2)])
+        return qwen3_5.vlm(name), {"pixel_values": pixels, "image_grid_thw": grid}
     if PACKED_SERVED[name] == "qwen2_vl":
         import test_qwen2_vl_adapter as qwen
 

@@ -1,5 +1,5 @@
-"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V and
-GLM-OCR.
+"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V
+and GLM-OCR.
 
 On the CPU through simulated graphs whose costs make every way win somewhere: eager pays
 ``launches`` ms per call, a replay a third of that, and both pay per token, so a budget's graph
@@ -41,8 +41,9 @@ from test_qwen2_vl_adapter import (
     sharpen,
     tower,
 )
+from test_qwen3_5_adapter import tower as qwen3_5_tower
 
-KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "glm_ocr"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "glm_ocr"]
 LARGEST = 128
 """The largest budget, learnt or given: a call above it is split by images."""
 BIG = (1, 16, 12)
@@ -54,6 +55,8 @@ def model(kind: str) -> nn.Module:
     """The tower of ``kind``, built once (wrapping and unwrapping leave it as it was)."""
     if kind.startswith("glm"):
         return glm_tower(kind)
+    if kind == "qwen3_5":
+        return qwen3_5_tower(kind)
     if kind != "qwen3_vl":
         return tower(kind)
     from transformers import Qwen3VLVisionConfig

@@ -463,6 +463,42 @@ def test_lfm2_vl_image_features_and_generate_read_the_graphs() -> None:
 
 
 @pytest.mark.usefixtures("registry")
+def test_lfm2_vl_reads_its_image_processors_tiles_and_thumbnails_from_the_graphs() -> None:
+    """Calls as LFM2-VL's image processor makes them (at this tower's 2-pixel patches): photos
+    above 16 image tokens cut into tiles of 8x8 patches with a thumbnail, smaller ones resized
+    whole, every image padded to 64 patches. The VLM reads the real patches of each image
+    (pixel-unshuffled 2x2 and projected outside the graphs)."""
+    from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
+
+    processor = Lfm2VlImageProcessor(
+        encoder_patch_size=PATCH, tile_size=16, min_image_tokens=4, max_image_tokens=16
+    )
+    model = lfm2_vl()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+    generator = torch.Generator().manual_seed(0)
+    calls = ([(20, 15)], [(60, 34), (6, 40)], [(16, 16), (40, 30), (90, 20)])
+    encoded = 0
+    for photos in calls:
+        images = [
+            torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=generator)
+            for width, height in photos
+        ]
+        inputs = dict(processor(images, return_tensors="pt"))
+        encoded += inputs["pixel_values"].shape[0]
+        with torch.inference_mode():
+            got = model.get_image_features(**inputs).pooler_output
+            with graphed.original():
+                want = model.get_image_features(**inputs).pooler_output
+        assert [t.shape for t in got] == [t.shape for t in want]
+        assert sum(t.shape[0] for t in got) == int(inputs["pixel_attention_mask"].sum()) // 4
+        for part, expected in zip(got, want):
+            assert relative_error(part, expected) <= TOLERANCE
+    assert encoded > sum(map(len, calls))  # some photos became tiles and thumbnails
+    assert graphed.stats.replays == len(calls)
+    assert graphed.stats.eager_total == 0, dict(graphed.stats.eager_calls)
+
+
+@pytest.mark.usefixtures("registry")
 def test_unwrap_gives_back_the_towers_own_forward_and_attention() -> None:
     model = tower()
     inputs = call([(3, 5), (2, 2)])

@@ -1,5 +1,6 @@
-"""``benchmarks/siglip2_naflex.py --tiny``: every section runs without a GPU, and every method's
-answers agree with the tower's.
+"""``benchmarks/siglip2_naflex.py --tiny``: every section runs without a GPU, for every tower
+(SigLIP2 so400m's kind and LFM2-VL's, given LFM2-VL's image processor's tiles), and every
+method's answers agree with the tower's.
 
 A four-layer SigLIP2 NaFlex tower in float32: layergraph's graphs are simulated on the CPU and
 the hand-written graph runs the forward eagerly, so each method's error against the float64
@@ -30,17 +31,21 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
     return importlib.import_module("siglip2_naflex")
 
 
+@pytest.mark.parametrize("tower", ["siglip2-so400m", "lfm2-vl-450m", "lfm2-vl-1.6b"])
 def test_the_tiny_run_measures_every_section_and_its_answers_agree(
-    bench: Any, tmp_path: Path
+    bench: Any, tmp_path: Path, tower: str
 ) -> None:
     path = tmp_path / "tiny.json"
-    result = bench.main(["--tiny", "--requests", "4", "--seconds", "0.01", "--json", str(path)])
-    assert json.loads(path.read_text())["graphs"] == result["graphs"]
-    assert [(row["images"], row["max_patches"]) for row in result["calls"]] == list(
-        bench.TINY_CALLS
+    result = bench.main(
+        ["--tiny", "--tower", tower, "--requests", "4", "--seconds", "0.01", "--json", str(path)]
     )
+    assert json.loads(path.read_text())["graphs"] == result["graphs"]
+    assert result["tower"] == tower
+    calls = bench.TOWERS[tower](True).calls
+    assert [(row["images"], row["max_patches"]) for row in result["calls"]] == list(calls)
     for row in result["calls"]:
-        assert 0 < row["tokens"] <= row["images"] * row["max_patches"]
+        assert row["encoded_images"] >= row["images"]
+        assert 0 < row["tokens"] <= row["encoded_images"] * row["max_patches"]
         for method in METHODS:
             assert row[f"{method}_ms"] > 0, (row, method)
             assert row[f"{method}_error"] <= TOLERANCE, (row, method)
@@ -61,4 +66,5 @@ def test_the_so400m_tower_asks_for_a_gpu_without_one(bench: Any, capsys: Any) ->
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
         bench.main([])
-    assert "the so400m tower needs a CUDA GPU; --tiny runs anywhere" in capsys.readouterr().err
+    message = "the siglip2-so400m tower needs a CUDA GPU; --tiny runs anywhere"
+    assert message in capsys.readouterr().err
