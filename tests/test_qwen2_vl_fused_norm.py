@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     fused_norm_unavailable(torch.device("cpu")) is not None,
     reason="runs the kernel on CPU tensors, through Triton's interpreter",
 )
-KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "glm_ocr"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "glm_ocr"]
 GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
 
 
