@@ -477,9 +477,10 @@ class GraphRunner:
         self.plan.check_inputs(call)
         for larger in sorted(self._planner.budgets, reverse=True):
             lookup = (larger, call.signature)
+            costs = self._entries.costs(lookup)
             if larger <= budget or self._entries.failure(lookup) is not None:
                 continue
-            if self._entries.costs(lookup) is not None:
+            if costs is not None and costs.graph_ms is not None and not costs.graph_pays:
                 continue
             key = ShapeKey(larger, self.plan.sequence_of(call))
             self._capture(key, lookup, call, measure=False)
