@@ -272,13 +272,13 @@ def targets(stream: dict[str, Any]) -> dict[str, Any]:
 
 
 def largest_alone(model: nn.Module, settings: Settings, budgets: list[int]) -> float | None:
-    """The pool of the largest budget held, captured alone in a fresh wrapper (MiB): one image
-    of exactly that many patches, 16 high."""
+    """The pool of the largest budget held, captured alone in a fresh wrapper given that budget
+    (MiB): one image of exactly that many patches, 16 high."""
     if not budgets:
         return None
     generator = torch.Generator().manual_seed(settings.seed + 2)
     pixels, grid = pixels_for(model, [(1, 16, budgets[-1] // 16)], generator)
-    graphed = wrap(model, settings, "auto")
+    graphed = wrap(model, settings, "auto", batch_sizes=budgets[-1:])
     with torch.inference_mode():
         graphed(pixels, grid_thw=grid)
     held = [key.batch for key in graphed.keys]
