@@ -1,10 +1,14 @@
-"""What transformers' vision towers have in common, for the InternVL, SigLIP and CLIP adapters.
+"""The adapter and plan of transformers' vision towers, for every family in the table.
 
 A tower (``CLIPVisionModel``, ``SiglipVisionModel``, ``InternVLVisionModel``...) is found in the
-model given to ``wrap`` (the model itself, or its ``vision_model`` / ``vision_tower``, as in
-``CLIPModel``, ``SiglipModel``, LLaVA, LLaVA-NeXT, PaliGemma and InternVL), and its whole forward
-is captured per key (images, tokens per image), then installed as the tower's forward so that
-every caller (``generate``, ``get_image_features``) reaches the graphs. ``unwrap()`` restores it.
+model given to ``wrap`` (the model itself, or where its family's
+:class:`~layergraph_adapters.tower_specs.TowerSpec` says a larger model holds it: the
+``vision_model`` of ``CLIPModel`` or Idefics, the ``vision_tower`` of LLaVA), and its whole
+forward is captured per key (images, tokens per image), then installed as the tower's forward
+so that every caller (``generate``, ``get_image_features``) reaches the graphs. ``unwrap()``
+restores it. What differs between families (classes, where the layers live, prefix tokens,
+image sizes, which speed options fit) is the spec's data; families with quirks subclass
+:class:`VisionTowerPlan` in their own module.
 
 Feature layers: a VLM that reads hidden states before the last layer (LLaVA reads layer -2)
 does not need the layers after it. With ``feature_layers`` set, calls that ask for hidden
@@ -18,6 +22,7 @@ holds what the model's would. Calls that say they need more run eagerly and say 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -30,80 +35,38 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, Plan
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
+from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.feature_outputs import with_rest_on_demand
-from layergraph_adapters.fused_qkv import FusedQKV, fused_attention_forward
+from layergraph_adapters.fused_norm import fused_norms
+from layergraph_adapters.fused_qkv import FusedQKV
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
 from layergraph_adapters.patch_embedding import patch_matmul_for
 from layergraph_adapters.tokens import ImageTokens
+from layergraph_adapters.tower_specs import (
+    TowerSpec,
+    find_module,
+    find_tower,
+    layer_list,
+    pair,
+)
 from layergraph_adapters.versions import require_transformers
 
-_TOWER_PATHS = ("vision_model", "vision_tower", "model.vision_tower", "model.vision_model")
 
-
-def build_tower(
-    class_name: str, settings: dict[str, Any], dtype: torch.dtype, device: str | torch.device
-) -> nn.Module:
-    """A transformers vision tower built from ``settings`` with random weights, in eval mode.
-
-    The way benchmarks and tests make a full-size tower without downloading weights.
-    """
-    import transformers
-
-    tower_class = getattr(transformers, class_name)
-    config_class = tower_class.config_class
-    with torch.device(device):
-        model = tower_class(config_class(**settings))
-    return model.to(dtype).eval()
-
-
-def tower_example(
-    name: str, adapter: str, class_name: str, settings: dict[str, Any]
-) -> ExampleModel:
-    """An :class:`ExampleModel` for a tower built by :func:`build_tower`, fed square images."""
-    size = _pair(settings["image_size"])
-
-    def inputs(
-        batch: int, dtype: torch.dtype, device: torch.device
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        pixels = torch.randn(
-            batch, settings.get("num_channels", 3), *size, dtype=dtype, device=device
-        )
-        return (), {"pixel_values": pixels}
-
-    return ExampleModel(
-        name=name,
-        adapter=adapter,
-        build=lambda dtype, device: build_tower(class_name, settings, dtype, device),
-        inputs=inputs,
-    )
-
-
-def find_tower(model: nn.Module, classes: tuple[type, ...]) -> nn.Module | None:
-    """The first of ``model`` and its usual tower attributes that is one of ``classes``."""
-    for path in ("", *_TOWER_PATHS):
-        candidate: Any = model
-        for name in filter(None, path.split(".")):
-            candidate = getattr(candidate, name, None)
-        if isinstance(candidate, classes):
-            return candidate
+def vlm_feature_layers(model: nn.Module, spec: TowerSpec) -> int | list[int] | None:
+    """The hidden states a larger model reads from its tower, as the first of
+    ``spec.feature_settings`` its configuration has says (``vision_feature_layer``), or
+    ``None``."""
+    config = getattr(model, "config", None)
+    for setting in spec.feature_settings:
+        layers = getattr(config, setting, None)
+        if layers is not None:
+            return layers
     return None
 
 
-def transformers_classes(*names: str) -> tuple[type, ...]:
-    """The classes of those ``names`` that this version of transformers has."""
-    import transformers
-
-    return tuple(cls for name in names if (cls := getattr(transformers, name, None)) is not None)
-
-
-def vlm_feature_layers(model: nn.Module) -> int | list[int] | None:
-    """The VLM's own ``vision_feature_layer`` setting, or ``None`` for a tower on its own."""
-    return getattr(getattr(model, "config", None), "vision_feature_layer", None)
-
-
 class VisionTowerAdapter(Adapter):
-    """An adapter for one family of transformers vision towers; subclasses name the family.
+    """An adapter for one family of transformers vision towers, described by :attr:`spec`.
 
     ``feature_layers`` (an index into ``hidden_states``, or a list of them) lets the graphs stop
     at the deepest layer needed; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
@@ -113,64 +76,59 @@ class VisionTowerAdapter(Adapter):
     (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu=True`` applies each MLP's GELU
     in its up-projection's epilogue where the GELU is the tanh approximation, and
     ``fuse_gelu="approximate"`` for the exact GELU too, approximating it
-    (:mod:`layergraph_adapters.gelu_epilogue`). All of them change values by rounding only
-    (and ``"approximate"`` by the approximation), and are off by default.
+    (:mod:`layergraph_adapters.gelu_epilogue`); ``fuse_norm=True`` computes each layer's
+    residual adds and second norm with one Triton kernel, on CUDA
+    (:mod:`layergraph_adapters.fused_norm`). All of them change values by rounding only
+    (and ``"approximate"`` by the approximation), and are off by default; a family whose
+    layers do not fit one of them refuses it with the reason.
     """
 
-    tower_classes: ClassVar[tuple[str, ...]] = ()
-    """Names of the transformers classes that are this family's towers."""
-    prefix_tokens: ClassVar[int] = 0
-    """Tokens per image besides the patches (a class token)."""
-    example_configs: ClassVar[dict[str, dict[str, Any]]] = {}
-    """Configurations of well-known towers of the family, by name, for example models."""
+    spec: ClassVar[TowerSpec]
+    """The family this adapter serves."""
 
     def __init__(
         self,
         feature_layers: int | list[int] | None = None,
-        fuse_qkv: bool = False,
-        patch_matmul: bool = False,
+        fuse_qkv: bool | str = "auto",
+        patch_matmul: bool | str = "auto",
         fuse_gelu: bool | str = False,
+        fuse_norm: bool | str = "auto",
     ) -> None:
         self.feature_layers = feature_layers
         self.fuse_qkv = fuse_qkv
         self.patch_matmul = patch_matmul
         self.fuse_gelu = fuse_gelu
+        self.fuse_norm = fuse_norm
 
     def recognizes(self, model: nn.Module) -> bool:
         if "transformers" not in sys.modules:
             return False
-        return find_tower(model, transformers_classes(*self.tower_classes)) is not None
+        return find_tower(model, self.spec) is not None
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         require_transformers(self.name)
-        try:
-            classes = transformers_classes(*self.tower_classes)
-        except ImportError as error:
-            raise ImportError(
-                f"the {self.name} adapter needs transformers: "
-                f"pip install 'layergraph[transformers]'"
-            ) from error
-        tower = find_tower(model, classes)
+        tower = find_tower(model, self.spec)
         if tower is None:
             raise AdapterMismatch(
-                f"the {self.name} adapter serves transformers' {', '.join(self.tower_classes)} "
-                f"and models holding one as vision_model or vision_tower; got "
+                f"the {self.name} adapter serves transformers' {', '.join(self.spec.classes)} "
+                f"and models holding one as {', '.join(self.spec.paths)}; got "
                 f"{type(model).__module__}.{type(model).__name__}"
             )
         layers = self.feature_layers
         if layers is None and tower is not model:
-            layers = vlm_feature_layers(model)
+            layers = vlm_feature_layers(model, self.spec)
         return self.make_plan(tower, layers, context)
 
     def make_plan(
         self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
     ) -> VisionTowerPlan:
-        """The plan for ``tower``; subclasses return a richer one (routed attention, say)."""
-        return VisionTowerPlan(
+        """The plan for ``tower``: the family's own plan class, or the shared one."""
+        plan_class = self.spec.plan or VisionTowerPlan
+        return build_with_automatic_options(
             tower,
-            prefix_tokens=self.prefix_tokens,
-            feature_layers=feature_layers,
-            **self.rewrite_options(),
+            self.rewrite_options(),
+            functools.partial(plan_class, tower, self.spec, feature_layers=feature_layers),
+            context,
         )
 
     def rewrite_options(self) -> dict[str, Any]:
@@ -179,42 +137,64 @@ class VisionTowerAdapter(Adapter):
             "fuse_qkv": self.fuse_qkv,
             "patch_matmul": self.patch_matmul,
             "fuse_gelu": self.fuse_gelu,
+            "fuse_norm": self.fuse_norm,
         }
 
     def example_models(self) -> list[str]:
-        return list(self.example_configs)
+        return list(self.spec.examples)
 
     def example_model(self, name: str) -> ExampleModel | None:
-        settings = self.example_configs.get(name)
-        if settings is None:
-            return None
-        return tower_example(name, self.name, self.tower_classes[0], settings)
+        return self.spec.example_model(name)
+
+
+def adapter_class(spec: TowerSpec) -> type[VisionTowerAdapter]:
+    """The adapter class of the family ``spec`` describes, named after it, to register."""
+    title = "".join(part.title() for part in spec.adapter.replace("-", "_").split("_"))
+    return type(
+        f"{title}Adapter",
+        (VisionTowerAdapter,),
+        {
+            "name": spec.adapter,
+            "spec": spec,
+            "__module__": __name__,
+            "__doc__": f"Graphs a {spec.family} vision tower, alone or inside a larger model.",
+        },
+    )
 
 
 class VisionTowerPlan(CapturePlan):
-    """A transformers vision tower's whole forward, keyed by (images, tokens per image)."""
+    """A transformers vision tower's whole forward, keyed by (images, tokens per image).
+
+    What it needs to know about the tower's family comes from a :class:`TowerSpec`.
+    """
 
     attention_routing: ClassVar[str] = "q, k and v from the fused product (fuse_qkv)"
     """What the routed attention forward does, for ``GraphedModule.changes``."""
+    routes_attention: ClassVar[bool] = False
+    """Whether this plan routes the layers' attention itself (and fuses q, k and v there),
+    whatever the spec's ``fused_attention`` says."""
 
     def __init__(
         self,
         tower: nn.Module,
+        spec: TowerSpec,
         *,
-        prefix_tokens: int,
         feature_layers: int | Sequence[int] | None = None,
         fuse_qkv: bool = False,
         patch_matmul: bool = False,
         fuse_gelu: bool | str = False,
+        fuse_norm: bool = False,
     ) -> None:
         config = tower.config
         self.owner = tower
-        self.prefix_tokens = prefix_tokens
-        self.patch_size = _pair(config.patch_size)
-        self.image_size = _pair(config.image_size)
+        self.spec = spec
+        self.prefix_tokens = spec.prefix_for(config)
+        self.image_sizes = spec.sizes_for(config)
+        self.patch_size = pair(config.patch_size)
+        self.image_size = pair(config.image_size)
         self.channels: int = config.num_channels
         self._forward = own_forward(tower)
-        self._parent, self._layers_name, layers = _layer_list(tower)
+        self._parent, self._layers_name, layers = layer_list(tower, spec)
         self.depth = len(layers)
         self.feature_layers = self._held_layers(feature_layers)
         """Indices into ``hidden_states`` (0: embeddings, i: after layer i) the feature graphs
@@ -223,31 +203,45 @@ class VisionTowerPlan(CapturePlan):
         self._output_hooks_installed = False
         """Whether transformers' hidden-state hooks were installed on the whole tower before its
         layers were first cut (:func:`_install_output_hooks`)."""
+        every_layer = self.layers()
         self._attentions = self.attention_modules()
-        if fuse_qkv and len(self._attentions) != self.depth:
+        if fuse_qkv and not (self.routes_attention or spec.fused_attention):
+            raise AdapterMismatch(
+                f"fuse_qkv is not available for {spec.family} ({type(tower).__name__}): the "
+                f"{spec.adapter} adapter has no attention forward that takes q, k and v from "
+                f"one product for its layers"
+            )
+        if fuse_qkv and len(self._attentions) != len(every_layer):
             raise AdapterMismatch(
                 f"fuse_qkv needs an attention module in every layer; {type(tower).__name__}'s "
-                f"layers have no self_attn"
+                f"layers have no {spec.attention}"
             )
         self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
         """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
         self._changes: ChangeLedger | None = None
-        embeddings = _embeddings(tower)
-        mlps = [layer.mlp for layer in self.layers() if hasattr(layer, "mlp")]
-        if fuse_gelu and len(mlps) != self.depth:
+        mlps = [getattr(layer, spec.mlp) for layer in every_layer if hasattr(layer, spec.mlp)]
+        if fuse_gelu and len(mlps) != len(every_layer):
             raise AdapterMismatch(
                 f"fuse_gelu needs an MLP in every layer; {type(tower).__name__}'s layers have "
-                f"no mlp"
+                f"no {spec.mlp}"
+            )
+        found = find_module(tower, spec.embeddings)
+        embeddings = found[1] if found is not None else None
+        if patch_matmul and embeddings is None:
+            raise AdapterMismatch(
+                f"patch_matmul is not available for {spec.family} ({type(tower).__name__}): "
+                f"its patch embedding is not a module the {spec.adapter} adapter can rewrite"
             )
         self._rewrites: list[Change] = [
             *([RowMajorOutput(embeddings)] if embeddings is not None else []),
             *patch_matmul_for(embeddings, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
+            *fused_norms(self.layers(), fuse_norm),
         ]
         """What is rewritten while wrapped, each a change made through the ledger: the
         embeddings' output made row-major (SigLIP's comes out column-major,
         :mod:`layergraph_adapters.layout`; CLIP's is row-major already), and the
-        ``patch_matmul`` and ``fuse_gelu`` options."""
+        ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm`` options."""
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:
@@ -264,14 +258,15 @@ class VisionTowerPlan(CapturePlan):
         return None if held[-1] == self.depth else held
 
     def attention_modules(self) -> list[nn.Module]:
-        """The layers' attention modules, in order (``self_attn`` of CLIP-style layers)."""
-        return [layer.self_attn for layer in self.layers() if hasattr(layer, "self_attn")]
+        """The layers' attention modules, in order (the spec's ``attention`` of each layer)."""
+        name = self.spec.attention
+        return [getattr(layer, name) for layer in self.layers() if hasattr(layer, name)]
 
     def routed_attention(self, index: int, module: nn.Module) -> Callable[..., Any] | None:
         """The forward attention module ``index`` runs while wrapped; ``None``: its own."""
-        if not self.fusions:
+        if not self.fusions or self.spec.fused_attention is None:
             return None
-        return fused_attention_forward(module, self.fusions[index])
+        return self.spec.fused_attention(module, self.fusions[index])
 
     # ---- what the runner asks ----------------------------------------------------------------
 
@@ -321,16 +316,24 @@ class VisionTowerPlan(CapturePlan):
         _, channels, height, width = pixels.shape
         if channels != self.channels:
             raise ValueError(f"expected {self.channels} channels, got {channels}")
-        if (height, width) != self.image_size and not self._resizes(call):
-            raise ValueError(
-                f"image size {height}x{width} differs from the model's "
-                f"{self.image_size[0]}x{self.image_size[1]}; pass interpolate_pos_encoding=True "
-                f"to take other sizes"
-            )
+        self.check_image_size(height, width, call)
 
-    def _resizes(self, call: CallInputs) -> bool:
-        """Whether the tower takes images of other sizes in this call."""
-        return bool(call.argument("interpolate_pos_encoding"))
+    def check_image_size(self, height: int, width: int, call: CallInputs) -> None:
+        """Raise ``ValueError`` if the tower does not take images of ``height`` x ``width``
+        pixels in this call (the spec's ``image_sizes``)."""
+        if (height, width) == self.image_size or self.image_sizes == "any":
+            return
+        expected = f"{self.image_size[0]}x{self.image_size[1]}"
+        if self.image_sizes == "fixed":
+            raise ValueError(
+                f"image size {height}x{width} differs from the model's {expected}, the only "
+                f"size {type(self.owner).__name__} takes"
+            )
+        if not call.argument("interpolate_pos_encoding"):
+            raise ValueError(
+                f"image size {height}x{width} differs from the model's {expected}; pass "
+                f"interpolate_pos_encoding=True to take other sizes"
+            )
 
     def layers(self) -> list[nn.Module]:
         return list(getattr(self._parent, self._layers_name))
@@ -409,28 +412,6 @@ def _install_output_hooks(tower: nn.Module) -> None:
     for module in tower.modules():
         if getattr(module, "_can_record_outputs", None):
             maybe_install_capturing_hooks(module)
-
-
-def _embeddings(tower: nn.Module) -> nn.Module | None:
-    """The tower's patch-and-position embedding module (``embeddings``), if it has one."""
-    for name, module in tower.named_modules():
-        if name.rsplit(".", 1)[-1] == "embeddings":
-            return module
-    return None
-
-
-def _pair(value: int | Sequence[int]) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
-
-
-def _layer_list(tower: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
-    """The encoder's list of layers: its parent module, attribute name, and the list."""
-    for name, module in tower.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.ModuleList) and leaf in ("layers", "layer") and "encoder" in name:
-            parent = tower.get_submodule(name.rsplit(".", 1)[0]) if "." in name else tower
-            return parent, leaf, module
-    raise AdapterMismatch(f"{type(tower).__name__} has no encoder layer list")
 
 
 def pixels_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,13 +37,10 @@ from layergraph.attention import (
     choose_backend,
 )
 from layergraph.keys import CallInputs
+from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.fused_qkv import FusedQKV
-from layergraph_adapters.hf_vision import (
-    VisionTowerAdapter,
-    VisionTowerPlan,
-    build_tower,
-    pixels_of,
-)
+from layergraph_adapters.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
+from layergraph_adapters.tower_specs import TowerExample, TowerSpec, build_tower
 
 INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
     "internvit-300m": dict(
@@ -70,6 +68,23 @@ INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
 building the towers with random weights (tests, benchmarks) without downloading anything."""
 
 
+INTERNVL = TowerSpec(
+    adapter="internvl",
+    classes=("InternVLVisionModel",),
+    family="InternViT",
+    layers=("encoder.layer",),
+    attention="attention",
+    prefix_tokens=1,
+    image_sizes="any",  # the position embedding is interpolated to any tile size
+    examples={
+        name: TowerExample("InternVLVisionModel", settings)
+        for name, settings in INTERNVIT_CONFIGS.items()
+    },
+)
+"""InternViT: the class token; attention routed to the chosen backend by
+:class:`InternViTPlan`, which fuses q, k and v there with ``fuse_qkv``."""
+
+
 def build_internvit(name: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """An ``InternVLVisionModel`` of one of :data:`INTERNVIT_CONFIGS`, random weights, eval mode."""
     return build_tower("InternVLVisionModel", INTERNVIT_CONFIGS[name], dtype, device)
@@ -79,26 +94,35 @@ class InternVLAdapter(VisionTowerAdapter):
     """Graphs InternViT, alone or as the vision tower of an InternVL model."""
 
     name = "internvl"
-    tower_classes = ("InternVLVisionModel",)
-    prefix_tokens = 1
-    example_configs = INTERNVIT_CONFIGS
+    spec = INTERNVL
 
     def __init__(
         self,
         attention: str = "auto",
         feature_layers: int | list[int] | None = None,
-        fuse_qkv: bool = False,
-        patch_matmul: bool = False,
+        fuse_qkv: bool | str = "auto",
+        patch_matmul: bool | str = "auto",
         fuse_gelu: bool | str = False,
+        fuse_norm: bool | str = "auto",
     ) -> None:
-        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu)
+        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu, fuse_norm)
         self.attention = attention
 
     def make_plan(
         self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
     ) -> VisionTowerPlan:
-        return InternViTPlan(
-            tower, self.attention, context, feature_layers, **self.rewrite_options()
+        return build_with_automatic_options(
+            tower,
+            self.rewrite_options(),
+            functools.partial(
+                InternViTPlan,
+                tower,
+                self.spec,
+                attention=self.attention,
+                context=context,
+                feature_layers=feature_layers,
+            ),
+            context,
         )
 
 
@@ -121,10 +145,13 @@ class InternViTPlan(VisionTowerPlan):
     """The tower's whole forward, keyed by (tiles, tokens per tile), with routed attention."""
 
     attention_routing = "q, k and v handed to the chosen attention backend"
+    routes_attention = True
 
     def __init__(
         self,
         tower: nn.Module,
+        spec: TowerSpec,
+        *,
         attention: str,
         context: PlanContext,
         feature_layers: int | list[int] | None = None,
@@ -141,7 +168,7 @@ class InternViTPlan(VisionTowerPlan):
             raise AdapterMismatch(
                 f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
             )
-        super().__init__(tower, prefix_tokens=1, feature_layers=feature_layers, **rewrites)
+        super().__init__(tower, spec, feature_layers=feature_layers, **rewrites)
         names = (*context.registry.attention_backend_names(), "auto")
         if attention not in names:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")
@@ -163,9 +190,6 @@ class InternViTPlan(VisionTowerPlan):
         with self.bound(state):
             return super().region(*args, **kwargs)
 
-    def _resizes(self, call: CallInputs) -> bool:
-        return True  # InternViT interpolates its position embedding to any tile size
-
     def key_state(self, key: ShapeKey, call: CallInputs) -> AttentionState:
         pixels = call.tensors[0]
         state = self._build_state(key.batch, key.sequence.tokens, pixels.device, self._dtype())
@@ -179,9 +203,6 @@ class InternViTPlan(VisionTowerPlan):
             yield
         finally:
             _current_state.reset(token)
-
-    def attention_modules(self) -> list[nn.Module]:
-        return [layer.attention for layer in self.layers()]
 
     def routed_attention(self, index: int, module: nn.Module) -> Callable[..., Any]:
         return _routed_attention(module, self.fusions[index] if self.fusions else None)

@@ -1,15 +1,22 @@
-"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, from transformers.
+"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM, from
+transformers.
 
-Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``
-and ``Qwen3VLVisionModel``, alone or inside their VLMs (the ``...VLModel`` classes at
-``visual``, the ``...ForConditionalGeneration`` classes at ``model.visual``). A tower takes
-every image and video at its own resolution: the patches of all of a call's entries
-(``grid_thw``) are packed into one sequence, attention is block-diagonal per frame (Qwen2-VL,
-Qwen3-VL: in every layer; Qwen2.5-VL: in its full-attention layers, per window in the others),
-and a patch merger closes the stack; Qwen3-VL also adds a learned position table interpolated
+Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``,
+``Qwen3VLVisionModel`` and GLM's towers (``Glm4vVisionModel``: GLM-4.1V and GLM-4.6V;
+``Glm4vMoeVisionModel``: GLM-4.5V; ``GlmOcrVisionModel``; ``Glm5NextVisionModel``), alone or
+inside their VLMs (the ``...Model`` classes at ``visual``, the ``...ForConditionalGeneration``
+classes at ``model.visual``). A tower takes every image and video at its own resolution: the
+patches of all of a call's entries (``grid_thw``) are packed into one sequence, attention is
+block-diagonal per frame (Qwen2-VL, Qwen3-VL, GLM: in every layer; Qwen2.5-VL: in its
+full-attention layers, per window in the others), and a patch merger closes the stack (GLM's
+after a downsampling convolution); Qwen3-VL also adds a learned position table interpolated
 to each grid and returns deep-stack features (intermediate layers, each through its own
-merger). Wrapping a VLM graphs its tower in place, so ``generate()`` and
-``get_image_features()`` use the graphs; ``unwrap()`` restores it.
+merger). GLM-4.1V's and GLM-4.5V's towers add a learned position table resampled to each
+frame's height and width (bicubic ``grid_sample``), which their forward computes on the
+device from the frame boundaries, the rotary positions and ``grid_thw``'s rows, all given to
+the graph in the budget's buffers; GLM-OCR's and GLM-5-Next's normalise q and k per head.
+Wrapping a VLM graphs its tower in place, so ``generate()``, ``get_image_features()`` and
+``get_video_features()`` use the graphs; ``unwrap()`` restores it.
 
 Graphs are captured per token budget (:mod:`layergraph.packing`). On the host, each call's
 frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL windows
@@ -17,7 +24,9 @@ frame boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen
 weights per patch (``interp_indices``, ``interp_weights``) are computed by transformers' own
 ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
 takes as precomputed arguments (transformers 5.17 and later,
-:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`). Padding tokens come last in every
+:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`; the GLM towers:
+:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
+towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come last in every
 order (``window_index`` maps them to themselves), read no position table row (zero weights)
 and belong to no frame or window: the sequences past the real ones are empty. Each attention
 module hands q, k and v to a backend that reads the boundaries from those buffers when it
@@ -32,7 +41,10 @@ attention modules hand q, k and v to a backend only while a budget's buffers are
 capture, replays), and the host metadata above is computed only for calls a graph serves.
 
 What it does not serve from graphs (they run eagerly, the reason counted): attention weights
-or hidden states asked for, and precomputed arguments given by the caller.
+or hidden states asked for, precomputed arguments given by the caller, and for GLM-4.1V's and
+GLM-4.5V's towers an entry of several frames (their forward reads ``grid_thw``'s rows by frame
+index; their VLMs pass a video as one row per frame). GLM-Image's tower
+(``GlmImageVisionModel``: no rotary positions, no merger) is not served.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import sys
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -55,16 +68,20 @@ from layergraph.attention import (
     AttentionBackend,
     AttentionMetadata,
     PackedLayout,
-    SdpaMaskedAttention,
     SequenceLayout,
     choose_packed_backend,
+    packed_backends,
     packed_timer,
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing
+from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph.staging import Staging
-from layergraph_adapters.versions import QWEN2_VL_CHECKED, require_transformers
+from layergraph_adapters.versions import (
+    GLM_VISION_CHECKED,
+    QWEN2_VL_CHECKED,
+    require_transformers,
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,31 @@ class _TowerKind:
     learned_positions: bool = False
     """Whether a learned position table is interpolated to each grid (``interp_indices``,
     ``interp_weights``: the table's rows each patch reads and their weights)."""
+    grid_rows: bool = False
+    """Whether the forward reads ``grid_thw`` on the device, one row per frame (GLM-4.1V's
+    learned position table, resampled with ``grid_sample`` to the height and width of the row
+    ``grid_thw[frame]``): the graph is given the call's rows in a buffer of one slot per frame
+    (:attr:`PackedBuffers.grid_thw`), and a call with an entry of several frames, whose rows
+    the forward reads by frame index, runs eagerly."""
+    qk_norms: bool = False
+    """Whether attention normalises q and k per head (``q_norm``, ``k_norm``) before rotating
+    them."""
+    holders: tuple[str, ...] = ()
+    """Other modeling modules whose VLMs hold this tower at ``visual`` or ``model.visual``."""
+    checked: str = QWEN2_VL_CHECKED
+    """The transformers releases this tower's forward was checked with."""
+
+
+def _glm(package: str, name: str, **fields: Any) -> _TowerKind:
+    """A GLM vision tower: full attention per frame, a downsampling convolution and a merger
+    at the end (:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`)."""
+    return _TowerKind(
+        f"transformers.models.{package}.modeling_{package}",
+        name,
+        windows=False,
+        checked=GLM_VISION_CHECKED,
+        **fields,
+    )
 
 
 _TOWERS = (
@@ -98,6 +140,15 @@ _TOWERS = (
         windows=False,
         learned_positions=True,
     ),
+    _glm(
+        "glm4v",
+        "Glm4vVisionModel",
+        grid_rows=True,
+        holders=("transformers.models.glm46v.modeling_glm46v",),
+    ),
+    _glm("glm4v_moe", "Glm4vMoeVisionModel", grid_rows=True),
+    _glm("glm_ocr", "GlmOcrVisionModel", qk_norms=True),
+    _glm("glm5_next", "Glm5NextVisionModel", qk_norms=True),
 )
 _TOWER_PATHS = ("", "visual", "model.visual")
 _PRECOMPUTED = (
@@ -127,8 +178,17 @@ def tower_kind(module: nn.Module) -> _TowerKind | None:
 
 
 def find_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` or its ``visual`` / ``model.visual``, if a served Qwen vision tower."""
+    """``model`` if a served Qwen or GLM vision tower, or its ``visual`` / ``model.visual`` if
+    ``model`` is one of the VLMs of a served tower's modeling module (or its ``holders``).
+
+    Other VLMs hold the same tower classes (Cosmos3Omni builds a Qwen3-VL tower as its
+    ``visual``) but call it their own way and are not checked: they are not recognised, so
+    ``adapter="auto"`` leaves them to the next adapter; their tower alone is served."""
+    holders = {module for kind in _TOWERS for module in (kind.module, *kind.holders)}
+    holder_is_served = type(model).__module__ in holders
     for path in _TOWER_PATHS:
+        if path and not holder_is_served:
+            continue
         candidate: Any = model
         for name in filter(None, path.split(".")):
             candidate = getattr(candidate, name, None)
@@ -138,8 +198,8 @@ def find_tower(model: nn.Module) -> nn.Module | None:
 
 
 class Qwen2VLAdapter(Adapter):
-    """Graphs a Qwen2-VL, Qwen2.5-VL or Qwen3-VL vision tower, alone or inside its VLM, per token
-    budget.
+    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or GLM (GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR,
+    GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
 
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
@@ -159,15 +219,18 @@ class Qwen2VLAdapter(Adapter):
         return "transformers" in sys.modules and find_tower(model) is not None
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        require_transformers(self.name, QWEN2_VL_CHECKED)
         tower = find_tower(model)
         if tower is None:
+            require_transformers(self.name, QWEN2_VL_CHECKED)
             raise AdapterMismatch(
                 f"the qwen2_vl adapter serves transformers' "
                 f"{', '.join(kind.name for kind in _TOWERS)} and "
                 f"models holding one as visual or model.visual; got "
                 f"{type(model).__module__}.{type(model).__name__}"
             )
+        kind = tower_kind(tower)
+        assert kind is not None, "find_tower returned a served tower"
+        require_transformers(self.name, kind.checked)
         return Qwen2VLPlan(tower, self, context)
 
 
@@ -195,6 +258,11 @@ class PackedBuffers:
     budget: int
     pixels: torch.Tensor
     grid_thw: torch.Tensor
+    """The tower's ``grid_thw`` argument. A tower that reads it in the graph (GLM-4.1V's,
+    :attr:`_TowerKind.grid_rows`) gets the call's rows, one slot per frame and one more, the
+    row the padding tokens read (they belong to no frame), ``(1, 1, 1)`` past the real rows;
+    for the others it is one row of zeros, which their forwards read only to compute what
+    they are given precomputed."""
     position_ids: torch.Tensor
     full: AttentionMetadata
     """The full-attention layers' metadata, from the ``attention_metadata`` hook; its
@@ -285,6 +353,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
         self.owner = tower
         self.windows = kind.windows
         self.learned_positions = kind.learned_positions
+        self.grid_rows = kind.grid_rows
+        self.qk_norms = kind.qk_norms
         self.packing = self
         self._forward = own_forward(tower)
         self._attentions = [block.attn for block in tower.blocks]
@@ -305,15 +375,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
         self.heads = self._attentions[0].num_heads
         self.head_dim = self._attentions[0].head_dim
-        candidates = (
-            SdpaMaskedAttention(),
-            *(b for b in context.registry.attention_backends() if b.reads_boundaries),
-        )
-        names = (*(b.name for b in candidates), "auto")
-        if adapter.attention not in names:
-            raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
+        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
         self.attention = adapter.attention
-        self._backends = candidates
         self._registry = context.registry
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's full-attention layers and, for a tower with
@@ -355,7 +418,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
         changes.set_forward(self.owner, serve, "forward routed to the graphs")
         for module in self._attentions:
             changes.set_forward(
-                module, _routed_attention(module), "q, k and v handed to the attention backend"
+                module,
+                _routed_attention(module, self.qk_norms),
+                "q, k and v handed to the attention backend",
             )
 
     # ---- packing -----------------------------------------------------------------------------
@@ -385,6 +450,11 @@ class Qwen2VLPlan(CapturePlan, Packing):
             )
         on_host = grid.cpu()
         self._check_grid(on_host)
+        if self.grid_rows and bool((on_host[:, 0] > 1).any()):
+            raise UnsupportedCall(
+                "an entry of grid_thw holds several frames, and the tower's forward reads "
+                "grid_thw's rows by frame (its VLM passes a video as one row per frame)"
+            )
         grids = tuple(tuple(map(int, row)) for row in on_host.tolist())
         tokens = sum(t * h * w for t, h, w in grids)
         if tokens != pixels.shape[0]:
@@ -454,25 +524,18 @@ class Qwen2VLPlan(CapturePlan, Packing):
     def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
         parts = call.parts
         grid = call.argument("grid_thw", position=1)
-        pieces: list[PackedCall] = []
-        first = start = tokens = 0  # the piece being made: entries first.., patches start..
-
-        def close(stop: int) -> None:
-            nonlocal first, start, tokens
-            if stop > first:
-                piece = (parts.pixels[start : start + tokens], grid[first:stop])
-                pieces.append(self.pack(piece, parts.fixed))
-            first, start, tokens = stop, start + tokens, 0
-
-        for index, (t, h, w) in enumerate(parts.grids):
-            size = t * h * w
-            if tokens + size > budget:
-                close(index)
-            tokens += size
-            if size > budget:
-                close(index + 1)
-        close(len(parts.grids))
-        return pieces
+        sizes = [t * h * w for t, h, w in parts.grids]
+        starts = [0, *itertools.accumulate(sizes)]
+        return [
+            self.pack(
+                (
+                    parts.pixels[starts[piece.start] : starts[piece.stop]],
+                    grid[piece.start : piece.stop],
+                ),
+                parts.fixed,
+            )
+            for piece in split_ranges(sizes, budget)
+        ]
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
         parts = call.parts
@@ -510,6 +573,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
         if self.windows:
             fields["window_index"] = (torch.long, (merged,))
             fields["cu_window_seqlens"] = (torch.int32, (window_slots + 1,))
+        if self.grid_rows:
+            fields["grid_thw"] = (torch.long, (slots + 1, 3))
         if host.interp_weights is not None:
             taps = host.interp_weights.shape[1]
             fields["interp_indices"] = (torch.long, (budget, taps))
@@ -537,7 +602,11 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return PackedBuffers(
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
-            grid_thw=torch.zeros(1, 3, dtype=torch.long, device=device),
+            grid_thw=(
+                staged["grid_thw"]
+                if self.grid_rows
+                else torch.zeros(1, 3, dtype=torch.long, device=device)
+            ),
             position_ids=staged["position_ids"],
             full=full,
             window=window,
@@ -577,6 +646,10 @@ class Qwen2VLPlan(CapturePlan, Packing):
             for name in ("interp_indices", "interp_weights"):
                 fields[name][:tokens] = getattr(host, name)
                 fields[name][tokens:] = 0
+        if self.grid_rows:
+            entries = call.parts.grid.shape[0]
+            fields["grid_thw"][:entries] = call.parts.grid
+            fields["grid_thw"][entries:] = 1
         staging.send()
         _copy_boundaries(buffers.full, staging.device["cu_seqlens"])
         if window is not None:
@@ -634,9 +707,10 @@ def _copy_boundaries(metadata: AttentionMetadata, staged: torch.Tensor) -> None:
         torch.sub(staged[1:], staged[:-1], out=metadata.seq_lens)
 
 
-def _routed_attention(module: nn.Module) -> Callable[..., Any]:
-    """A forward for one vision attention module that hands q, k and v, rotated, to the bound
-    buffers' backend with the metadata of the boundaries it is given (a frame's or a window's).
+def _routed_attention(module: nn.Module, qk_norms: bool) -> Callable[..., Any]:
+    """A forward for one vision attention module that hands q, k and v, rotated (``qk_norms``:
+    after the module's ``q_norm`` and ``k_norm``), to the bound buffers' backend with the
+    metadata of the boundaries it is given (a frame's or a window's).
 
     Outside bound buffers (eager calls) the module's own forward runs.
     """
@@ -658,6 +732,8 @@ def _routed_attention(module: nn.Module) -> Callable[..., Any]:
             metadata, backend = buffers.window.metadata, buffers.window.backend
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
+        if qk_norms:
+            q, k = module.q_norm(q), module.k_norm(k)
         q, k = rotate(q, k, *position_embeddings)
         if not backend.takes_strided_inputs:
             v = v.contiguous()

@@ -44,16 +44,16 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hooki
 from layergraph.adapter import own_forward
 from layergraph.attention import (
     PackedLayout,
-    SdpaMaskedAttention,
     SequenceLayout,
     choose_backend,
+    packed_backends,
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing
+from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters import naflex
 from layergraph_adapters.grid_positions import GridPositions
-from layergraph_adapters.hf_vision import find_tower
+from layergraph_adapters.tower_specs import TOWER_PATHS
 from layergraph_adapters.versions import require_transformers
 
 _MODELING = "transformers.models.siglip2.modeling_siglip2"
@@ -76,7 +76,15 @@ def find_siglip2_tower(model: nn.Module) -> nn.Module | None:
     """``model`` or its ``vision_model`` / ``vision_tower`` / ``model.vision_tower``, if a
     ``Siglip2VisionModel``."""
     cls = tower_class()
-    return None if cls is None else find_tower(model, (cls,))
+    if cls is None:
+        return None
+    for path in ("", *TOWER_PATHS):
+        candidate: Any = model
+        for name in filter(None, path.split(".")):
+            candidate = getattr(candidate, name, None)
+        if isinstance(candidate, cls):
+            return candidate
+    return None
 
 
 class Siglip2Adapter(Adapter):
@@ -161,15 +169,8 @@ class Siglip2Plan(CapturePlan, Packing):
         self.head_dim = self._attentions[0].head_dim
         config = tower.config
         self.features = config.num_channels * config.patch_size**2
-        candidates = (
-            SdpaMaskedAttention(),
-            *(b for b in context.registry.attention_backends() if b.reads_boundaries),
-        )
-        names = (*(b.name for b in candidates), "auto")
-        if adapter.attention not in names:
-            raise ValueError(f"attention={adapter.attention!r}: choose one of {', '.join(names)}")
+        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
         self.attention = adapter.attention
-        self._backends = candidates
         self._registry = context.registry
 
     # ---- what the runner asks ----------------------------------------------------------------
@@ -297,32 +298,19 @@ class Siglip2Plan(CapturePlan, Packing):
         images: _Images = call.parts
         options = {name: value for name, value in call.kwargs.items() if name not in _INPUTS}
         inputs = [call.argument(name, position) for position, name in enumerate(_INPUTS)]
-        pieces: list[PackedCall] = []
-        first = tokens = 0  # the piece being made: images first..
-
-        def close(stop: int) -> None:
-            nonlocal first, tokens
-            if stop > first:
-                sliced = [tensor[first:stop] for tensor in inputs]
-                pieces.append(
-                    self._call(
-                        (),
-                        {**options, **dict(zip(_INPUTS, sliced))},
-                        sliced[0],
-                        sliced[1],
-                        images.grids[first:stop],
-                        images.return_dict,
-                    )
+        pieces = []
+        for piece in split_ranges(images.counts, budget):
+            sliced = [tensor[piece.start : piece.stop] for tensor in inputs]
+            pieces.append(
+                self._call(
+                    (),
+                    {**options, **dict(zip(_INPUTS, sliced))},
+                    sliced[0],
+                    sliced[1],
+                    images.grids[piece.start : piece.stop],
+                    images.return_dict,
                 )
-            first, tokens = stop, 0
-
-        for index, count in enumerate(images.counts):
-            if tokens + count > budget:
-                close(index)
-            tokens += count
-            if count > budget:
-                close(index + 1)
-        close(len(images.counts))
+            )
         return pieces
 
     def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:

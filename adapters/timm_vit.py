@@ -8,6 +8,7 @@ Eva covers eva_* and eva02_* (rotary position embeddings). The whole forward is 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -26,6 +27,8 @@ from layergraph import (
 )
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
+from layergraph_adapters.automatic import build_with_automatic_options
+from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.layout import RowMajorOutput
 from layergraph_adapters.patch_embedding import patch_matmul_for
@@ -46,14 +49,22 @@ class TimmVisionTransformerAdapter(Adapter):
     (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu`` applies each block's MLP GELU
     in its up-projection's epilogue (:mod:`layergraph_adapters.gelu_epilogue`): ``True`` where
     the GELU is the tanh approximation, ``"approximate"`` for the exact GELU of most timm ViTs
-    too. Both are off by default.
+    too; ``fuse_norm=True`` computes each ``Block``'s residual adds and second norm with one
+    Triton kernel, on CUDA (:mod:`layergraph_adapters.fused_norm`; not Eva's blocks). All are
+    off by default.
     """
 
     name = "timm"
 
-    def __init__(self, patch_matmul: bool = False, fuse_gelu: bool | str = False) -> None:
+    def __init__(
+        self,
+        patch_matmul: bool | str = "auto",
+        fuse_gelu: bool | str = False,
+        fuse_norm: bool | str = "auto",
+    ) -> None:
         self.patch_matmul = patch_matmul
         self.fuse_gelu = fuse_gelu
+        self.fuse_norm = fuse_norm
 
     def recognizes(self, model: nn.Module) -> bool:
         if "timm" not in sys.modules:
@@ -72,7 +83,16 @@ class TimmVisionTransformerAdapter(Adapter):
                 f"the timm adapter serves timm VisionTransformer (vit_*, deit_*, ...) and Eva "
                 f"(eva_*, eva02_*) models; got {type(model).__module__}.{type(model).__name__}"
             )
-        return _TimmViTPlan(model, patch_matmul=self.patch_matmul, fuse_gelu=self.fuse_gelu)
+        return build_with_automatic_options(
+            model,
+            {
+                "patch_matmul": self.patch_matmul,
+                "fuse_gelu": self.fuse_gelu,
+                "fuse_norm": self.fuse_norm,
+            },
+            functools.partial(_TimmViTPlan, model),
+            context,
+        )
 
     def example_models(self) -> list[str]:
         return ["vit_base_patch16_224", "vit_large_patch16_224", "eva02_base_patch14_224"]
@@ -100,19 +120,23 @@ class TimmVisionTransformerAdapter(Adapter):
 
 
 class _TimmViTPlan(WholeForward):
-    def __init__(self, model: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str) -> None:
+    def __init__(
+        self, model: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str, fuse_norm: bool
+    ) -> None:
         super().__init__(model)
         mlps = [getattr(block, "mlp", block) for block in model.blocks]
         self._rewrites: list[Change] = [
             *([RowMajorOutput(model.patch_embed)] if model.num_prefix_tokens == 0 else []),
             *patch_matmul_for(model.patch_embed, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
+            *fused_norms(list(model.blocks), fuse_norm),
         ]
         """What is rewritten while wrapped, each a change made through the ledger. Without
         class or register tokens the position embedding is added to the transposed patch
         grid, so the patch embedding's output is made row-major
         (:mod:`layergraph_adapters.layout`); a concatenated token makes the sequence
-        row-major already. Then the ``patch_matmul`` and ``fuse_gelu`` options."""
+        row-major already. Then the ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm``
+        options."""
 
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         for rewrite in self._rewrites:

@@ -1,12 +1,16 @@
 """The transformers releases the transformers adapters were checked against.
 
-These adapters follow transformers' own code: the attention forward of CLIP-style layers
+These adapters (InternVL's and every family of :data:`layergraph_adapters.towers.TOWERS`)
+follow transformers' own code: the attention forward of CLIP-style layers
 (:func:`layergraph_adapters.fused_qkv.fused_attention_forward`), InternViT's attention (the
 routed forward of :mod:`layergraph_adapters.internvl`), and where a model keeps its tower,
-layers and embeddings (:mod:`layergraph_adapters.hf_vision`). Another release may change that
-code, and a copy that no longer matches it computes something else without failing, so the
-plans refuse transformers outside the checked range (:func:`require_transformers`). The qwen2_vl
-adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`).
+layers and embeddings (each family's :class:`~layergraph_adapters.tower_specs.TowerSpec`).
+Another release may change that code, and a copy that no longer matches it computes something
+else without failing, so the plans refuse transformers outside the checked range
+(:func:`require_transformers`).
+The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
+:data:`GLM_VISION_CHECKED` for the GLM towers it serves), and so does the pixtral adapter
+(:data:`PIXTRAL_CHECKED`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import os
 from layergraph import AdapterMismatch
 
 __all__ = [
+    "GLM_VISION_CHECKED",
+    "PIXTRAL_CHECKED",
     "QWEN2_VL_CHECKED",
     "TRANSFORMERS_CHECKED",
     "UNCHECKED_VARIABLE",
@@ -25,10 +31,10 @@ __all__ = [
 TRANSFORMERS_CHECKED = ">=5.6.0,<5.25"
 """The transformers releases the adapters serve, as a version specifier: 5.6.0 to 5.24.x.
 
-The adapters' CPU tests pass with 5.6.0, 5.8.1, 5.12.1, 5.17.0 and 5.24.0. With 5.5.4 and older
-the vision half of ``CLIPModel`` and ``SiglipModel`` is not found (a ``CLIPVisionTransformer``
-or ``SiglipVisionTransformer``, which transformers does not export); with 5.0.0 the fused q/k/v
-attention fails too. ``pyproject.toml``'s ``transformers`` extra asks for the same range."""
+The adapters' CPU tests, and the coverage test, pass with 5.6.0, 5.8.1, 5.12.1, 5.17.0 and
+5.24.0. With 5.5.4, graphs that stop at a feature layer (LLaVA's, VipLLaVA's) do not match the
+model; with 5.0.0 the fused q/k/v attention fails too. ``pyproject.toml``'s ``transformers``
+extra asks for the same range."""
 
 QWEN2_VL_CHECKED = ">=5.17.0,<5.25"
 """The transformers releases the qwen2_vl adapter serves: 5.17.0 to 5.24.x. Its graphs hand the
@@ -36,6 +42,19 @@ Qwen vision towers precomputed boundaries, positions and windows (``cu_seqlens``
 ``window_index``, ``interp_indices`` ...), which their forwards take from 5.17 on, computed by
 ``transformers.vision_utils``, which older releases lack. Its CPU tests pass with 5.17.0 and
 5.24.0."""
+
+GLM_VISION_CHECKED = ">=5.17.0,<5.25"
+"""The transformers releases whose GLM vision towers (GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR,
+GLM-5-Next) the qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass with 5.17.0 and
+5.24.0 (GLM-OCR and GLM-5-Next come with later releases than 5.17). Their
+forwards take the same precomputed arguments as the Qwen towers'; GLM-4.1V's also reads
+``grid_thw``'s rows in its position embeddings, which the graphs are given in a buffer."""
+
+PIXTRAL_CHECKED = ">=5.24.0,<5.25"
+"""The transformers releases the pixtral adapter serves: 5.24.x. Its graphs compute the rotary
+embeddings by the tower's own module from each patch's (row, column), the positions 5.24's
+``PixtralVisionRotaryEmbedding`` takes, and route ``PixtralAttention`` as 5.24 writes it; its
+CPU tests pass with 5.24.0, the only release they were run with."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""

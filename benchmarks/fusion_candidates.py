@@ -1,4 +1,4 @@
-"""Two rewrites timed alone at the benchmark towers' shapes, inside CUDA graphs, on the GPU.
+"""Three rewrites timed alone at the benchmark towers' shapes, inside CUDA graphs, on the GPU.
 
 - Patch embedding: the convolution (kernel = stride) against one matrix product of the
   gathered patches with the convolution's weight viewed as a matrix
@@ -6,6 +6,11 @@
   token sequence the towers make of it.
 - MLP up-projection and GELU: ``linear`` then ``gelu`` against ``torch._addmm_activation``
   (cuBLASLt's bias-and-GELU epilogue, the tanh approximation), also inside torch.compile.
+- Residual adds and norm (``fuse_norm``): a layer's ``residual + scale * h`` and the norm
+  after it as eager runs them (a multiply, an add, ``layer_norm`` or InternViT's RMSNorm)
+  against ``layergraph.kernels.add_norm.add_norm``; and the layer's last
+  ``residual + scale * h`` as a multiply and an add against one ``addcmul``. The error is the
+  fused normed output's against a float32 computation of the same inputs.
 
 Each time is :func:`layergraph.timing.captured_ms` (10 calls in one graph, median of 5
 replays). Prints one line per measurement and writes them as JSON with ``--json``.
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from layergraph.kernels.add_norm import add_norm, add_scaled
 from layergraph.timing import captured_ms
 from layergraph.validation import relative_error
 from layergraph_adapters.patch_embedding import patch_product
@@ -28,6 +34,12 @@ TOWERS = {  # name: (image size, patch, width, MLP width, tokens per image)
     "vit_base": (224, 16, 768, 3072, 197),
     "siglip-so400m": (384, 14, 1152, 4304, 729),
     "internvit-300m": (448, 14, 1024, 4096, 1025),
+}
+NORMS = {  # name: (width, tokens per image, norm)
+    "vit_base": (768, 197, "layer_norm"),
+    "siglip-so400m": (1152, 729, "layer_norm"),
+    "internvit-300m": (1024, 1025, "layer_norm"),
+    "internvit-6b": (3200, 1025, "rms_norm"),
 }
 
 
@@ -78,6 +90,40 @@ def time_up_projection(
     }
 
 
+def time_add_norm(
+    residual: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, kind: str
+) -> dict[str, Any]:
+    """A layer's scaled residual add and norm, eager against the fused kernel; and its last
+    scaled residual add, a multiply and an add against ``addcmul``."""
+    width = residual.shape[-1]
+    bias = torch.zeros_like(weight) if kind == "layer_norm" else None
+
+    def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The norm as the towers compute it, in ``x``'s dtype with these weights."""
+        if kind == "layer_norm":
+            return F.layer_norm(x, (width,), weight, bias, 1e-6)
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * normed.to(x.dtype)
+
+    def eager() -> tuple[torch.Tensor, torch.Tensor]:
+        summed = scale * h + residual
+        return summed, norm(summed, weight, bias)
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+        return add_norm(residual, h, scale, weight, bias, 1e-6, kind)
+
+    stored = (residual.float() + scale.float() * h.float()).to(residual.dtype).float()
+    exact = norm(stored, weight.float(), None if bias is None else bias.float())
+    device = residual.device
+    return {
+        "eager_add_norm_ms": captured_ms(eager, device=device),
+        "fused_add_norm_ms": captured_ms(fused, device=device),
+        "eager_scaled_add_ms": captured_ms(lambda: scale * h + residual, device=device),
+        "addcmul_ms": captured_ms(lambda: add_scaled(residual, h, scale), device=device),
+        "error": relative_error(fused()[1], exact),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the measurements here")
@@ -100,6 +146,17 @@ def main() -> None:
             rows.append(
                 {"tower": tower, "batch": batch, "what": "up-projection and GELU"}
                 | time_up_projection(hidden, up, up_bias)
+            )
+            print(rows[-1])
+    for tower, (width, tokens, kind) in NORMS.items():
+        for batch in (1, 13, 32):
+            residual = torch.randn(batch * tokens, width, device=device, dtype=dtype)
+            h = torch.randn(batch * tokens, width, device=device, dtype=dtype)
+            scale = torch.rand(width, device=device, dtype=dtype)
+            weight = torch.randn(width, device=device, dtype=dtype)
+            rows.append(
+                {"tower": tower, "batch": batch, "what": f"residual adds and {kind}"}
+                | time_add_norm(residual, h, scale, weight, kind)
             )
             print(rows[-1])
     if args.json:

@@ -16,7 +16,10 @@
 #            wrap, buckets of powers of two, exact keys, and default wrap with the speed
 #            options), then the speed options' cold and warm start at batches 1 and 8;
 #   fixed:MODEL: `layergraph bench` of MODEL at batches 1 to 64, eager against default wrap and
-#            the hand-written graph, with a wait per call and in a loop (no compiling).
+#            the hand-written graph, with a wait per call and in a loop (no compiling);
+#   families: every tower family's usual configuration at batch 1 (benchmarks/families.py:
+#            eager, hand-written graph, layergraph; the JSON and the docs section), after the
+#            families' CUDA tests.
 # Pass part names to run only those (default: all). Parts other than tp run side by side, one
 # per GPU, in waves of as many parts as the machine has GPUs; tp runs last, on every GPU, and
 # is stopped if it runs past 4 minutes. All of them take longer than one 10-minute device
@@ -143,6 +146,16 @@ fixed() {  # fixed MODEL
   return $status
 }
 
+families() {
+  local log="$out/log-families.txt" status=0
+  versions >>"$log" 2>&1
+  step "$log" python3 -m pytest -q tests/test_cuda_families.py -p no:cacheprovider || status=1
+  step "$log" python3 benchmarks/families.py --json "$results/families.json" \
+    --markdown "$results/families.md" || status=1
+  pack
+  return $status
+}
+
 tp() {
   local log="$out/log-tp.txt" status=0
   step "$log" timeout -k 10 240 torchrun --nproc-per-node "$gpus" benchmarks/tp_internvit.py \
@@ -158,7 +171,7 @@ tp() {
 
 for part in "${parts[@]}"; do
   case $part in
-    checks | tests | profile | bench | tp | cuda | traffic | bench:* | fixed:*) ;;
+    checks | tests | profile | bench | tp | cuda | traffic | families | bench:* | fixed:*) ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done

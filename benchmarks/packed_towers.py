@@ -1,41 +1,52 @@
-"""Qwen2.5-VL's and Qwen3-VL's packed vision towers: transformers eager, layergraph, by hand.
+"""Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and Pixtral's packed vision towers: transformers eager,
+layergraph, by hand.
 
     python3 benchmarks/packed_towers.py --json packed.json      # an H200: about 5 minutes
     python3 benchmarks/packed_towers.py --tiny --json tiny.json  # tiny towers, any machine
 
 Towers are transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (Qwen2.5-VL-7B's vision
-configuration) and ``Qwen3VLVisionModel`` (Qwen3-VL-8B's), built from their configurations with
-random weights, in bf16; nothing is downloaded. For each tower:
+configuration), ``Qwen3VLVisionModel`` (Qwen3-VL-8B's), ``Glm4vVisionModel`` (GLM-4.1V-9B's)
+and ``PixtralVisionModel`` (Pixtral-12B's), built from their configurations with random
+weights, in bf16; nothing is downloaded. For each tower:
 
 - **images**: one image per call at 224x224, 448x448, 672x448, 896x896 and 1344x1008 (sides
-  rounded to the tower's patch times merge size, as its processor does), waited latency
+  rounded to the tower's patch times merge size, as its processor does; for Pixtral, scaled
+  to fit 1024 pixels a side and rounded up to whole patches), waited latency
   (medians of many calls, each waited for, CUDA events): the tower eager; layergraph's eager
   path (``wrap(..., lazy=False)``, every call served eagerly: what a call the policy sends to
   eager costs, which must be the tower's own); layergraph's ``wrap`` with
   ``attention="triton"`` and with its defaults (the budget and attention backends each chose);
   a hand-written graph of the tower at that exact shape (``torch.cuda.graph`` around its
   forward given precomputed boundaries, positions and windows, attention through
-  layergraph's Triton varlen kernel);
+  layergraph's Triton varlen kernel; Pixtral's own forward, given the image sizes on the
+  host);
 - **errors**: the relative error of eager, layergraph and the hand graph, each against a
   float32 copy of the same weights run eagerly;
-- **stream**: 100 seeded requests of 1 to 3 entries (images of those sizes, some short
-  videos), each waited for: the total time of eager, of layergraph (its first pass, which
-  captures, and a second), and of hand-written graphs captured for each request's exact
-  shape (capture not counted); layergraph's graphs held, the budgets it chose from the
-  traffic and how often, pool, capture seconds, and the pool of its largest budget captured
-  alone; every answer compared with eager's. Captures and capture seconds count every graph
-  captured, those dropped since (a replan, a graph measured slower than eager) included, and
-  each capture's whole cost: its buffers (where the attention backends are timed), warm-up,
-  capture and measurement. The first pass includes the calls layergraph serves eagerly while
-  it observes the traffic before choosing budgets (``eager_calls``). The targets of the packed
-  mode are checked and reported (``targets``): at most 8 graphs, a pool at most 1.1x the
-  largest budget's alone, captures under 3 s, the stream within 1.10x of the hand-written
-  graphs.
+- **stream**: 100 seeded requests of 1 to 3 entries (images of those sizes; for the Qwen and
+  GLM towers some short videos, given to GLM-4.1V's tower as one row per frame, as its VLM
+  does), each waited for:
+  the total time of eager, of layergraph (its first pass, which captures, and a second), and
+  of hand-written graphs captured for each request's exact shape (capture not counted);
+  layergraph's graphs held, the budgets it chose from the traffic and how often, pool,
+  capture seconds, and the pool of its largest budget captured alone; every answer compared
+  with eager's. Captures and capture seconds count every graph captured, those dropped since
+  (a replan, a graph measured slower than eager) included, and each capture's whole cost: its
+  buffers (where the attention backends are timed), warm-up, capture and measurement. The
+  first pass includes the calls layergraph serves eagerly while it observes the traffic
+  before choosing budgets (``eager_calls``). The targets of the packed mode are checked and
+  reported (``targets``): at most 8 graphs, a pool at most 1.1x the largest budget's alone,
+  captures under 3 s, the stream within 1.10x of the hand-written graphs.
 
-``--tiny`` runs four-layer towers in float32, on the GPU if there is one, else on the CPU,
-where graphs are simulated and the hand-written "graph" runs its forward eagerly, so that every
-code path of the benchmark runs without a GPU. The console gets tables; ``--json`` gets every
-number. The tower definitions and the hand-written graph are in ``qwen_towers.py`` beside it.
+A tower whose adapter refuses the installed transformers (GLM-4.1V's and Pixtral's are served
+with 5.24) is
+skipped, and the console and the JSON (``skipped``) say so. ``--tiny`` runs four-layer towers
+in float32, on the GPU if there is one, else on the CPU, where graphs are simulated and the
+hand-written "graph" runs its forward eagerly, so that every code path of the benchmark runs
+without a GPU. The console gets tables; ``--json`` gets every
+number. The tower definitions, their inputs and the hand-written graphs are in
+``qwen_towers.py`` and ``pixtral_towers.py`` beside it. What a VLM reads is compared: the
+Qwen and GLM towers' merged features, Pixtral's last hidden state (asked for as Mistral 3
+asks).
 """
 
 from __future__ import annotations
@@ -43,16 +54,20 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import importlib
 import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
+import pixtral_towers
+import qwen_towers
 import torch
 import transformers
-from qwen_towers import HandGraph, Tower, build, grid_for, pixels_for, stream_requests, towers
+from qwen_towers import Tower, build, frame_rows
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -104,9 +119,18 @@ TARGETS = {"graphs": 8, "pool_vs_largest": 1.1, "capture_s": 3.0, "vs_hand": 1.1
 alone, capture seconds, layergraph's second pass against the exact-shape hand graphs."""
 
 
-def wrap(model: nn.Module, settings: Settings, attention: str, **options: Any) -> Any:
-    """layergraph's wrapper of ``model`` (simulated graphs without a GPU)."""
-    options.update(adapter="qwen2_vl", attention=attention)
+def towers(tiny: bool) -> list[Tower]:
+    """Every tower measured: Qwen2.5-VL-7B's, Qwen3-VL-8B's, GLM-4.1V-9B's and Pixtral-12B's
+    (or tiny ones)."""
+    return [*qwen_towers.towers(tiny), *pixtral_towers.towers(tiny)]
+
+
+def wrap(
+    model: nn.Module, settings: Settings, attention: str, kit: ModuleType, **options: Any
+) -> Any:
+    """layergraph's wrapper of ``model`` by its ``kit``'s adapter (simulated graphs without a
+    GPU)."""
+    options.update(adapter=kit.ADAPTER, attention=attention)
     if settings.simulated:
         options["backend"] = SimulatedGraphs()
     return layergraph.wrap(model, **options)
@@ -121,47 +145,47 @@ def variants(settings: Settings) -> dict[str, str]:
     }
 
 
-def merged(output: Any) -> torch.Tensor:
-    """The tower's merged features: what a VLM reads."""
-    return output.pooler_output
+def tokens_of(grids: list[tuple[int, int, int]]) -> int:
+    """The patches of a call's entries (``(t, h, w)`` grids)."""
+    return sum(t * h * w for t, h, w in grids)
 
 
 def per_image(
-    model: nn.Module, reference: nn.Module, settings: Settings
+    model: nn.Module, reference: nn.Module, settings: Settings, kit: ModuleType
 ) -> tuple[list[dict], dict[str, list[int]]]:
     """The per-image rows (waited latency of each method and each one's error against the
     reference: the same weights in a wider dtype, eager), and the budgets each layergraph
     variant held."""
     generator = torch.Generator().manual_seed(settings.seed)
-    inputs = [
-        pixels_for(model, [grid_for(model.config, *size)], generator) for size in settings.sizes
-    ]
+    grids = [[kit.grid_for(model.config, *size)] for size in settings.sizes]
+    inputs = [kit.pixels_for(model, entries, generator) for entries in grids]
     wide = next(reference.parameters())
+    features = kit.features
     rows, wants, budgets = [], [], {}
     with torch.inference_mode():
-        for (width, height), (pixels, grid) in zip(settings.sizes, inputs):
-            want = merged(reference(pixels.to(wide), grid_thw=grid))
+        for (width, height), entries, (pixels, grid) in zip(settings.sizes, grids, inputs):
+            want = features(kit.call(reference, pixels.to(wide), grid))
             wants.append(want)
-            row: dict[str, Any] = {"size": f"{width}x{height}", "tokens": pixels.shape[0]}
-            row["eager_ms"] = waited(lambda p=pixels, g=grid: model(p, grid_thw=g), settings)
-            row["eager_error"] = relative_error(merged(model(pixels, grid_thw=grid)), want)
-            by_hand = HandGraph(model, pixels, grid)
+            row: dict[str, Any] = {"size": f"{width}x{height}", "tokens": tokens_of(entries)}
+            row["eager_ms"] = waited(functools.partial(kit.call, model, pixels, grid), settings)
+            row["eager_error"] = relative_error(features(kit.call(model, pixels, grid)), want)
+            by_hand = kit.HandGraph(model, pixels, grid)
             row["hand_graph_ms"] = waited(lambda h=by_hand, p=pixels: h(p), settings)
-            row["hand_graph_error"] = relative_error(merged(by_hand(pixels)), want)
+            row["hand_graph_error"] = relative_error(features(by_hand(pixels)), want)
             del by_hand
             rows.append(row)
-        eager_path = wrap(model, settings, "auto", lazy=False)
+        eager_path = wrap(model, settings, "auto", kit, lazy=False)
         for row, (pixels, grid), want in zip(rows, inputs, wants):
-            call = functools.partial(eager_path, pixels, grid_thw=grid)
+            call = functools.partial(kit.call, eager_path, pixels, grid)
             row["layergraph_eager_ms"] = waited(call, settings)
-            row["layergraph_eager_error"] = relative_error(merged(call()), want)
+            row["layergraph_eager_error"] = relative_error(features(call()), want)
         eager_path.unwrap()
         for column, attention in variants(settings).items():
-            graphed = wrap(model, settings, attention)
+            graphed = wrap(model, settings, attention, kit)
             for row, (pixels, grid), want in zip(rows, inputs, wants):
-                call = functools.partial(graphed, pixels, grid_thw=grid)
+                call = functools.partial(kit.call, graphed, pixels, grid)
                 row[f"{column}_ms"] = waited(call, settings)
-                row[f"{column}_error"] = relative_error(merged(call()), want)
+                row[f"{column}_error"] = relative_error(features(call()), want)
             budgets[column] = served(rows, column, graphed)
             for row in rows:
                 row[f"{column}_attention"] = graphed.plan.attention_by_budget.get(
@@ -201,32 +225,38 @@ def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
     return output, start.elapsed_time(end)
 
 
-def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
+def stream(
+    model: nn.Module, settings: Settings, video_rows: bool, kit: ModuleType
+) -> dict[str, Any]:
     """The stream: totals of eager, layergraph (first and second pass) and exact-shape hand
-    graphs, each call waited for, every answer compared with eager's."""
-    requests = stream_requests(model.config, settings.requests, settings.sizes, settings.seed)
-    generator = torch.Generator().manual_seed(settings.seed + 1)
-    inputs = [pixels_for(model, grids, generator) for grids in requests]
+    graphs, each call waited for, every answer compared with eager's. ``video_rows``: each
+    video is given as one row per frame (:attr:`qwen_towers.Tower.video_rows`)."""
+    requests = kit.stream_requests(model.config, settings.requests, settings.sizes, settings.seed)
     result: dict[str, Any] = {
         "requests": len(requests),
         "entries": sum(map(len, requests)),
         "videos": sum(t > 1 for grids in requests for t, _, _ in grids),
-        "tokens": sum(pixels.shape[0] for pixels, _ in inputs),
     }
+    if video_rows:
+        requests = [frame_rows(grids) for grids in requests]
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    inputs = [kit.pixels_for(model, grids, generator) for grids in requests]
+    result["tokens"] = sum(map(tokens_of, requests))
     with torch.inference_mode():
         expected, total = [], 0.0
         for pixels, grid in inputs:
-            output, ms = timed_call(lambda p=pixels, g=grid: model(p, grid_thw=g), settings)
-            expected.append(merged(output))
+            output, ms = timed_call(functools.partial(kit.call, model, pixels, grid), settings)
+            expected.append(kit.features(output))
             total += ms
         result["eager_s"] = total / 1e3
-        graphed = wrap(model, settings, "auto")
+        graphed = wrap(model, settings, "auto", kit)
         for name in ("layergraph_first_pass", "layergraph"):
             total, worst = 0.0, 0.0
             for (pixels, grid), want in zip(inputs, expected):
-                output, ms = timed_call(lambda p=pixels, g=grid: graphed(p, grid_thw=g), settings)
+                call = functools.partial(kit.call, graphed, pixels, grid)
+                output, ms = timed_call(call, settings)
                 total += ms
-                worst = max(worst, relative_error(merged(output), want))
+                worst = max(worst, relative_error(kit.features(output), want))
             result[f"{name}_s"], result[f"{name}_error"] = total / 1e3, worst
         stats = graphed.stats
         budgets = sorted(key.batch for key in graphed.keys)
@@ -245,8 +275,8 @@ def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
         )
         graphed.release()
         graphed.unwrap()
-        result["largest_budget_pool_mib"] = largest_alone(model, settings, budgets)
-        result.update(hand_graphs(model, settings, requests, inputs, expected))
+        result["largest_budget_pool_mib"] = largest_alone(model, settings, budgets, kit)
+        result.update(hand_graphs(model, settings, requests, inputs, expected, kit))
     result["targets"] = targets(result)
     return result
 
@@ -271,16 +301,18 @@ def targets(stream: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def largest_alone(model: nn.Module, settings: Settings, budgets: list[int]) -> float | None:
+def largest_alone(
+    model: nn.Module, settings: Settings, budgets: list[int], kit: ModuleType
+) -> float | None:
     """The pool of the largest budget held, captured alone in a fresh wrapper given that budget
     (MiB): one image of exactly that many patches, 16 high."""
     if not budgets:
         return None
     generator = torch.Generator().manual_seed(settings.seed + 2)
-    pixels, grid = pixels_for(model, [(1, 16, budgets[-1] // 16)], generator)
-    graphed = wrap(model, settings, "auto", batch_sizes=budgets[-1:])
+    pixels, grid = kit.pixels_for(model, [(1, 16, budgets[-1] // 16)], generator)
+    graphed = wrap(model, settings, "auto", kit, batch_sizes=budgets[-1:])
     with torch.inference_mode():
-        graphed(pixels, grid_thw=grid)
+        kit.call(graphed, pixels, grid)
     held = [key.batch for key in graphed.keys]
     mib = graphed.stats.pool_bytes / 2**20 if held == budgets[-1:] else None
     graphed.release()
@@ -294,6 +326,7 @@ def hand_graphs(
     requests: list[list[tuple[int, int, int]]],
     inputs: list[tuple[torch.Tensor, torch.Tensor]],
     expected: list[torch.Tensor],
+    kit: ModuleType,
 ) -> dict[str, Any]:
     """Each distinct request shape captured by hand and replayed for its requests, one shape
     at a time (so that their memory is not held together): total replay time, capture time."""
@@ -304,13 +337,13 @@ def hand_graphs(
     for indices in by_shape.values():
         pixels, grid = inputs[indices[0]]
         started = time.perf_counter()
-        by_hand = HandGraph(model, pixels, grid)
+        by_hand = kit.HandGraph(model, pixels, grid)
         capture += time.perf_counter() - started
         for index in indices:
             pixels, _ = inputs[index]
             output, ms = timed_call(lambda h=by_hand, p=pixels: h(p), settings)
             total += ms
-            worst = max(worst, relative_error(merged(output), expected[index]))
+            worst = max(worst, relative_error(kit.features(output), expected[index]))
         del by_hand
     return {
         "hand_graphs": len(by_shape),
@@ -322,6 +355,7 @@ def hand_graphs(
 
 def measure(tower: Tower, settings: Settings) -> dict[str, Any]:
     """Every section for one tower."""
+    kit = importlib.import_module(tower.kit)
     model = build(tower, settings.dtype, settings.device)
     reference_dtype = torch.float64 if settings.dtype == torch.float32 else torch.float32
     reference = copy.deepcopy(model).to(reference_dtype)
@@ -331,11 +365,11 @@ def measure(tower: Tower, settings: Settings) -> dict[str, Any]:
         "attention_implementation": model.config._attn_implementation,
         "reference_dtype": str(reference_dtype),
     }
-    record["images"], record["image_budgets"] = per_image(model, reference, settings)
+    record["images"], record["image_budgets"] = per_image(model, reference, settings, kit)
     del reference
     if settings.device.type == "cuda":
         torch.cuda.empty_cache()
-    record["stream"] = stream(model, settings)
+    record["stream"] = stream(model, settings, tower.video_rows, kit)
     del model
     if settings.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -465,8 +499,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             parser.error(f"unknown towers {unknown}; choose from {[t.name for t in chosen]}")
         chosen = [tower for tower in chosen if tower.name in names]
+    skipped = {tower.name: tower.served_with for tower in chosen if not tower.served_here()}
+    chosen = [tower for tower in chosen if tower.name not in skipped]
     started = time.perf_counter()
     console = Console(width=max(Console().width, 150))
+    for name, releases in skipped.items():
+        console.print(
+            f"{name} skipped: layergraph serves it with transformers{releases}, and "
+            f"{transformers.__version__} is installed"
+        )
     records = []
     for tower in chosen:
         records.append(measure(tower, settings))
@@ -485,6 +526,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seed": args.seed,
         "seconds": time.perf_counter() - started,
         "towers": records,
+        "skipped": skipped,
     }
     console.print(f"{result['seconds']:.0f} s")
     if args.json:

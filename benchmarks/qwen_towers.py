@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's and Qwen3-VL's vision towers for benchmarks: configurations, inputs, and the
-hand-written graph layergraph is measured against.
+"""Qwen2.5-VL's, Qwen3-VL's and GLM-4.1V's vision towers for benchmarks: configurations,
+inputs, and the hand-written graph layergraph is measured against.
 
 The hand-written graph is what a user writes without layergraph: the tower's forward given its
 precomputed boundaries, positions and windows for one exact grid (transformers'
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -20,22 +21,48 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from packaging.specifiers import SpecifierSet
 from torch import nn
 from transformers import vision_utils
+
+from layergraph_adapters.versions import (
+    GLM_VISION_CHECKED,
+    QWEN2_VL_CHECKED,
+    UNCHECKED_VARIABLE,
+)
+
+ADAPTER = "qwen2_vl"
+"""The layergraph adapter that serves these towers."""
 
 
 @dataclass(frozen=True)
 class Tower:
-    """A tower to benchmark: its class and configuration."""
+    """A tower to benchmark: its class and configuration, and the module beside this one
+    whose functions make its inputs and calls (``qwen_towers``, ``pixtral_towers``)."""
 
     name: str
     module: str
     cls: str
     config: Callable[[], Any]
+    kit: str = "qwen_towers"
+    video_rows: bool = False
+    """Whether the tower is given a video as one ``grid_thw`` row per frame (GLM-4.1V's, whose
+    forward reads the rows by frame; its VLM passes videos so)."""
+    served_with: str = QWEN2_VL_CHECKED
+    """The transformers releases the tower's adapter serves it with."""
+
+    def served_here(self) -> bool:
+        """Whether the installed transformers is one of :attr:`served_with` (or the adapters'
+        release check is switched off), so that wrapping the tower does not refuse it."""
+        if os.environ.get(UNCHECKED_VARIABLE) == "1":
+            return True
+        return SpecifierSet(self.served_with).contains(transformers.__version__, prereleases=True)
 
 
 def towers(tiny: bool) -> list[Tower]:
-    """Qwen2.5-VL-7B's and Qwen3-VL-8B's vision towers, or four-layer ones like them."""
+    """Qwen2.5-VL-7B's, Qwen3-VL-8B's and GLM-4.1V-9B's vision towers, or four-layer ones like
+    them. GLM-4.1V-9B's is its configuration's defaults (24 layers of 1536, 12 heads, patch 14,
+    merge 2, 4096 out, a 24x24 position table)."""
     qwen25 = dict(
         depth=32,
         hidden_size=1280,
@@ -60,10 +87,12 @@ def towers(tiny: bool) -> list[Tower]:
         patch_size=16,
         temporal_patch_size=2,
     )
+    glm4v: dict[str, Any] = {}
     if tiny:
         small = dict(depth=4, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=32)
         qwen25.update(small, window_size=56, fullatt_block_indexes=[1, 3])
         qwen3.update(small, num_position_embeddings=16, deepstack_visual_indexes=[1, 2])
+        glm4v.update(small, image_size=56)
     return [
         Tower(
             "qwen2.5-vl-7b" if not tiny else "qwen2.5-vl-tiny",
@@ -76,6 +105,14 @@ def towers(tiny: bool) -> list[Tower]:
             "transformers.models.qwen3_vl.modeling_qwen3_vl",
             "Qwen3VLVisionModel",
             lambda: transformers.Qwen3VLVisionConfig(**qwen3),
+        ),
+        Tower(
+            "glm-4.1v-9b" if not tiny else "glm-4.1v-tiny",
+            "transformers.models.glm4v.modeling_glm4v",
+            "Glm4vVisionModel",
+            lambda: transformers.Glm4vVisionConfig(**glm4v),
+            video_rows=True,
+            served_with=GLM_VISION_CHECKED,
         ),
     ]
 
@@ -110,6 +147,16 @@ def pixels_for(
     return pixels, torch.tensor(grids, device=parameter.device)
 
 
+def call(model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> Any:
+    """One call of the tower (or its wrapper), as a VLM makes it."""
+    return model(pixels, grid_thw=grid)
+
+
+def features(output: Any) -> torch.Tensor:
+    """What a VLM reads: the merged features."""
+    return output.pooler_output
+
+
 def stream_requests(
     config: Any, count: int, sizes: tuple[tuple[int, int], ...], seed: int
 ) -> list[list[tuple[int, int, int]]]:
@@ -127,6 +174,12 @@ def stream_requests(
                 entries.append(grid_for(config, *rng.choice(sizes)))
         requests.append(entries)
     return requests
+
+
+def frame_rows(grids: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``grids`` with every video as one row per frame, as a tower of
+    :attr:`Tower.video_rows` is given them."""
+    return [(1, h, w) for t, h, w in grids for _ in range(t)]
 
 
 def precomputed(model: nn.Module, grid: torch.Tensor) -> dict[str, Any]:

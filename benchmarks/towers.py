@@ -21,13 +21,16 @@ import transformers
 import layergraph
 from layergraph.reference import plain_graph
 from layergraph.timing import median_ms
-from layergraph_adapters.clip import CLIP_CONFIGS
-from layergraph_adapters.hf_vision import build_tower
-from layergraph_adapters.siglip import SIGLIP_CONFIGS
+from layergraph_adapters.tower_specs import build_tower
+from layergraph_adapters.towers import CLIP, SIGLIP
 
 TOWERS = {
-    "siglip-so400m-384": ("SiglipVisionModel", SIGLIP_CONFIGS["siglip-so400m-384"], 384),
-    "clip-vit-l-336": ("CLIPVisionModel", CLIP_CONFIGS["clip-vit-l-336"], 336),
+    "siglip-so400m-384": (
+        "SiglipVisionModel",
+        SIGLIP.examples["siglip-so400m-384"].settings,
+        384,
+    ),
+    "clip-vit-l-336": ("CLIPVisionModel", CLIP.examples["clip-vit-l-336"].settings, 336),
 }
 
 

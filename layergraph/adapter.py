@@ -15,8 +15,9 @@ which undoes it all on ``unwrap()``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -72,6 +73,11 @@ class CapturePlan:
     With a packing, keys are token budgets, the packing's buffers are the per-key state
     (:meth:`key_state` is not asked), and calls reach the other methods as
     :class:`~layergraph.packing.PackedCall` objects."""
+
+    speed_options: Mapping[str, str] = MappingProxyType({})
+    """What each speed option of the adapter that made this plan became: ``"on"``, ``"off"``,
+    or ``"off: why"`` for one left to ``"auto"`` that does not fit here. Empty for adapters
+    without speed options."""
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         """Compute the region eagerly. This is what is captured, and what eager calls run."""
@@ -182,6 +188,10 @@ class PlanContext:
     """The plugin registry the model is wrapped with: attention backends
     (:meth:`~layergraph.plugins.AdapterRegistry.attention_backend`) and their metadata
     (:meth:`~layergraph.plugins.AdapterRegistry.attention_metadata`)."""
+
+    compiled: bool = False
+    """Whether the region or its layers will be compiled with ``torch.compile``
+    (``compile_layers`` or ``compile_region``), which fuses elementwise work itself."""
 
 
 @dataclass(frozen=True)

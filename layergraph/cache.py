@@ -97,8 +97,9 @@ class GraphCache:
         """Calls seen of each lookup without a graph (halved with every count); least recently
         seen first, so that the oldest is forgotten beyond ``_SIGHTINGS_KEPT`` lookups."""
         self._failures: dict[Hashable, str] = {}
-        """Why capturing each lookup failed (it ran out of device memory): such a lookup runs
-        eagerly until :meth:`clear`. Few: each failure drops every graph."""
+        """Why capturing each lookup failed (it ran out of device memory, or the capture
+        raised what eager runs did not): such a lookup runs eagerly until :meth:`clear`. Few:
+        one per shape that cannot be captured."""
         self._costs: OrderedDict[Hashable, Costs] = OrderedDict()
         """Measured costs of lookups without a graph (never captured, displaced, or measured
         slower than eager), least recently measured first."""

@@ -112,6 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "'approximate' takes exact-GELU models too; combines with the other tuning flags",
     )
     bench.add_argument(
+        "--fuse-norm",
+        action="store_true",
+        help="also layergraph tuned, with each layer's residual adds and second norm through "
+        "one Triton kernel (InternVL, SigLIP and CLIP towers, timm ViTs; CUDA); combines with "
+        "the other tuning flags",
+    )
+    bench.add_argument(
         "--compile-budget",
         type=float,
         default=None,
@@ -238,6 +245,7 @@ def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
         "fuse_qkv": args.fuse_qkv,
         "patch_matmul": args.patch_matmul,
         "fuse_gelu": args.fuse_gelu,
+        "fuse_norm": args.fuse_norm,
     }
     options = {name: value for name, value in flags.items() if value}
     if args.compile_budget is not None:

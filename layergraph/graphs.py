@@ -7,16 +7,40 @@ eager fallback) run on the CPU with :class:`layergraph.testing.SimulatedGraphs`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from .capture_lanes import CaptureLane, take_lane
 
-__all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend"]
+__all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend", "GraphCaptureError"]
+
+
+class GraphCaptureError(RuntimeError):
+    """A capture that failed after its warm-up runs of the same function succeeded: the function
+    runs eagerly but cannot be captured (an operator a CUDA stream capture refuses, a read of a
+    value on the host, a synchronisation). ``__cause__`` is the error the capture raised.
+
+    A backend raises it only once nothing of the capture is left but the tensors that the
+    traceback still refers to: no capture in progress, no graph, no share of the pool held for
+    it. Errors of the warm-up runs are the model's own and are raised as they are, not as this.
+    """
+
+    @classmethod
+    def caused_by(cls, error: BaseException) -> GraphCaptureError:
+        """The error for a capture that failed with ``error`` (to raise ``from error``): its
+        message is ``error``'s type, the first line of its message (CUDA's errors add lines of
+        advice) and the innermost line outside PyTorch and layergraph that it was raised in,
+        the model's line where the model raised it or called the operator that did."""
+        lines = str(error).strip().splitlines()
+        message = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        where = _model_line(error)
+        return cls(f"{message} (in {where})" if where else message)
 
 
 class GraphBackend(Protocol):
@@ -35,7 +59,10 @@ class GraphBackend(Protocol):
         """A fresh memory pool that all graphs of one wrapped model share."""
 
     def capture(self, fn: Callable[[], Any], pool: Any, warmup_runs: int) -> tuple[Any, Any]:
-        """Run ``fn`` eagerly ``warmup_runs`` times, then capture it; return (graph, output)."""
+        """Run ``fn`` eagerly ``warmup_runs`` times, then capture it; return (graph, output).
+
+        Raises :class:`GraphCaptureError` if the capture fails after the warm-up runs did not.
+        """
 
     def replay(self, graph: Any) -> None:
         """Launch ``graph`` on the caller's current stream."""
@@ -71,8 +98,18 @@ class CudaPool:
     """
 
     handle: Any
-    """The pool's id, from ``torch.cuda.graph_pool_handle()``."""
+    """The id that captures allocate from, from ``torch.cuda.graph_pool_handle()``."""
     lane: CaptureLane | None = None
+    retired: list[Any] = field(default_factory=list)
+    """Earlier ids of the pool, which graphs captured before still use and no capture can
+    allocate from any more (:meth:`renew`)."""
+
+    def renew(self) -> None:
+        """Capture into a new id from now on: a failed capture left PyTorch recording into the
+        current one, where a later capture into it is refused ("already recording to
+        mempool_id")."""
+        self.retired.append(self.handle)
+        self.handle = torch.cuda.graph_pool_handle()
 
 
 @dataclass(eq=False)
@@ -127,8 +164,10 @@ class CudaGraphs:
             pool.lane = take_lane(device, pool)
         pool.lane.pin()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool.handle, stream=pool.lane.stream):
-            output = fn()
+        try:
+            output = _capture_on(graph, pool, fn)
+        except Exception as error:
+            raise GraphCaptureError.caused_by(error) from error
         return CudaGraph(graph, pool), output
 
     def replay(self, graph: CudaGraph) -> None:
@@ -165,12 +204,124 @@ class CudaGraphs:
         return stream
 
     def pool_bytes(self, pool: CudaPool) -> int:
-        pool_id = tuple(pool.handle)
+        pool_ids = {tuple(handle) for handle in (pool.handle, *pool.retired)}
         return sum(
             segment["total_size"]
             for segment in torch.cuda.memory_snapshot()
-            if tuple(segment.get("segment_pool_id", ())) == pool_id
+            if tuple(segment.get("segment_pool_id", ())) in pool_ids
         )
+
+
+def _capture_on(graph: torch.cuda.CUDAGraph, pool: CudaPool, fn: Callable[[], Any]) -> Any:
+    """Capture ``fn`` into ``graph`` on ``pool``'s lane, allocating from ``pool``; return its
+    output.
+
+    What ``torch.cuda.graph`` does (wait for the device, empty the cache, capture on the
+    stream), except where the capture fails: ``torch.cuda.graph``'s exit then ends the capture
+    with an error of its own in place of the first, and on PyTorch 2.11 leaves the capture
+    stream current, the allocators recording into the pool (every later capture into it is
+    refused) and the default generator refusing random numbers outside a capture ("Offset
+    increment outside graph capture"). Here the capture is abandoned (:func:`_abandon`) and
+    the first error raised.
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with torch.cuda.stream(pool.lane.stream):
+        graph.capture_begin(pool=pool.handle)
+        try:
+            output = fn()
+            graph.capture_end()
+        except BaseException:
+            _abandon(graph, pool)
+            raise
+    return output
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, pool: CudaPool) -> None:
+    """Leave nothing of a failed capture into ``pool`` on the current stream: end the stream's
+    capture if it is still under way; where PyTorch's ``capture_end`` failed before it stopped
+    the allocators recording into the pool, stop the device's, give back the capture's use of
+    the pool and :meth:`~CudaPool.renew` it (the pinned-host allocator's recording cannot be
+    stopped from Python); release ``graph``; put the device's default generator back out of
+    capture mode; and wait for the device.
+
+    Memory the capture allocated returns to the pool once the tensors holding it are gone (the
+    caller's traceback holds some); it does not free the pool, which other graphs may share.
+    """
+    device = torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        # The capture is over either way: an invalidated capture ends with an error.
+        with contextlib.suppress(RuntimeError):
+            graph.capture_end()
+    if _stop_allocating_to(device, pool.handle):
+        # capture_end failed before the point where it stops the allocators, and so before
+        # the point where reset() gives back the capture's use of the pool.
+        torch._C._cuda_releasePool(device, pool.handle)
+        pool.renew()
+        _stranded.append(graph)
+    graph.reset()
+    _release_default_generator(device)
+    torch.cuda.synchronize()
+
+
+_stranded: list[torch.cuda.CUDAGraph] = []
+"""Graphs of captures that left the pinned-host allocator recording into their pool: it keeps
+a filter that refers to the graph object, so the object, reset, is kept for as long as the
+process runs, one per such failure (on PyTorch 2.11 a failure left 1 KiB of device memory
+allocated, taken to be held by it)."""
+
+
+def _stop_allocating_to(device: int, pool: Any) -> bool:
+    """Stop the device's allocator sending allocations to the pool id ``pool`` for a capture;
+    whether it still did (it does not once ``capture_end`` got past ending the capture)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError as error:
+        if "not currently recording" not in str(error):
+            raise
+        return False
+    return True
+
+
+def _release_default_generator(device: int) -> None:
+    """Give ``device``'s default generator a state out of capture mode, with the same seed and
+    offset, if a failed capture left its state in capture mode (it then refuses every random
+    number drawn outside a capture). Graphs captured before keep the state they drew from.
+
+    It does nothing to a generator that draws: it checks by drawing one number, and puts the
+    generator's state back after.
+    """
+    generator = torch.cuda.default_generators[device]
+    state = generator.get_state()
+    try:
+        torch.empty(1, device=device).uniform_(generator=generator)
+    except RuntimeError as error:
+        if "outside graph capture" not in str(error):
+            raise
+        fresh = torch.Generator(device=torch.device("cuda", device))
+        fresh.set_state(state)
+        generator.graphsafe_set_state(fresh)
+    else:
+        generator.set_state(state)
+
+
+_NOT_THE_MODEL = ("torch", "layergraph")
+"""Packages whose frames :meth:`GraphCaptureError.caused_by` passes over to name the model's."""
+
+
+def _model_line(error: BaseException) -> str | None:
+    """``function (file:line)`` of the innermost frame of ``error``'s traceback outside
+    :data:`_NOT_THE_MODEL`, or ``None`` if every frame is inside."""
+    found = None
+    entry = error.__traceback__
+    while entry is not None:
+        module = entry.tb_frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _NOT_THE_MODEL:
+            code = entry.tb_frame.f_code
+            name = getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11
+            found = f"{name} ({Path(code.co_filename).name}:{entry.tb_lineno})"
+        entry = entry.tb_next
+    return found
 
 
 _warmup_streams: dict[int, torch.cuda.Stream] = {}

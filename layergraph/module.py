@@ -7,7 +7,7 @@ import functools
 import hashlib
 import inspect
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -136,7 +136,8 @@ def wrap(
     if warm_start is not None:
         load_warm_start(warm_start)
     budget = CompileBudget(compile_budget)
-    plan = adapter_object.plan(model, PlanContext(registry))
+    compiled = compile_layers is not False or compile_region is not False
+    plan = adapter_object.plan(model, PlanContext(registry, compiled=compiled))
     changes = ChangeLedger(model)
     route = _Route()
     try:
@@ -343,6 +344,13 @@ class GraphedModule(nn.Module):
         """What wrapping changed in the model, oldest first (``"path: what"``), all of it
         undone by :meth:`unwrap`; empty for a plan that changes nothing."""
         return self._changes.descriptions
+
+    @property
+    def speed_options(self) -> Mapping[str, str]:
+        """What each of the adapter's speed options became for this model: ``"on"``, ``"off"``,
+        or ``"off: why"`` for one left to ``"auto"`` that does not fit (a model on the CPU, a
+        family without the layers it rewrites); empty for adapters without speed options."""
+        return self._plan.speed_options
 
     @property
     def compile_budget(self) -> CompileBudget:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["PackedCall", "Packing"]
+__all__ = ["PackedCall", "Packing", "split_ranges"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +59,25 @@ class PackedCall:
         if position is not None and 0 <= position < len(self.args):
             return self.args[position]
         return default
+
+
+def split_ranges(sizes: Sequence[int], budget: int) -> list[range]:
+    """Consecutive ranges of part indices, in order, covering every part: each range's sizes
+    sum to at most ``budget``, except a part larger than ``budget``, which is a range of its
+    own. The cut :meth:`Packing.split` makes, for packings whose parts are images."""
+    ranges: list[range] = []
+    first = tokens = 0
+    for index, size in enumerate(sizes):
+        if tokens + size > budget and index > first:
+            ranges.append(range(first, index))
+            first, tokens = index, 0
+        tokens += size
+        if size > budget:
+            ranges.append(range(first, index + 1))
+            first, tokens = index + 1, 0
+    if len(sizes) > first:
+        ranges.append(range(first, len(sizes)))
+    return ranges
 
 
 class Packing(ABC):

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from .adapter import CapturePlan
 from .budgets import OBSERVED_PER_BUDGET, PACKED_MAX_GRAPHS, BudgetPlanner
 from .cache import GraphCache, GraphEntry
-from .graphs import GraphBackend
+from .graphs import GraphBackend, GraphCaptureError
 from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import BatchBuckets, CallInputs, ShapeKey, UnsupportedCall
 from .packing import PackedCall
@@ -29,7 +29,13 @@ from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
 from .warn import warn
 
-__all__ = ["DEFAULT_BATCH_SIZES", "GraphRunner", "RunnerOptions", "StaleOutputWarning"]
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "CaptureFailedWarning",
+    "GraphRunner",
+    "RunnerOptions",
+    "StaleOutputWarning",
+]
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """A common choice of fixed buckets (``batch_sizes=DEFAULT_BATCH_SIZES``): powers of two."""
@@ -52,6 +58,11 @@ _OBSERVING = "observing the traffic before choosing token budgets"
 
 class StaleOutputWarning(UserWarning):
     """A replay overwrote outputs of an earlier replay that the caller still held."""
+
+
+class CaptureFailedWarning(UserWarning):
+    """A shape's capture failed though its eager runs did not (an operator a CUDA stream capture
+    refuses, a host read, a synchronisation): its calls run eagerly. Warned once per failure."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,9 @@ class RunnerOptions:
       referenced; by default each call returns fresh tensors.
     - ``validate``: compare the first replay of each key with eager on the same input and raise
       :class:`~layergraph.validation.GraphMismatchError` beyond ``tolerance`` (relative error;
-      ``None`` takes the per-dtype default).
+      ``None`` takes the per-dtype default); and raise the error of a capture that fails
+      though its warm-up runs did not, where by default its key runs eagerly with a
+      :class:`CaptureFailedWarning`.
     - ``warmup_runs``: eager runs on a side stream before each capture.
     - ``debug``: check at every replay that each buffer the graph uses (static inputs and
       outputs, per-key state, the model's parameters) still has its captured address.
@@ -142,7 +155,11 @@ class GraphRunner:
     region and its checks. Before each call it checks, cheaply, that the model's parameters and
     buffers still live where the graphs read them (:class:`~layergraph.guards.ParameterWatch`);
     if not, every graph is dropped and captured again on demand. A capture that runs out of
-    device memory drops every graph and the pool, and its key runs eagerly from then on.
+    device memory drops every graph and the pool, and its key runs eagerly from then on. A
+    capture that fails otherwise, though the warm-up runs of the same inputs did not (an
+    operator a CUDA stream capture refuses), leaves the other graphs and the pool, and its key
+    runs eagerly from then on with a :class:`CaptureFailedWarning` (``validate`` raises the
+    error instead); an error of the warm-up runs is the model's, and raised.
 
     A replay runs the captured kernels, never Python, so forward hooks only run in eager calls.
     Graphs are captured with the hooks of ``hooks``, a baseline (default: the forward hooks on
@@ -621,26 +638,60 @@ class GraphRunner:
         call: CallInputs | PackedCall,
         measure: bool = True,
     ) -> tuple[GraphEntry | None, str]:
-        """Capture ``key`` (measured unless ``measure`` is off); on running out of memory,
-        drop every graph and say so instead."""
+        """Capture ``key`` (measured unless ``measure`` is off); return its entry, or ``None``
+        and why its call runs eagerly.
+
+        A capture that runs out of memory drops every graph. One that fails otherwise after its
+        warm-up runs, eager runs of the same inputs, succeeded (the backend's
+        :class:`~layergraph.graphs.GraphCaptureError`) is recorded and warned about, or, with
+        ``validate``, raises the capture's error. Any other error (the warm-up's: the model's
+        own) is raised as it is.
+        """
         try:
             entry = self._capture_entry(key, lookup, call, measure)
         except Exception as error:
-            if not self.backend.is_out_of_memory(error):
-                # The failed capture's frames hold its half-built graph and the tensors of its
-                # private pool; clear them, so that the error held by the caller keeps no memory.
-                traceback.clear_frames(error.__traceback__)
+            failed = error if isinstance(error, GraphCaptureError) else None
+            cause = (error.__cause__ or error) if failed is not None else error
+            # The failed capture's frames hold its half-built graph and the tensors of its
+            # private pool; clear them, so that the error, held or dropped, keeps no memory.
+            traceback.clear_frames(error.__traceback__)
+            traceback.clear_frames(cause.__traceback__)
+            if failed is None and not self.backend.is_out_of_memory(cause):
                 raise
         else:
             if entry is None:
                 return None, f"the graph of batch {key.batch} was measured slower than eager"
             return entry, ""
+        if self.backend.is_out_of_memory(cause):
+            return None, self._out_of_memory(key, lookup)
+        if self.options.validate:
+            raise cause
+        return None, self._capture_failed(key, lookup, failed)
+
+    def _out_of_memory(self, key: ShapeKey, lookup: tuple[int, Any]) -> str:
+        """Drop every graph and the pool after ``key``'s capture ran out of memory, and record
+        the failure; return the reason its calls run eagerly."""
         reason = f"capture of {key} ran out of device memory"
         self._drop_graphs()
         self.backend.release_memory()
         self._entries.fail(lookup, reason)
         self._stats.failed_captures += 1
-        return None, reason
+        return reason
+
+    def _capture_failed(
+        self, key: ShapeKey, lookup: tuple[int, Any], failed: GraphCaptureError
+    ) -> str:
+        """Record that ``key`` cannot be captured, for the reason ``failed`` gives, and warn;
+        return the reason its calls run eagerly. The other graphs and the pool stay."""
+        reason = f"capture of {key} failed: {failed}"
+        self._entries.fail(lookup, reason)
+        self._stats.failed_captures += 1
+        warn(
+            f"{reason}; calls of this shape run eagerly until the model changes or the graphs "
+            f"are released (graphed.stats counts them; validate=True raises the error instead)",
+            CaptureFailedWarning,
+        )
+        return reason
 
     def _capture_entry(
         self,
@@ -679,11 +730,8 @@ class GraphRunner:
                 )
             _load(static, call.tensors)
             args, kwargs = call.rebuild(static)
-        warmup_runs = self.options.warmup_runs
-        if isinstance(call, PackedCall):
-            if call.signature in self._warmed:
-                warmup_runs = 1
-            self._warmed.add(call.signature)
+        warmed = isinstance(call, PackedCall) and call.signature in self._warmed
+        warmup_runs = 1 if warmed else self.options.warmup_runs
         if not isinstance(call, PackedCall):
             state = self.plan.key_state(key, call)
 
@@ -696,6 +744,8 @@ class GraphRunner:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
             graph, output = self.backend.capture(region, self._pool, warmup_runs)
+        if isinstance(call, PackedCall):
+            self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
         if not measure:
             costs = None

@@ -45,8 +45,10 @@ class GraphStats:
     their batch runs eagerly (or, with ``batch_sizes="auto"``, through other graphs where
     those are faster)."""
     failed_captures: int = 0
-    """Captures that ran out of device memory; each dropped every graph, and its key runs
-    eagerly until the model changes or the graphs are released."""
+    """Captures that failed: ran out of device memory (each dropped every graph), or raised
+    what the warm-up runs of the same inputs did not, such as an operator a CUDA stream capture
+    refuses (the other graphs stay). Each key runs eagerly until the model changes or the
+    graphs are released; :attr:`eager_calls` names the reason."""
     overwritten_outputs: int = 0
     """Replays, with ``static_output=True``, that overwrote outputs of the previous replay of
     the same graph while the caller still referenced them (each also warned)."""

@@ -20,6 +20,7 @@ simulate kernels or streams.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import weakref
@@ -32,6 +33,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .graphs import GraphCaptureError
+
 __all__ = [
     "AdapterCheck",
     "CaptureUnsafeOperation",
@@ -43,7 +46,8 @@ __all__ = [
 
 
 class CaptureUnsafeOperation(RuntimeError):
-    """Raised by a :class:`SimulatedGraphs` capture for an operator that a CUDA stream capture
+    """What a :class:`SimulatedGraphs` capture fails with (the cause of its
+    :class:`~layergraph.graphs.GraphCaptureError`) at an operator that a CUDA stream capture
     refuses (``cudaErrorStreamCaptureUnsupported`` on a GPU)."""
 
 
@@ -120,6 +124,19 @@ class _HostReadRules(TorchFunctionMode):
                 f"before the captured region, or pass the result in as an input"
             )
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _stream_capturing() -> Iterator[None]:
+    """Within, ``torch.cuda.is_current_stream_capturing()`` answers ``True``, as it does during
+    a real capture: code that takes another path under capture (transformers' mask helpers,
+    which then skip reading a padding mask on the host) takes that path in a simulated one."""
+    original = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = original
 
 
 @dataclass(eq=False)
@@ -209,9 +226,11 @@ class SimulatedGraphs:
     outputs' blocks are freed when the graph is collected.
     :meth:`pool_bytes` is what the pool reserved. With the default ``working_set`` of 0 a pool
     holds the outputs of its graphs, and of graphs dropped unless later captures reused their
-    blocks. With ``strict`` (the default) a capture raises
+    blocks. With ``strict`` (the default) a capture fails with
     :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
-    docstring lists it); warm-up runs, like a GPU's, may do anything.
+    docstring lists it), raised as the cause of a
+    :class:`~layergraph.graphs.GraphCaptureError`; warm-up runs, like a GPU's, may do
+    anything.
     """
 
     device_type = "cpu"
@@ -247,18 +266,24 @@ class SimulatedGraphs:
         """Warm up, then "capture" ``fn``.
 
         Raises if ``pool`` was used and none of its graphs lives any more: PyTorch's allocator
-        refuses that capture whenever memory of the pool is still held.
+        refuses that capture whenever memory of the pool is still held. Raises
+        :class:`~layergraph.graphs.GraphCaptureError`, the error chained, if ``fn`` raises in
+        the capture after its warm-up runs did not; the failed capture leaves the pool as it
+        was, as a GPU backend's does.
         """
         for _ in range(warmup_runs):
             fn()
         if pool.used and not pool.graphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
-        pool.used = True
-        if self.strict:
-            with _HostReadRules(), _CaptureRules():
+        try:
+            if self.strict:
+                with _HostReadRules(), _CaptureRules(), _stream_capturing():
+                    output = fn()
+            else:
                 output = fn()
-        else:
-            output = fn()
+        except Exception as error:
+            raise GraphCaptureError.caused_by(error) from error
+        pool.used = True
         graph = _SimulatedGraph(fn, output)
         sizes = _storage_bytes(output)
         intermediates = [pool.allocate(sum(sizes)) for _ in range(self.working_set if sizes else 0)]

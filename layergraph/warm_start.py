@@ -7,7 +7,8 @@ not have that cache. :func:`save_warm_start` writes to one file, with the GPU an
 they were made with, Inductor's cache artifacts of this process
 (``torch.compiler.save_cache_artifacts``: the compiled graphs) and the files this process
 wrote into Inductor's and Triton's cache directories (compiled kernels, autotuning results,
-and the binaries of Triton kernels outside Inductor, such as layergraph's attention kernel);
+and the binaries of Triton kernels outside Inductor, such as layergraph's attention and add-norm
+kernels);
 :func:`load_warm_start` (or ``wrap(..., warm_start=path)``) puts them back in another process
 before anything compiles, so compiling finds its results in the caches instead of compiling
 kernels again. Dynamo still traces each compiled region or layer once per shape.

@@ -11,6 +11,8 @@ timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
 
 from test_internvl_adapter import tiny_vlm, tower  # noqa: E402
+from test_pixtral_adapter import tower as pixtral_tower  # noqa: E402
+from test_pixtral_adapter import vlm as pixtral_vlm  # noqa: E402
 from test_siglip2_adapter import lfm2_vl  # noqa: E402
 from test_siglip2_adapter import tower as siglip2_tower  # noqa: E402
 from test_siglip_clip_adapters import built, clip_config, siglip_config, tiny_llava  # noqa: E402
@@ -53,6 +55,9 @@ MODELS: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
     "Siglip2VisionModel": ("siglip2", siglip2_tower),
     "LFM2-VL": ("siglip2", lfm2_vl),
     "Lfm2VlModel": ("siglip2", lambda: lfm2_vl().model),
+    "PixtralVisionModel": ("pixtral", pixtral_tower),
+    "Mistral3ForConditionalGeneration": ("pixtral", lambda: pixtral_vlm("mistral3")),
+    "LLaVA with Pixtral": ("pixtral", lambda: pixtral_vlm("llava")),
     "nn.Sequential": ("sequential", lambda: torch.nn.Sequential(torch.nn.Linear(2, 2))),
 }
 
@@ -73,7 +78,10 @@ def test_unrecognised_model_gets_the_list_and_how_to_name_one(
     message = str(error.value)
     assert "no adapter recognises torch.nn.modules.linear.Linear" in message
     assert "adapter=NAME" in message
-    assert "clip, internvl, qwen2_vl, sequential, siglip, siglip2, timm" in message
+    assert (
+        "aimv2, clip, dinov2, idefics, internvl, janus, llama4, mllama, pixtral, qwen2_vl, "
+        "sequential, siglip, siglip2, timm, vit" in message
+    )
 
 
 def test_a_plugin_recognize_hook_comes_first() -> None:

@@ -204,13 +204,15 @@ def test_tuning_flags_become_the_tuned_options(tmp_path: Path) -> None:
     pytest.importorskip("timm")
     path = tmp_path / "r.json"
     flags = ["--compile-region", "--inductor-option", "coordinate_descent_tuning=True"]
-    flags += ["--patch-matmul", "--fuse-gelu", "approximate", "--compile-budget", "60"]
+    flags += ["--patch-matmul", "--fuse-gelu", "approximate", "--fuse-norm"]
+    flags += ["--compile-budget", "60"]
     done = bench(*TINY_VIT, *flags, "--json", str(path))
     assert done.returncode == 0, done.stderr
     assert BenchReport.read_json(path).tuned_options == {
         "compile_region": {"options": {"coordinate_descent_tuning": True}},
         "patch_matmul": True,
         "fuse_gelu": "approximate",
+        "fuse_norm": True,
         "compile_budget": 60.0,
     }
     for wrong, message in (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 import layergraph
 from layergraph.capture_lanes import free_lanes
+from layergraph.runner import CaptureFailedWarning
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 timm = pytest.importorskip("timm")
@@ -51,10 +53,12 @@ def test_out_of_memory_during_capture_gives_memory_back_and_runs_eagerly(
         graphed(x_small)
         expected = model(x_large)
         before = settled_memory()
-        # A cap that leaves no room for batch 64 at all: the capture fails, and so does the
-        # eager call that stands in for it, which raises the out-of-memory error.
+        # A cap at the memory reserved now leaves no room for batch 64 at all (its MLP's hidden
+        # activations alone take 37 MiB): the capture fails, and so does the eager call that
+        # stands in for it, which raises the out-of-memory error. Free blocks inside the
+        # reserved segments (fused q/k/v weights leave some) stay usable under the cap.
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction((before[1] + 32 * 2**20) / total)
+        torch.cuda.set_per_process_memory_fraction(before[1] / total)
         try:
             with pytest.raises(torch.OutOfMemoryError):
                 graphed(x_large)
@@ -74,29 +78,34 @@ def test_out_of_memory_during_capture_gives_memory_back_and_runs_eagerly(
         assert graphed.stats.graphs == 1
 
 
-def test_an_exception_inside_a_layer_during_capture(
+def test_an_exception_inside_a_layer_during_capture_runs_the_call_eagerly(
     model: torch.nn.Module, record_property: Callable[[str, object], None]
 ) -> None:
     def fail_while_capturing(*_: object) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("layer failed during capture")
 
-    with torch.inference_mode():
-        # The process's one-time allocations (the warm-up stream's cuBLAS workspace) first.
-        layergraph.wrap(model, batch_sizes=[2])(images(2))
     handle = model.blocks[3].register_forward_hook(fail_while_capturing)
+    with torch.inference_mode(), warnings.catch_warnings():
+        # The process's one-time allocations first: the warm-up stream's cuBLAS workspace,
+        # and the default generator's state that replaces one a failed capture leaves in
+        # capture mode (PyTorch 2.11).
+        warnings.simplefilter("ignore", CaptureFailedWarning)
+        layergraph.wrap(model, batch_sizes=[2])(images(2))
     graphed = layergraph.wrap(model, batch_sizes=[2])
     with torch.inference_mode():
+        x = images(2)
         before = settled_memory()
-        with pytest.raises(RuntimeError, match="layer failed during capture"):
-            graphed(images(2))
+        with pytest.warns(CaptureFailedWarning, match="layer failed during capture"):
+            assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        stats = graphed.stats
+        assert stats.failed_captures == 1 and stats.graphs == 0
         handle.remove()
         graphed.release()  # graphs are captured again with the hooks the model has now
         after = settled_memory()
         record_property("memory_before_bytes", before)
         record_property("memory_after_bytes", after)
-        assert graphed.stats.graphs == 0
-        assert after[0] <= before[0]
+        assert after[0] <= before[0] and after[1] <= before[1]
         x = images(2)
         assert relative_error(graphed(x), model(x)) <= TOLERANCE
     assert graphed.stats.graphs == 1

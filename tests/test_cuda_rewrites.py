@@ -66,11 +66,9 @@ def _vit_base() -> torch.nn.Module:
 
 def _siglip() -> torch.nn.Module:
     pytest.importorskip("transformers")
-    from layergraph_adapters.hf_vision import build_tower
-    from layergraph_adapters.siglip import SIGLIP_CONFIGS
+    from layergraph_adapters.towers import SIGLIP
 
-    config = SIGLIP_CONFIGS["siglip-so400m-384"]
-    return build_tower("SiglipVisionModel", config, torch.bfloat16, "cuda")
+    return SIGLIP.example_model("siglip-so400m-384").build(torch.bfloat16, "cuda")
 
 
 def _internvit() -> torch.nn.Module:

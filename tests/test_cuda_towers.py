@@ -21,9 +21,7 @@ from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 
-from layergraph_adapters.clip import CLIP_CONFIGS  # noqa: E402
-from layergraph_adapters.hf_vision import build_tower  # noqa: E402
-from layergraph_adapters.siglip import SIGLIP_CONFIGS  # noqa: E402
+from layergraph_adapters.towers import CLIP, SIGLIP  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -37,9 +35,7 @@ def pixels(batch: int, size: int) -> torch.Tensor:
 
 def test_siglip_so400m() -> None:
     torch.manual_seed(0)
-    model = build_tower(
-        "SiglipVisionModel", SIGLIP_CONFIGS["siglip-so400m-384"], torch.bfloat16, "cuda"
-    )
+    model = SIGLIP.example_model("siglip-so400m-384").build(torch.bfloat16, "cuda")
     inputs = [pixels(batch, 384) for batch in BATCHES]
     with torch.inference_mode():
         expected = [model(pixel_values=x) for x in inputs]
@@ -55,7 +51,7 @@ def test_siglip_so400m() -> None:
 
 def test_clip_vit_l_336_layer_minus_two() -> None:
     torch.manual_seed(0)
-    model = build_tower("CLIPVisionModel", CLIP_CONFIGS["clip-vit-l-336"], torch.bfloat16, "cuda")
+    model = CLIP.example_model("clip-vit-l-336").build(torch.bfloat16, "cuda")
     inputs = [pixels(batch, 336) for batch in BATCHES]
     with torch.inference_mode():
         expected = [

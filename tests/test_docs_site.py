@@ -34,6 +34,7 @@ PAGES = [
     "tutorials/tensor-parallel/",
     "tutorials/writing-an-adapter/",
     "troubleshooting/",
+    "coverage/",
     "benchmarks/",
     "reference/hooks/",
     "reference/api/",

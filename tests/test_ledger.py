@@ -28,6 +28,7 @@ from layergraph.ledger import (
     UndoError,
 )
 from layergraph.testing import SimulatedGraphs
+from layergraph_adapters.fused_norm import fused_norm_unavailable
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -240,6 +241,10 @@ def _internvl_config() -> Any:
     )
 
 
+FUSE_NORM = st.booleans() if fused_norm_unavailable(torch.device("cpu")) is None else st.just(False)
+"""fuse_norm where its kernel runs on CPU tensors (Triton's interpreter), else off."""
+
+
 def _call_tower(model: nn.Module, batch: int = 2) -> torch.Tensor:
     torch.manual_seed(1)
     with torch.inference_mode():
@@ -279,6 +284,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], di
             "fuse_qkv": st.booleans(),
             "patch_matmul": st.booleans(),
             "fuse_gelu": st.sampled_from([False, True]),
+            "fuse_norm": FUSE_NORM,
         },
     ),
     "clip": (
@@ -288,6 +294,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], di
             "fuse_qkv": st.booleans(),
             "patch_matmul": st.booleans(),
             "feature_layers": st.sampled_from([None, -2, [1, 2]]),
+            "fuse_norm": FUSE_NORM,
         },
     ),
     "internvl": (
@@ -297,6 +304,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], di
             "fuse_qkv": st.booleans(),
             "patch_matmul": st.booleans(),
             "fuse_gelu": st.sampled_from([False, "approximate"]),
+            "fuse_norm": FUSE_NORM,
             "attention": st.just("sdpa"),
         },
     ),
@@ -310,7 +318,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], di
             depth=2,
         ),
         _call_images,
-        {"patch_matmul": st.booleans(), "fuse_gelu": st.sampled_from([False, "approximate"])},
+        {
+            "patch_matmul": st.booleans(),
+            "fuse_gelu": st.sampled_from([False, "approximate"]),
+            "fuse_norm": FUSE_NORM,
+        },
     ),
     "sequential": (
         lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)),

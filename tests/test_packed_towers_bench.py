@@ -2,11 +2,11 @@
 answers agree with the tower's (layergraph's eager path too), and the stream reports the
 budgets chosen and the packed mode's aims.
 
-Four-layer Qwen2.5-VL and Qwen3-VL towers in float32: layergraph's graphs are simulated on the
-CPU and the hand-written graph runs its forward eagerly, so each method's error against the
-float64 reference is float32 rounding (about 1e-6; 1e-5 allowed), and in the stream each
-answer of layergraph and of the hand-written graphs equals eager's within 1e-5. The stream has 20
-requests: layergraph observes the first 16 before choosing budgets.
+Four-layer Qwen2.5-VL, Qwen3-VL, GLM-4.1V and Pixtral towers in float32: layergraph's graphs are
+simulated on the CPU and the hand-written graph runs its forward eagerly, so each method's error
+against the float64 reference is float32 rounding (about 1e-6; 1e-5 allowed), and in the stream
+each answer of layergraph and of the hand-written graphs equals eager's within 1e-5. The stream
+has 20 requests: layergraph observes the first 16 before choosing budgets.
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
     path = tmp_path / "tiny.json"
     result = bench.main(["--tiny", "--requests", "20", "--seconds", "0.01", "--json", str(path)])
     assert json.loads(path.read_text())["towers"][0]["tower"] == "qwen2.5-vl-tiny"
-    assert [record["tower"] for record in result["towers"]] == ["qwen2.5-vl-tiny", "qwen3-vl-tiny"]
+    assert [record["tower"] for record in result["towers"]] == [
+        "qwen2.5-vl-tiny",
+        "qwen3-vl-tiny",
+        "glm-4.1v-tiny",
+        "pixtral-tiny",
+    ]
     for record in result["towers"]:
         assert [row["size"] for row in record["images"]] == [
             f"{width}x{height}" for width, height in bench.TINY_SIZES
@@ -82,8 +87,8 @@ def test_the_full_size_towers_ask_for_a_gpu_without_one(bench: Any, capsys: Any)
 
 def test_the_stream_is_seeded_and_mixes_sizes_counts_and_videos(bench: Any) -> None:
     config = bench.towers(tiny=False)[0].config()
-    requests = bench.stream_requests(config, 100, bench.SIZES, seed=0)
-    assert requests == bench.stream_requests(config, 100, bench.SIZES, seed=0)
+    requests = bench.qwen_towers.stream_requests(config, 100, bench.SIZES, seed=0)
+    assert requests == bench.qwen_towers.stream_requests(config, 100, bench.SIZES, seed=0)
     entries = [entry for request in requests for entry in request]
     assert {len(request) for request in requests} == {1, 2, 3}
     assert {entry for entry in entries if entry[0] == 1} == {
@@ -94,3 +99,35 @@ def test_the_stream_is_seeded_and_mixes_sizes_counts_and_videos(bench: Any) -> N
         (1, 72, 96),
     }
     assert 5 <= sum(entry[0] > 1 for entry in entries) <= 40
+
+
+def test_glm_4_1v_9b_is_its_configurations_defaults_and_gets_videos_as_frames(bench: Any) -> None:
+    glm = bench.towers(tiny=False)[2]
+    config = glm.config()
+    assert glm.name == "glm-4.1v-9b" and glm.video_rows
+    assert (config.depth, config.hidden_size, config.num_heads) == (24, 1536, 12)
+    assert (config.patch_size, config.spatial_merge_size, config.out_hidden_size) == (14, 2, 4096)
+    assert bench.frame_rows([(2, 4, 6), (1, 2, 2)]) == [(1, 4, 6), (1, 4, 6), (1, 2, 2)]
+
+
+def test_a_tower_the_installed_transformers_is_not_served_with_is_skipped_by_name(
+    bench: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LAYERGRAPH_UNCHECKED_TRANSFORMERS", raising=False)
+    monkeypatch.setattr(bench.transformers, "__version__", "5.16.1")
+    result = bench.main(["--tiny", "--towers", "glm-4.1v-tiny", "--requests", "1"])
+    assert result["towers"] == []
+    assert result["skipped"] == {"glm-4.1v-tiny": ">=5.17.0,<5.25"}
+
+
+def test_pixtrals_stream_holds_images_scaled_to_fit_its_largest_side(bench: Any) -> None:
+    config = bench.pixtral_towers.towers(tiny=False)[0].config()
+    requests = bench.pixtral_towers.stream_requests(config, 100, bench.SIZES, seed=0)
+    assert {len(request) for request in requests} == {1, 2, 3}
+    assert {entry for request in requests for entry in request} == {
+        (1, 14, 14),
+        (1, 28, 28),
+        (1, 28, 42),  # 672 wide, 448 high
+        (1, 56, 56),
+        (1, 48, 64),  # 1344x1008 scaled to 1024x768
+    }

@@ -118,10 +118,12 @@ def test_unknown_adapter_lists_available_names(
     monkeypatch.setenv(plugins.DISABLE_ENV, "1")  # first-party adapters only
     with pytest.raises(
         UnknownAdapterError,
-        match="no adapter named 'vit'; available: clip, internvl, qwen2_vl, sequential, siglip, "
-        "siglip2, timm",
+        match=(
+            "no adapter named 'swin'; available: aimv2, clip, dinov2, idefics, internvl, "
+            "janus, llama4, mllama, pixtral, qwen2_vl, sequential, siglip, siglip2, timm, vit"
+        ),
     ):
-        layergraph.wrap(torch.nn.Sequential(), adapter="vit")
+        layergraph.wrap(torch.nn.Sequential(), adapter="swin")
 
 
 def test_unknown_adapter_option_names_the_accepted_ones(fresh_registry: None) -> None:

@@ -1,14 +1,15 @@
-"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V and
+GLM-OCR.
 
 On the CPU through simulated graphs whose costs make every way win somewhere: eager pays
 ``launches`` ms per call, a replay a third of that, and both pay per token, so a budget's graph
 is kept or dropped, a call goes to its own budget, a larger one, is split by images or runs
 eagerly. Calls hold one to three entries drawn from images smaller than a window, images of
 several windows, one image larger than every budget (run eagerly, the rest of its call from
-graphs), and two-frame videos; budgets are learnt,
-given or exact; few graphs are allowed. Every answer (the merged features, the last hidden
-state and Qwen3-VL's deep-stack features) must equal the unwrapped tower's on the same fresh
-random input within 1e-4 relative error (float32).
+graphs), and two-frame videos (given to GLM-4.1V's tower as one row per frame, as its VLM
+passes them); budgets are learnt, given or exact; few graphs are allowed. Every answer (the
+merged features, the last hidden state and Qwen3-VL's deep-stack features) must equal the
+unwrapped tower's on the same fresh random input within 1e-4 relative error (float32).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 
 pytest.importorskip("transformers")
+from test_glm4v_adapter import tower as glm_tower
 from test_qwen2_vl_adapter import (
     ENTRIES,
     TOLERANCE,
@@ -47,6 +49,7 @@ from test_qwen2_vl_adapter import (
     tower,
 )
 
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "glm_ocr"]
 LARGEST = 128
 """The largest budget, learnt or given: a call above it is split by images."""
 BIG = (1, 16, 12)
@@ -56,6 +59,8 @@ BIG = (1, 16, 12)
 @functools.cache
 def model(kind: str) -> nn.Module:
     """The tower of ``kind``, built once (wrapping and unwrapping leave it as it was)."""
+    if kind.startswith("glm"):
+        return glm_tower(kind)
     if kind != "qwen3_vl":
         return tower(kind)
     from transformers import Qwen3VLVisionConfig
@@ -63,6 +68,14 @@ def model(kind: str) -> nn.Module:
 
     torch.manual_seed(0)
     return sharpen(Qwen3VLVisionModel(Qwen3VLVisionConfig(**VISION_QWEN3)).eval())
+
+
+def entries(kind: str, grids: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``grids`` as the tower of ``kind`` is given them: GLM-4.1V's reads ``grid_thw``'s rows
+    by frame, and its VLM passes a video as one row per frame."""
+    if kind != "glm4v":
+        return grids
+    return [(1, h, w) for t, h, w in grids for _ in range(t)]
 
 
 def answer(output: Any) -> list[torch.Tensor]:
@@ -75,7 +88,7 @@ def answer(output: Any) -> list[torch.Tensor]:
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]),
+    kind=st.sampled_from(KINDS),
     stream=st.lists(
         st.lists(st.sampled_from([*ENTRIES, BIG]), min_size=1, max_size=3), min_size=3, max_size=8
     ),
@@ -111,7 +124,7 @@ def test_every_answer_equals_the_towers(
     )
     try:
         for grids in stream:
-            pixels, grid = call(grids)
+            pixels, grid = call(entries(kind, grids))
             with torch.inference_mode():
                 got = [part.clone() for part in answer(graphed(pixels, grid_thw=grid))]
                 with graphed.original():
@@ -133,7 +146,7 @@ def test_every_answer_equals_the_towers(
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]),
+    kind=st.sampled_from(KINDS),
     stream=st.lists(
         st.lists(st.sampled_from(ENTRIES), min_size=1, max_size=3), min_size=9, max_size=14
     ),
@@ -156,7 +169,7 @@ def test_learnt_budgets_follow_the_traffic_within_eight_graphs(
     try:
         totals: Counter[int] = Counter()
         for grids in stream:
-            pixels, grid = call(grids)
+            pixels, grid = call(entries(kind, grids))
             totals[pixels.shape[0]] += 1
             with torch.inference_mode():
                 got = answer(graphed(pixels, grid_thw=grid))

@@ -22,6 +22,7 @@ from torch import nn
 import layergraph
 import layergraph.guards
 from layergraph import GraphMismatchError
+from layergraph.graphs import GraphCaptureError
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5
@@ -118,33 +119,182 @@ def test_out_of_memory_at_capture_leaves_the_model_working() -> None:
     assert graphed.stats.graphs == 1 and graphed.stats.replays == 2
 
 
-@pytest.mark.parametrize("failing_call", [2, 3], ids=["in-warm-up", "in-capture"])
-def test_an_error_inside_a_layer_during_capture_ends_cleanly(failing_call: int) -> None:
-    """Two warm-up runs come first, then the capture; the layer fails in one of them."""
-    made: list[weakref.ref[torch.Tensor]] = []
+class Flaky(nn.Module):
+    """Doubles its input, but raises at the calls numbered in ``failing``; keeps a weak
+    reference to the tensor it made in the call that failed."""
 
-    class Flaky(nn.Module):
-        calls = 0
+    def __init__(self, *failing: int) -> None:
+        super().__init__()
+        self.failing = failing
+        self.calls = 0
+        self.made: list[weakref.ref[torch.Tensor]] = []
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            Flaky.calls += 1
-            doubled = x * 2
-            if Flaky.calls == failing_call:
-                made.append(weakref.ref(doubled))
-                raise RuntimeError("layer failed")
-            return doubled
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        doubled = x * 2
+        if self.calls in self.failing:
+            self.made.append(weakref.ref(doubled))
+            raise RuntimeError(f"layer failed at call {self.calls}")
+        return doubled
 
-    model = nn.Sequential(Flaky()).eval()
-    graphed = wrap(model, batch_sizes=[2])
-    with torch.no_grad():
-        with pytest.raises(RuntimeError, match="layer failed") as failure:
+
+def test_an_error_inside_a_layer_during_warm_up_is_the_models_and_raised() -> None:
+    """Two warm-up runs come first, then the capture; the layer fails in the second warm-up,
+    an eager run: that is the model's error, raised as it is, and nothing is recorded."""
+    flaky = Flaky(2)
+    graphed = wrap(nn.Sequential(flaky).eval(), batch_sizes=[2])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="layer failed at call 2") as failure:
             graphed(torch.randn(2, 3))
-        assert graphed.stats.graphs == 0
+        assert graphed.stats.graphs == 0 and graphed.stats.failed_captures == 0
         assert failure.value.__traceback__ is not None
-        assert made[0]() is None, "the error kept a tensor of the failed capture alive"
+        assert flaky.made[0]() is None, "the error kept a tensor of the failed capture alive"
         x = torch.randn(2, 3)
         torch.testing.assert_close(graphed(x), x * 2)
     assert graphed.stats.graphs == 1
+
+
+def test_an_error_inside_a_layer_during_capture_runs_the_call_eagerly() -> None:
+    """The layer fails in the capture (its third run) alone: the call is answered eagerly, the
+    key is marked failed with the layer's error, warned about once, and never captured again."""
+    flaky = Flaky(3)
+    graphed = wrap(nn.Sequential(flaky).eval(), batch_sizes=[2])
+    x = torch.randn(2, 3)
+    with torch.no_grad(), pytest.warns(layergraph.runner.CaptureFailedWarning) as recorded:
+        torch.testing.assert_close(graphed(x), x * 2)
+        torch.testing.assert_close(graphed(x), x * 2)
+    warned = [w for w in recorded if w.category is layergraph.runner.CaptureFailedWarning]
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert "RuntimeError: layer failed at call 3 (in Flaky.forward" in message
+    assert warned[0].filename == __file__
+    assert flaky.made[0]() is None, "the failed capture left a tensor alive"
+    stats = graphed.stats
+    assert stats.graphs == 0 and stats.captures == 0 and stats.failed_captures == 1
+    assert stats.served == {(2, "eager"): 2}
+    ((reason, count),) = stats.eager_calls.items()
+    assert count == 2 and reason.startswith("capture of (batch=2, sequence=float32[3]) failed")
+    assert flaky.calls == 5, "the failed key was captured again"
+
+
+def test_a_failed_capture_whose_eager_call_fails_raises_the_eager_error() -> None:
+    """The layer fails in the capture and in the eager call that stands in for it: the eager
+    call's error is the caller's."""
+    graphed = wrap(nn.Sequential(Flaky(3, 4)).eval(), batch_sizes=[2])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", layergraph.runner.CaptureFailedWarning)
+        with pytest.raises(RuntimeError, match="layer failed at call 4"):
+            graphed(torch.randn(2, 3))
+
+
+def test_validate_raises_the_error_of_a_failed_capture() -> None:
+    flaky = Flaky(3)
+    graphed = wrap(nn.Sequential(flaky).eval(), batch_sizes=[2], validate=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="layer failed at call 3"):
+            graphed(torch.randn(2, 3))
+    assert flaky.made[0]() is None
+    assert graphed.stats.graphs == 0 and graphed.stats.failed_captures == 0
+
+
+def test_an_input_the_model_refuses_raises_the_models_error() -> None:
+    """An input of the wrong width fails in the warm-up runs, as eagerly: the model's error."""
+    graphed = wrap(stack(), batch_sizes=[2])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            graphed(torch.randn(2, 5))
+    assert graphed.stats.failed_captures == 0
+
+
+class ReadsOnTheHostAt(nn.Module):
+    """Reads a value on the host when the batch is ``batch``, which a capture refuses; an eager
+    call on the CPU does not mind."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.batch:
+            return x * float(x.abs().max().item() > 0)
+        return x
+
+
+@pytest.mark.parametrize("first", [2, 3], ids=["after-a-graph", "first-capture"])
+def test_other_keys_capture_and_replay_after_a_failed_capture(first: int) -> None:
+    """Batch 3's capture fails, before or after batch 2's graph was captured into the pool:
+    batch 3 runs eagerly, and batches 2 and 4 are captured into the pool and replay."""
+    model = nn.Sequential(*stack(), ReadsOnTheHostAt(3)).eval()
+    backend = SimulatedGraphs()
+    graphed = wrap(model, backend=backend, batch_sizes=None)
+    order = [first, 5 - first, 4, 2, 3, 4]  # 2 and 3 in the order chosen, then again
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        pool_bytes = []
+        for batch in order:
+            check(graphed, model, batch)
+            pool_bytes.append(graphed.stats.pool_bytes)
+    line = ReadsOnTheHostAt.forward.__code__.co_firstlineno + 2
+    assert len(warned) == 1 and str(warned[0].message).startswith(
+        "capture of (batch=3, sequence=float32[8]) failed: CaptureUnsafeOperation: "
+        "Tensor.item reads a tensor's value on the host (.item(), bool(t), int(t)): a CUDA "
+        "graph cannot capture it (it waits for the GPU); compute it before the captured "
+        "region, or pass the result in as an input (in ReadsOnTheHostAt.forward "
+        f"(test_reliability.py:{line})); calls of this shape run eagerly"
+    )
+    stats = graphed.stats
+    assert sorted(key.batch for key in graphed.keys) == [2, 4]
+    assert stats.captures == 2 and backend.captures == 2 and stats.failed_captures == 1
+    assert stats.served == {(2, "graph"): 2, (4, "graph"): 2, (3, "eager"): 2}
+    row = 8 * 4  # bytes of one output row of float32[8]
+    assert pool_bytes[-1] == (2 + 4) * row and pool_bytes[order.index(3)] == 2 * row * (first == 2)
+
+
+class FailsMidCapture(SimulatedGraphs):
+    """A backend whose capture of ``batch`` rows fails as a GPU's does at a synchronisation:
+    after the warm-up runs, with the capture abandoned and nothing added to the pool."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def capture(self, fn: Any, pool: Any, warmup_runs: int) -> tuple[Any, Any]:
+        output = None
+        for _ in range(warmup_runs):
+            output = fn()
+        if output.shape[0] == self.batch:
+            error = RuntimeError(
+                "CUDA error: operation not permitted when stream is capturing\n"
+                "Search for `cudaErrorStreamCaptureUnsupported' in the CUDA documentation"
+            )
+            raise GraphCaptureError.caused_by(error) from error
+        return super().capture(fn, pool, warmup_runs)
+
+
+def test_a_backend_failing_mid_capture_leaves_the_other_graphs_serving() -> None:
+    model = stack()
+    backend = FailsMidCapture(batch=8)
+    graphed = wrap(model, backend=backend, batch_sizes=[2, 8])
+    with pytest.warns(layergraph.runner.CaptureFailedWarning, match="not permitted when stream"):
+        for batch in (2, 7, 7, 2):
+            check(graphed, model, batch)
+    stats = graphed.stats
+    (reason,) = stats.eager_calls
+    assert reason == (
+        "capture of (batch=8, sequence=float32[8]) failed: RuntimeError: CUDA error: operation "
+        "not permitted when stream is capturing"
+    )
+    assert stats.served == {(2, "graph"): 2, (7, "eager"): 2}
+    assert stats.failed_captures == 1 and stats.graphs == 1 and backend.memory_releases == 0
+    ahead = wrap(model, backend=FailsMidCapture(batch=8), batch_sizes=[2, 8])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match=r"cannot capture graphs: capture of \(batch=8"):
+            ahead.capture(torch.randn(2, 8), progress=False)
+    assert [w.category for w in warned] == [layergraph.runner.CaptureFailedWarning]
 
 
 class WrongAfterCaptures(SimulatedGraphs):
@@ -379,7 +529,8 @@ class FailOnRequest(SimulatedGraphs):
 def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
     events: list[tuple[str, int]],
 ) -> None:
-    """Calls between model changes, releases and failed captures all match eager.
+    """Calls between model changes, releases and failed captures all match eager, and only the
+    key whose capture failed runs eagerly.
 
     The backend keeps PyTorch's pool rule, so a runner that captured into a pool drained by
     one of these events would fail here.
@@ -396,6 +547,12 @@ def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
             graphed.release()
         elif 8 not in [key.batch for key in graphed.keys]:
             backend.fail_next = True
-            with torch.no_grad(), pytest.raises(RuntimeError, match="layer failed"):
-                graphed(torch.randn(8, 8))
-    assert graphed.stats.eager_total == 0
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                check(graphed, model, 8)
+            # No capture was tried if batch 8's capture had failed since the last change.
+            assert len(warned) == (0 if backend.fail_next else 1)
+            assert all("layer failed during capture" in str(w.message) for w in warned)
+            backend.fail_next = False
+    failed = "capture of (batch=8, sequence=float32[8]) failed: RuntimeError: layer failed"
+    assert all(reason.startswith(failed) for reason in graphed.stats.eager_calls)

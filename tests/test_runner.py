@@ -629,19 +629,57 @@ class _ReadsValues(nn.Module):
     ],
 )
 def test_a_capture_refuses_what_a_cuda_capture_refuses(how: str, named: str) -> None:
+    """The refused operator fails the capture: the call runs eagerly, with the operator named in
+    the warning and the reason; validate=True raises it instead."""
+    from layergraph.runner import CaptureFailedWarning
     from layergraph.testing import CaptureUnsafeOperation
 
     model = nn.Sequential(nn.Linear(4, 4), _ReadsValues(how)).eval()
     graphed = wrap_simulated(model, batch_sizes=None)
     x = torch.randn(2, 4)
     with torch.inference_mode():
-        with pytest.raises(CaptureUnsafeOperation, match=named):
-            graphed(x)
-        assert graphed.stats.graphs == 0 and graphed.stats.pool_bytes == 0
+        with pytest.warns(CaptureFailedWarning, match=named):
+            torch.testing.assert_close(graphed(x), model(x))
+        stats = graphed.stats
+        assert stats.graphs == 0 and stats.pool_bytes == 0 and stats.failed_captures == 1
+        ((reason, count),) = stats.eager_calls.items()
+        assert count == 1 and "CaptureUnsafeOperation" in reason and named in reason
         with graphed.original() as original:  # the model itself is left as it was
             torch.testing.assert_close(original(x), model(x))
+        strict = wrap_simulated(model, batch_sizes=None, validate=True)
+        with pytest.raises(CaptureUnsafeOperation, match=named):
+            strict(x)
     lenient = layergraph.wrap(
         model, adapter=layergraph.SequentialAdapter(), backend=SimulatedGraphs(strict=False)
     )
     with torch.inference_mode():
         torch.testing.assert_close(lenient(x), model(x))  # the CPU itself has no such rule
+    assert lenient.stats.replays == 1
+
+
+class _AsksIfCapturing(nn.Module):
+    """Records what ``torch.cuda.is_current_stream_capturing()`` answered at each call, as
+    transformers' mask helpers ask it to choose their path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:  # as transformers asks: a machine without a CUDA driver raises
+            capturing = torch.cuda.is_current_stream_capturing()
+        except Exception:
+            capturing = False
+        self.answers.append(capturing)
+        return x * 2
+
+
+def test_a_simulated_capture_says_a_stream_is_capturing_as_a_cuda_capture_does() -> None:
+    asks = _AsksIfCapturing()
+    graphed = wrap_simulated(nn.Sequential(nn.Linear(4, 4), asks).eval(), batch_sizes=None)
+    with torch.inference_mode():
+        graphed(torch.randn(2, 4))
+    # warm-up runs, then the capture; a replay re-runs the function on the CPU, where a real
+    # replay runs no Python, so only the capture's answer matters
+    assert True in asks.answers and asks.answers[0] is False
+    assert asks.answers.count(True) == 1

@@ -19,6 +19,7 @@ from .backends import (
     TritonVarlenAttention,
     choose_backend,
     choose_packed_backend,
+    packed_backends,
     packed_timer,
 )
 from .layout import (
@@ -44,6 +45,7 @@ __all__ = [
     "check_packed_metadata",
     "choose_backend",
     "choose_packed_backend",
+    "packed_backends",
     "packed_timer",
     "padded_offsets",
 ]

@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -369,6 +369,19 @@ Timed once per budget and kind of attention, at every capture of a budget: fewer
 PackedTimer = Callable[[AttentionBackend, PackedLayout, tuple[int, ...]], float]
 """Milliseconds of one attention call of a backend in a packed graph: room of a
 :class:`~layergraph.attention.PackedLayout`, sequences of the given lengths in it."""
+
+
+def packed_backends(
+    registered: Iterable[AttentionBackend], attention: str
+) -> tuple[AttentionBackend, ...]:
+    """The backends a packed plan may use: the masked SDPA, which reads ``cu_seqlens`` on the
+    device, then every registered backend that reads boundaries at run time. Raises
+    ``ValueError`` when ``attention`` names none of them and is not ``"auto"``."""
+    candidates = (SdpaMaskedAttention(), *(b for b in registered if b.reads_boundaries))
+    names = (*(b.name for b in candidates), "auto")
+    if attention not in names:
+        raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")
+    return candidates
 
 
 @functools.lru_cache(maxsize=256)

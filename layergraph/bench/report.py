@@ -25,6 +25,7 @@ _OPTION_NAMES = {
     "fuse_qkv": "fused qkv",
     "patch_matmul": "patch matmul",
     "fuse_gelu": "fused gelu",
+    "fuse_norm": "fused norm",
     "compile_budget": "compile budget",
 }
 

@@ -1,9 +1,11 @@
 """A layergraph adapter for transformers' ``Dinov2Model``, shipped as its own package.
 
-The whole forward is captured per (batch, tokens): patch embedding, the position embedding
-interpolated to the image size, the layers and the final norm. With ``patch_matmul=True`` the
-patch convolution runs as one matrix product, a change made to the model through the
-wrapper's ledger and undone by ``unwrap()``.
+layergraph serves DINOv2 itself (its ``dinov2`` adapter, one entry of its table of towers);
+this package writes an adapter for it by hand, as a plugin of its own, under the name
+``dinov2-example``, to show every part an adapter has. The whole forward is captured per
+(batch, tokens): patch embedding, the position embedding interpolated to the image size, the
+layers and the final norm. With ``patch_matmul=True`` the patch convolution runs as one matrix
+product, a change made to the model through the wrapper's ledger and undone by ``unwrap()``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from layergraph_adapters.patch_embedding import PatchMatmul
 class Dinov2Adapter(layergraph.Adapter):
     """Graphs a transformers ``Dinov2Model``."""
 
-    name = "dinov2"
+    name = "dinov2-example"
 
     def __init__(self, patch_matmul: bool = False) -> None:
         self.patch_matmul = patch_matmul
@@ -40,7 +42,8 @@ class Dinov2Adapter(layergraph.Adapter):
 
         if not isinstance(model, Dinov2Model):
             raise layergraph.AdapterMismatch(
-                f"the dinov2 adapter serves transformers' Dinov2Model, got {type(model).__name__}"
+                f"the {self.name} adapter serves transformers' Dinov2Model, got "
+                f"{type(model).__name__}"
             )
         return Dinov2Plan(model, patch_matmul=self.patch_matmul)
 

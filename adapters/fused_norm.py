@@ -1,0 +1,254 @@
+"""A pre-norm layer's residual adds and its second norm through one Triton kernel (fuse_norm).
+
+A pre-norm transformer layer computes::
+
+    x = x + ls1 * attn(norm1(x))
+    x = x + ls2 * mlp(norm2(x))
+
+where ``ls1`` and ``ls2`` are per-channel layer scales (InternViT, timm ViTs built with
+``init_values``) or absent (CLIP, SigLIP). Eager PyTorch runs the scale, the residual add and
+``norm2`` as separate memory-bound kernels. While applied, :class:`FusedAddNorm` computes a
+layer as::
+
+    h = attn(norm1(x))
+    x, normed = add_norm(x, h, ls1, norm2)   # one Triton kernel
+    x = addcmul(x, mlp(normed), ls2)         # one PyTorch kernel
+
+(:mod:`layergraph.kernels.add_norm`). ``norm1``, the attention and the MLP are called as
+modules, so the other rewrites (``fuse_qkv``, ``fuse_gelu``, routed attention) still apply to
+them. Values change by rounding only: the kernel rounds once where eager rounds after each
+operation.
+
+Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
+``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, and timm's ``Block`` (the blocks of
+``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Dropout and
+drop path are left out: they do nothing at inference.
+
+A layer's own forward runs instead for training calls, calls with gradients enabled, under
+autocast, and for inputs the kernel does not take (a dtype other than float16, bfloat16 and
+float32; a CPU tensor outside Triton's interpreter). The kernel needs Triton and a CUDA device
+(or ``TRITON_INTERPRET=1`` on the CPU); :func:`fused_norms` refuses the option elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from layergraph_adapters.rewrites import InferenceForward
+
+__all__ = ["FusedAddNorm", "fused_norm_unavailable", "fused_norms", "norm_kind"]
+
+_RMS_NORM_CLASSES = ("InternVLVisionRMSNorm",)
+"""RMSNorm classes computing ``weight * (x * rsqrt(mean(x^2) + variance_epsilon))``."""
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_norm_unavailable(device: torch.device) -> str | None:
+    """Why the fused kernel cannot run for a model on ``device``, or ``None`` if it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "fuse_norm runs a Triton kernel and triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            f"fuse_norm runs a Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 "
+            f"on the CPU); the model is on {device}"
+        )
+    return None
+
+
+def norm_kind(norm: nn.Module) -> Literal["layer_norm", "rms_norm"] | None:
+    """Which norm ``norm`` computes over the last dimension, or ``None`` if not one the kernel
+    computes: ``nn.LayerNorm`` (and subclasses, timm's included), ``nn.RMSNorm`` and
+    InternViT's RMSNorm."""
+    if isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) and len(norm.normalized_shape) == 1:
+        return "layer_norm" if isinstance(norm, nn.LayerNorm) else "rms_norm"
+    if type(norm).__name__ in _RMS_NORM_CLASSES and hasattr(norm, "variance_epsilon"):
+        return "rms_norm"
+    return None
+
+
+def fused_norms(layers: list[nn.Module], setting: bool) -> list[FusedAddNorm]:
+    """One :class:`FusedAddNorm` per layer for an adapter's ``fuse_norm`` option.
+
+    Raises ``ValueError`` when a layer is not one served (see the module docstring) or the
+    kernel cannot run where the model lives (:func:`fused_norm_unavailable`).
+    """
+    if setting is not False and setting is not True:
+        raise ValueError(f"fuse_norm={setting!r}: choose False or True")
+    if not setting:
+        return []
+    parameter = next((p for layer in layers for p in layer.parameters()), None)
+    reason = fused_norm_unavailable(
+        parameter.device if parameter is not None else torch.device("cpu")
+    )
+    if reason is not None:
+        raise ValueError(reason)
+    return [FusedAddNorm(layer) for layer in layers]
+
+
+class FusedAddNorm(InferenceForward):
+    """Computes one layer's residual adds and second norm with the fused kernel while applied.
+
+    Raises ``ValueError`` for a layer of a class not served, a norm the kernel does not
+    compute, hooks on the modules the kernel stands in for (the second norm, the layer
+    scales), or tensor-parallel (DTensor) weights there.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        parts = _layer_parts(layer)
+        if parts is None:
+            raise ValueError(
+                f"fuse_norm serves transformers' InternVLVisionLayer, CLIPEncoderLayer and "
+                f"SiglipEncoderLayer and timm's Block; {type(layer).__name__} is not one"
+            )
+        self._call_layer, self._norm_name, self._scale_names = parts
+        norm = getattr(layer, self._norm_name)
+        kind = norm_kind(norm)
+        if kind is None:
+            raise ValueError(
+                f"fuse_norm computes LayerNorm and RMSNorm; {type(layer).__name__}'s second norm "
+                f"is {type(norm).__name__}"
+            )
+        self._kind: Literal["layer_norm", "rms_norm"] = kind
+        scales = [getattr(layer, name) for name in self._scale_names if name is not None]
+        replaced = [norm, *(s for s in scales if isinstance(s, nn.Module))]
+        if any(m._forward_hooks or m._forward_pre_hooks for m in replaced) or any(
+            hasattr(p, "to_local")
+            for p in (*scales, *(q for m in replaced for q in m.parameters()))
+        ):
+            raise ValueError(
+                f"fuse_norm computes {type(layer).__name__}'s second norm and layer scales from "
+                f"their weights directly, so it does not combine with hooks on them or with "
+                f"tensor-parallel (DTensor) weights"
+            )
+        self._own = type(layer).forward.__get__(layer)
+        super().__init__(layer, "residual adds and second norm through one kernel (fuse_norm)")
+
+    def compute(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not _fusable(hidden_states):
+            return self._own(hidden_states, *args, **kwargs)
+        return self._call_layer(self, hidden_states, *args, **kwargs)
+
+    def add_norm(
+        self, residual: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + ls1 * h`` and the second norm of it, from the fused kernel."""
+        from layergraph.kernels.add_norm import add_norm
+
+        norm = getattr(self.module, self._norm_name)
+        if self._kind == "layer_norm":
+            eps = norm.eps
+        else:
+            eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+            eps = torch.finfo(residual.dtype).eps if eps is None else eps
+        return add_norm(
+            residual,
+            h,
+            self._scale(0),
+            getattr(norm, "weight", None),
+            getattr(norm, "bias", None),
+            eps,
+            self._kind,
+        )
+
+    def add_scaled(self, residual: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``residual + ls2 * h``."""
+        from layergraph.kernels.add_norm import add_scaled
+
+        return add_scaled(residual, h, self._scale(1))
+
+    def _scale(self, index: int) -> torch.Tensor | None:
+        """Layer scale ``index`` (0: after attention, 1: after the MLP) as a vector, or
+        ``None``; read at each call, so replaced parameters are followed."""
+        name = self._scale_names[index]
+        scale = None if name is None else getattr(self.module, name)
+        if scale is None or isinstance(scale, nn.Identity):
+            return None
+        return scale.gamma if isinstance(scale, nn.Module) else scale
+
+
+def _fusable(hidden_states: torch.Tensor) -> bool:
+    """Whether this call goes through the kernel (see the module docstring)."""
+    if hidden_states.dtype not in _KERNEL_DTYPES or torch.is_grad_enabled():
+        return False
+    device = hidden_states.device.type
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return not torch.is_autocast_enabled(device)
+
+
+LayerCall = Callable[..., torch.Tensor]
+"""A layer's inference call written with :meth:`FusedAddNorm.add_norm` and ``add_scaled``;
+it takes the rewrite, then the layer's arguments."""
+ScaleNames = tuple[str | None, str | None]
+"""The attributes holding a layer's two layer scales (a vector parameter, a ``LayerScale``
+or an ``Identity``), ``None`` for a layer without."""
+
+
+def _layer_parts(layer: nn.Module) -> tuple[LayerCall, str, ScaleNames] | None:
+    """How ``layer`` is computed fused, the attribute holding its second norm and those
+    holding its layer scales, or ``None`` for a layer that is not served."""
+    name = type(layer).__name__
+    if name == "InternVLVisionLayer":
+        return _internvit_layer, "layernorm_after", ("lambda_1", "lambda_2")
+    if name in ("CLIPEncoderLayer", "SiglipEncoderLayer"):
+        return _clip_layer, "layer_norm2", (None, None)
+    timm_classes = _timm_classes()
+    if timm_classes is None or type(layer).forward is not timm_classes[0].forward:
+        return None
+    if not all(
+        isinstance(s, nn.Identity) or type(s) is timm_classes[1] for s in (layer.ls1, layer.ls2)
+    ):
+        return None
+    return _timm_block, "norm2", ("ls1", "ls2")
+
+
+def _timm_classes() -> tuple[type, type] | None:
+    """timm's ``Block`` and ``LayerScale``, if timm is imported (a timm block exists only
+    then)."""
+    if "timm" not in sys.modules:
+        return None
+    from timm.layers import LayerScale
+    from timm.models.vision_transformer import Block
+
+    return Block, LayerScale
+
+
+def _internvit_layer(rewrite: FusedAddNorm, hidden_states: torch.Tensor) -> torch.Tensor:
+    layer = rewrite.module
+    attention, _ = layer.attention(layer.layernorm_before(hidden_states))
+    residual, normed = rewrite.add_norm(hidden_states, attention)
+    return rewrite.add_scaled(residual, layer.dropout(layer.mlp(normed)))
+
+
+def _clip_layer(
+    rewrite: FusedAddNorm,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    layer = rewrite.module
+    attention, _ = layer.self_attn(
+        hidden_states=layer.layer_norm1(hidden_states), attention_mask=attention_mask, **kwargs
+    )
+    residual, normed = rewrite.add_norm(hidden_states, attention)
+    return rewrite.add_scaled(residual, layer.mlp(normed))
+
+
+def _timm_block(
+    rewrite: FusedAddNorm,
+    x: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    block = rewrite.module
+    if attn_mask is not None:
+        kwargs["attn_mask"] = attn_mask
+    residual, normed = rewrite.add_norm(x, block.attn(block.norm1(x), **kwargs))
+    return rewrite.add_scaled(residual, block.mlp(normed))

@@ -1,0 +1,563 @@
+"""Plugin for transformers' Pixtral vision tower, served per token budget.
+
+Serves ``PixtralVisionModel`` (Pixtral-12B, Mistral Small 3.1, Magistral, LightOnOCR), alone or
+inside the VLMs that hold one: ``LlavaModel`` / ``LlavaForConditionalGeneration`` with a Pixtral
+vision config, ``Mistral3Model`` / ``Mistral3ForConditionalGeneration`` and ``MistralLarge4Model``
+/ ``MistralLarge4ForConditionalGeneration`` (``vision_tower``, ``model.vision_tower``), and
+``LightOnOcrModel`` / ``LightOnOcrForConditionalGeneration`` (``vision_encoder``,
+``model.vision_encoder``). Wrapping a VLM graphs its tower in place, so its
+own ``get_image_features()`` and ``generate()`` use the graphs; ``unwrap()`` restores it.
+
+The tower takes ``pixel_values`` ``[images, channels, height, width]`` (each image padded to the
+largest) and ``image_sizes`` (each image's own height and width in pixels). It cuts each image
+to its own patch grid, packs all patches into one sequence (``last_hidden_state`` is
+``[1, patches, width]``), rotates q and k by 2-d rotary embeddings of each patch's (row,
+column), and attends per image. Its graphs are captured per token budget
+(:mod:`layergraph.packing`):
+
+- on the host, ``image_sizes`` is read once per call (one transfer where it lives on the
+  device) and gives the patch grids;
+- before every replay, each image's real patches are copied into the budget's buffer (rows of
+  ``channels * patch * patch`` pixels, in the order of the convolution's weight), and the
+  patches' (row, column) positions and the images' boundaries (``cu_seqlens``) go, written on
+  the host, to the device in one copy (:class:`~layergraph.staging.Staging`);
+- in the graph: the patch convolution as one matrix product of those rows with its weight
+  (equal up to rounding: every patch is one dot product per filter), ``ln_pre``, the rotary
+  embeddings by the tower's own module, and the layers, whose attention modules hand q, k and v
+  to a backend that reads the boundaries when it runs (``sdpa_varlen`` off the GPU, ``triton``
+  or ``fa3`` on it), padding tokens belonging to no image;
+- after it, the real rows are cut out, with the hidden states the call asked for.
+
+VLMs ask their tower for the hidden state they read (``output_hidden_states`` set to the
+index ``vision_feature_layer``, -1 for Pixtral-12B and Mistral 3): the graphs return the hidden
+states a call selects (an index, a list of them, or ``True``), part of the graph's signature,
+at their indices of ``hidden_states`` as the tower does. Calls served eagerly (attention
+weights asked for, ``pixel_values`` as a list, other arguments, above every budget, ...) run the
+tower's own forward with its own attention.
+
+What it checks: ``image_sizes`` must hold one size per image of ``pixel_values``, each at least
+one patch and at most the padded image; otherwise a ``ValueError`` names what is wrong (the
+tower itself would cut such images silently short).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
+from layergraph.adapter import own_forward
+from layergraph.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PackedLayout,
+    SequenceLayout,
+    choose_packed_backend,
+    packed_backends,
+    packed_timer,
+)
+from layergraph.keys import UnsupportedCall
+from layergraph.ledger import ChangeLedger
+from layergraph.packing import PackedCall, Packing
+from layergraph.staging import Staging
+from layergraph_adapters.versions import PIXTRAL_CHECKED, require_transformers
+
+_MODELING = "transformers.models.pixtral.modeling_pixtral"
+_HOLDERS: dict[str, tuple[str, ...]] = {
+    "transformers.models.llava.modeling_llava": ("vision_tower", "model.vision_tower"),
+    "transformers.models.mistral3.modeling_mistral3": ("vision_tower", "model.vision_tower"),
+    "transformers.models.mistral_large4.modeling_mistral_large4": (
+        "vision_tower",
+        "model.vision_tower",
+    ),
+    "transformers.models.lighton_ocr.modeling_lighton_ocr": (
+        "vision_encoder",
+        "model.vision_encoder",
+    ),
+}
+"""The modeling modules of the VLMs checked with a Pixtral tower, and where they hold it."""
+_INPUTS = ("pixel_values", "image_sizes")
+_OPTIONS = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
+"""Keyword arguments a graph serves besides the inputs (attention weights not asked for)."""
+_MIN_IMAGE_SLOTS = 8
+"""Images a graph holds at least; more round up to a power of two. Part of a graph's
+signature: the Triton kernel's grid grows with it."""
+
+
+def tower_class() -> type | None:
+    """``PixtralVisionModel``, if its modeling module is imported (an instance cannot exist
+    otherwise); never imports it."""
+    modeling = sys.modules.get(_MODELING)
+    return None if modeling is None else modeling.PixtralVisionModel
+
+
+def find_pixtral_tower(model: nn.Module) -> nn.Module | None:
+    """``model`` if a ``PixtralVisionModel``, or the one a checked VLM holds (:data:`_HOLDERS`).
+
+    Other models holding a Pixtral tower call it their own way and are not checked: they are
+    not recognised, and their tower alone is served."""
+    cls = tower_class()
+    if cls is None:
+        return None
+    for path in ("", *_HOLDERS.get(type(model).__module__, ())):
+        candidate: Any = model
+        for name in filter(None, path.split(".")):
+            candidate = getattr(candidate, name, None)
+        if isinstance(candidate, cls):
+            return candidate
+    return None
+
+
+class PixtralAdapter(Adapter):
+    """Graphs a Pixtral vision tower, alone or inside its VLM, per token budget.
+
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
+    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
+    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    """
+
+    name = "pixtral"
+
+    def __init__(
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 64
+    ) -> None:
+        if budget_step < 1 or max_tokens % budget_step:
+            raise ValueError(
+                f"max_tokens {max_tokens} must be a multiple of budget_step {budget_step}"
+            )
+        self.attention = attention
+        self.max_tokens = max_tokens
+        self.budget_step = budget_step
+
+    def recognizes(self, model: nn.Module) -> bool:
+        return "transformers" in sys.modules and find_pixtral_tower(model) is not None
+
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        require_transformers(self.name, PIXTRAL_CHECKED)
+        tower = find_pixtral_tower(model)
+        if tower is None:
+            raise AdapterMismatch(
+                f"the pixtral adapter serves transformers' PixtralVisionModel and the LLaVA, "
+                f"Mistral 3, Mistral Large 4 and LightOnOCR models holding one; got "
+                f"{type(model).__module__}.{type(model).__name__}"
+            )
+        return PixtralPlan(tower, self, context)
+
+
+@dataclass(frozen=True, eq=False)
+class PixtralBuffers:
+    """One budget's buffers, written in place before every replay.
+
+    :attr:`position_ids` and the boundaries the attention metadata is copied from are views of
+    :attr:`staging`'s device buffer: a call's metadata reaches the device in one transfer.
+    Image slots past a call's images are empty (their boundaries at its last token), and the
+    tokens past it belong to no image."""
+
+    budget: int
+    pixels: torch.Tensor
+    """``[budget, channels * patch * patch]``: the call's real patches, zeros past them."""
+    position_ids: torch.Tensor
+    """``[budget, 2]``: each patch's (row, column) in its image, zeros past the real ones."""
+    metadata: AttentionMetadata
+    """For a :class:`~layergraph.attention.PackedLayout` of the budget and its image slots."""
+    backend: AttentionBackend
+    workspace: torch.Tensor | None
+    hidden: tuple[int, ...]
+    """The indices of ``hidden_states`` the graph returns besides the last hidden state."""
+    staging: Staging
+
+
+_current: contextvars.ContextVar[PixtralBuffers | None] = contextvars.ContextVar(
+    "layergraph_pixtral_buffers", default=None
+)
+
+
+@dataclass(eq=False)
+class _Images:
+    """What :meth:`PixtralPlan.pack` reads from a call; its host metadata on demand."""
+
+    pixels: torch.Tensor
+    grids: list[tuple[int, int]]
+    """Each image's patch grid (rows, columns)."""
+    slots: int
+    selected: tuple[int, ...] | None
+    """The indices of ``hidden_states`` the call asks for, ``None``: no hidden states."""
+    return_dict: bool
+    options: dict[str, Any]
+    """The call's arguments besides the inputs, for the pieces of a split call."""
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Each real patch's (row, column) in its image, ``[patches, 2]`` (int64, host)."""
+        return torch.cat([_grid_positions(rows, columns) for rows, columns in self.grids])
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The images' boundaries in the call's slots (int32, host), the slots past the images
+        empty."""
+        counts = torch.tensor([rows * columns for rows, columns in self.grids], dtype=torch.int32)
+        offsets = torch.zeros(self.slots + 1, dtype=torch.int32)
+        offsets[1 : len(self.grids) + 1] = counts.cumsum(0)
+        offsets[len(self.grids) + 1 :] = offsets[len(self.grids)]
+        return offsets
+
+
+def _grid_positions(rows: int, columns: int) -> torch.Tensor:
+    """The (row, column) of every patch of a ``rows`` x ``columns`` grid, row-major, as the
+    tower's forward builds them."""
+    row, column = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
+    return torch.stack([row.flatten(), column.flatten()], dim=-1)
+
+
+class PixtralPlan(CapturePlan, Packing):
+    """The tower per token budget, with attention routed to a backend that reads the budget's
+    boundaries; the plan is its own :class:`~layergraph.packing.Packing`. Eager calls run the
+    tower's own forward."""
+
+    def __init__(self, tower: nn.Module, adapter: PixtralAdapter, context: PlanContext) -> None:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        self.owner = tower
+        self.packing = self
+        self.budget_step = adapter.budget_step
+        self.largest_budget = adapter.max_tokens
+        self._output_type = BaseModelOutputWithPooling
+        self._forward = own_forward(tower)
+        self._attentions = [layer.attention for layer in tower.transformer.layers]
+        self.depth = len(self._attentions)
+        self.heads = self._attentions[0].num_heads
+        self.head_dim = self._attentions[0].head_dim
+        config = tower.config
+        self.patch = tower.patch_size
+        self.channels = config.num_channels
+        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
+        self.attention = adapter.attention
+        self._registry = context.registry
+        self.attention_by_budget: dict[int, str] = {}
+        """Which backend serves each budget's attention."""
+
+    # ---- what the runner asks ----------------------------------------------------------------
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], PixtralBuffers):
+            return self._packed_forward(args[0])
+        return self._forward(*args, **kwargs)
+
+    def _packed_forward(
+        self, buffers: PixtralBuffers
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The tower over the budget's packed patches: the last hidden state ``[budget,
+        width]`` and the hidden states of :attr:`PixtralBuffers.hidden`, in that order."""
+        tower = self.owner
+        weight = tower.patch_conv.weight
+        hidden = F.linear(buffers.pixels, weight.view(weight.shape[0], -1))
+        hidden = tower.ln_pre(hidden)
+        rotary = tower.patch_positional_embedding(hidden, buffers.position_ids)
+        states = [hidden]
+        for layer in tower.transformer.layers:
+            hidden = layer(hidden, None, position_embeddings=rotary)
+            states.append(hidden)
+        return hidden, tuple(states[index] for index in buffers.hidden)
+
+    def sequence_of(self, call: PackedCall) -> Hashable:
+        return f"up to {call.parts.slots} images"
+
+    def eager_reason(self, call: PackedCall) -> str | None:
+        if call.argument("output_attentions", default=self.owner.config.output_attentions):
+            return "attention weights were asked for (output_attentions=True)"
+        return None
+
+    @contextlib.contextmanager
+    def bound(self, state: PixtralBuffers | None) -> Iterator[None]:
+        token = _current.set(state)
+        try:
+            yield
+        finally:
+            _current.reset(token)
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.owner.transformer.layers)
+
+    @property
+    def capture_module(self) -> nn.Module:
+        return self.owner
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        changes.set_forward(self.owner, serve, "forward routed to the graphs")
+        for module in self._attentions:
+            changes.set_forward(
+                module,
+                _routed_attention(module),
+                "q, k and v of the packed images handed to the attention backend",
+            )
+
+    # ---- packing -----------------------------------------------------------------------------
+
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
+        if len(args) > len(_INPUTS):
+            raise UnsupportedCall("arguments past image_sizes were passed by position")
+        given = dict(zip(_INPUTS, args))
+        if set(given) & set(kwargs):
+            raise UnsupportedCall("an input was passed both by position and by keyword")
+        options = {name: value for name, value in kwargs.items() if name not in _INPUTS}
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise UnsupportedCall(f"arguments the graphs do not take: {', '.join(unknown)}")
+        given.update((name, kwargs[name]) for name in _INPUTS if name in kwargs)
+        pixels = given.get("pixel_values")
+        if not isinstance(pixels, torch.Tensor):
+            raise UnsupportedCall("the graphs need pixel_values as one tensor of padded images")
+        if pixels.dim() != 4 or pixels.shape[1] != self.channels:
+            raise UnsupportedCall(
+                f"input pixel_values {tuple(pixels.shape)} is not [images, {self.channels}, "
+                f"height, width]"
+            )
+        if pixels.shape[0] == 0:
+            raise ValueError("pixel_values holds no image")
+        grids = self._read_grids(pixels, given.get("image_sizes"))
+        return self._call(args, kwargs, pixels, grids, options)
+
+    def _read_grids(self, pixels: torch.Tensor, sizes: Any) -> list[tuple[int, int]]:
+        """Each image's patch grid from ``image_sizes`` (read on the host in one transfer;
+        ``None``: every image its padded size); a ``ValueError`` names a size the images of
+        ``pixel_values`` cannot hold."""
+        images, _, height, width = pixels.shape
+        if sizes is None:
+            return [(height // self.patch, width // self.patch)] * images
+        try:
+            host = sizes.cpu() if isinstance(sizes, torch.Tensor) else torch.as_tensor(sizes)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"image_sizes is not a list of (height, width): {error}") from None
+        if host.shape != (images, 2):
+            raise ValueError(
+                f"image_sizes {tuple(host.shape)} does not give a (height, width) for each of "
+                f"the {images} images of pixel_values {tuple(pixels.shape)}"
+            )
+        pairs = [(int(h), int(w)) for h, w in host.tolist()]
+        for row, (h, w) in enumerate(pairs):
+            if not (self.patch <= h <= height and self.patch <= w <= width):
+                raise ValueError(
+                    f"image_sizes row {row} ({h}x{w}) does not fit the images of pixel_values "
+                    f"({height}x{width} pixels) with at least one {self.patch}x{self.patch} "
+                    f"patch a side"
+                )
+        return [(h // self.patch, w // self.patch) for h, w in pairs]
+
+    def _call(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        pixels: torch.Tensor,
+        grids: list[tuple[int, int]],
+        options: dict[str, Any],
+    ) -> PackedCall:
+        config = self.owner.config
+        selected = self._selected(options.get("output_hidden_states", config.output_hidden_states))
+        return_dict = options.get("return_dict")
+        if return_dict is None:
+            return_dict = getattr(config, "return_dict", True)
+        slots = max(_MIN_IMAGE_SLOTS, 1 << (len(grids) - 1).bit_length())
+        images = _Images(pixels, grids, slots, selected, bool(return_dict), options)
+        return PackedCall(
+            args=args,
+            kwargs=kwargs,
+            size=sum(rows * columns for rows, columns in grids),
+            signature=(pixels.dtype, slots, selected),
+            tensors=(pixels,),
+            parts=images,
+        )
+
+    def _selected(self, asked: Any) -> tuple[int, ...] | None:
+        """The indices of ``hidden_states`` ``output_hidden_states`` selects (``True``: all,
+        an index or a list of them: those in range), or ``None`` where it is false (as for
+        transformers, index 0 alone is, unlike ``[0]``)."""
+        count = self.depth + 1
+        if not asked:
+            return None
+        if asked is True:
+            return tuple(range(count))
+        indices = [asked] if isinstance(asked, int) else list(asked)
+        return tuple(sorted({i % count for i in indices if -count <= i < count}))
+
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+        images: _Images = call.parts
+        sizes = torch.tensor(
+            [(rows * self.patch, columns * self.patch) for rows, columns in images.grids]
+        )
+        pieces: list[PackedCall] = []
+        first = tokens = 0  # the piece being made: images first..
+
+        def close(stop: int) -> None:
+            nonlocal first, tokens
+            if stop > first:
+                pixels = images.pixels[first:stop]
+                kwargs = {
+                    **images.options,
+                    "pixel_values": pixels,
+                    "image_sizes": sizes[first:stop],
+                }
+                pieces.append(
+                    self._call((), kwargs, pixels, images.grids[first:stop], images.options)
+                )
+            first, tokens = stop, 0
+
+        for index, (rows, columns) in enumerate(images.grids):
+            count = rows * columns
+            if tokens + count > budget:
+                close(index)
+            tokens += count
+            if count > budget:
+                close(index + 1)
+        close(len(images.grids))
+        return pieces
+
+    def allocate(self, budget: int, call: PackedCall) -> PixtralBuffers:
+        images: _Images = call.parts
+        pixels = images.pixels
+        device, dtype = pixels.device, self.owner.patch_conv.weight.dtype
+        layout = PackedLayout(budget, images.slots, budget)
+        counts = tuple(rows * columns for rows, columns in images.grids)
+        backend = choose_packed_backend(
+            self.attention,
+            device,
+            dtype,
+            self.head_dim,
+            layout,
+            counts,
+            backends=self._backends,
+            timer=packed_timer(device, dtype, self.heads, self.head_dim),
+        )
+        self.attention_by_budget[budget] = backend.name
+        staging = Staging(
+            {
+                "position_ids": (torch.long, (budget, 2)),
+                "cu_seqlens": (torch.int32, (images.slots + 1,)),
+            },
+            device,
+        )
+        workspace = (
+            torch.zeros(budget, self.heads, self.head_dim, dtype=dtype, device=device)
+            if backend.needs_workspace
+            else None
+        )
+        features = self.channels * self.patch**2
+        return PixtralBuffers(
+            budget=budget,
+            pixels=torch.zeros(budget, features, dtype=dtype, device=device),
+            position_ids=staging.device["position_ids"],
+            metadata=self._registry.attention_metadata(backend, layout, device),
+            backend=backend,
+            workspace=workspace,
+            hidden=tuple(i for i in images.selected or () if i != self.depth),
+            staging=staging,
+        )
+
+    def load(self, buffers: PixtralBuffers, call: PackedCall) -> None:
+        images: _Images = call.parts
+        tokens = call.size
+        fields = buffers.staging.host()
+        fields["position_ids"][:tokens] = images.positions
+        fields["position_ids"][tokens:] = 0
+        fields["cu_seqlens"].copy_(images.cu_seqlens)
+        buffers.staging.send()
+        staged = buffers.staging.device["cu_seqlens"]
+        buffers.metadata.cu_seqlens.copy_(staged)
+        if buffers.metadata.seq_lens is not None:
+            torch.sub(staged[1:], staged[:-1], out=buffers.metadata.seq_lens)
+        self._load_patches(buffers.pixels, images)
+
+    def _load_patches(self, rows: torch.Tensor, images: _Images) -> None:
+        """Copy each image's real patches into ``rows`` (``[budget, channels * patch *
+        patch]``), row-major per image, one copy per image; zeros past them."""
+        patch, channels, start = self.patch, self.channels, 0
+        for image, (height, width) in zip(images.pixels, images.grids):
+            count = height * width
+            cut = image[:, : height * patch, : width * patch]
+            patches = cut.reshape(channels, height, patch, width, patch).permute(1, 3, 0, 2, 4)
+            rows[start : start + count].view(height, width, channels, patch, patch).copy_(patches)
+            start += count
+        rows[start:].zero_()
+
+    def arguments(self, buffers: PixtralBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (buffers,), {}
+
+    def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
+        last, kept = output
+        images: _Images = call.parts
+        tokens = call.size
+        last = last[None, :tokens]
+        hidden_states = None
+        if images.selected is not None:
+            states: list[torch.Tensor | None] = [None] * (self.depth + 1)
+            inner = [i for i in images.selected if i != self.depth]
+            for index, state in zip(inner, kept):
+                states[index] = state[None, :tokens]
+            if self.depth in images.selected:
+                states[self.depth] = last
+            hidden_states = tuple(states)
+        result = self._output_type(last_hidden_state=last, hidden_states=hidden_states)
+        return result if images.return_dict else result.to_tuple()
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        """The outputs of consecutive pieces of a split call as one: the tower's sequences
+        (``[1, patches, width]``) concatenated along the patches."""
+        flat = [pytree.tree_flatten(part) for part in parts]
+        columns = zip(*(leaves for leaves, _ in flat))
+        joined = [
+            torch.cat(column, dim=1) if isinstance(column[0], torch.Tensor) else column[0]
+            for column in columns
+        ]
+        return pytree.tree_unflatten(joined, flat[0][1])
+
+
+def _routed_attention(module: nn.Module) -> Callable[..., Any]:
+    """A forward for one ``PixtralAttention`` that hands q and k, rotated, and v of the packed
+    patches to the bound buffers' backend, which reads the image boundaries from them.
+
+    Outside bound buffers (eager calls) the module's own forward runs.
+    """
+    original = type(module).forward.__get__(module)
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        buffers = _current.get()
+        if buffers is None:
+            return original(hidden_states, attention_mask, position_embeddings, **kwargs)
+        tokens = hidden_states.shape[0]
+        q, k, v = (
+            projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
+            for projection in (module.q_proj, module.k_proj, module.v_proj)
+        )
+        q, k = rotate(q, k, *position_embeddings, unsqueeze_dim=1)
+        out = buffers.backend(
+            q,
+            k,
+            v,
+            layout=SequenceLayout((buffers.budget,)),
+            metadata=buffers.metadata,
+            workspace=buffers.workspace,
+            scale=module.scaling,
+        )
+        return module.o_proj(out.reshape(tokens, -1)), None
+
+    return forward
+
+
+@hookimpl
+def register_adapters(register: Callable[[Any], Any]) -> None:
+    register(PixtralAdapter)

@@ -1,0 +1,159 @@
+"""Write docs/coverage.md: which transformers vision towers and VLMs layergraph serves.
+
+    python3 benchmarks/coverage_page.py                 # docs/coverage.md
+    python3 benchmarks/coverage_page.py --results r.json --output -
+
+The served and unserved classes come from the coverage test's table
+(``tests/coverage_table.py``),
+walked in the installed transformers; the batch-1 latencies from the newest H200 run of
+``benchmarks/families.py`` in ``docs/results`` (``--results`` names another). The test suite
+checks that the committed page is what this script writes, for the transformers it was
+written with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from coverage_table import (  # noqa: E402
+    NOTES,
+    PACKED_SERVED,
+    SERVED,
+    UNSERVED,
+    family_of,
+    walked_classes,
+)
+
+PAGE = ROOT / "docs" / "coverage.md"
+RESULTS = ROOT / "docs" / "results"
+
+
+def latest_results() -> Path | None:
+    """The newest ``*-families.json`` in ``docs/results``, or ``None``."""
+    found = sorted(RESULTS.glob("*-families.json"))
+    return found[-1] if found else None
+
+
+def render(results: dict[str, Any] | None) -> str:
+    """The page, for the installed transformers and an H200 run's ``results`` (or none)."""
+    import transformers
+
+    walked = walked_classes()
+    served = sorted(name for name, tiny in SERVED.items() if tiny.available())
+    by_adapter: dict[str, list[str]] = defaultdict(list)
+    for name in served:
+        by_adapter[SERVED[name].adapter].append(name)
+    packed: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(PACKED_SERVED):
+        packed[PACKED_SERVED[name]].append(name)
+    served += [name for names in packed.values() for name in names]
+    runs = _runs_by_adapter(results)
+    lines = [
+        "# Coverage",
+        "",
+        "Which of transformers' vision towers and VLMs layergraph serves with "
+        '`adapter="auto"`, and why not the others. Written by `benchmarks/coverage_page.py` '
+        f"for transformers {transformers.__version__} from the coverage test's table "
+        "(`tests/coverage_table.py`): the test walks every class of transformers' auto "
+        "mappings for image-text-to-text models, image models and zero-shot image "
+        "classifiers, builds each "
+        "served class tiny and checks that `wrap` recognises it and answers as the unwrapped "
+        "model does, and checks that no unserved class is recognised. A class a new "
+        "transformers release adds fails the test by name until it is served or listed here.",
+        "",
+        f"Walked: {len(walked)} classes; served: {sum(n in walked for n in served)} of them "
+        f"and {sum(n not in walked for n in served)} towers outside the mappings.",
+        "",
+        "## Served",
+        "",
+        _source(results),
+        "",
+        "| family | adapter | classes | graphed | batch 1: eager / layergraph | "
+        "layergraph / hand-written graph |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for adapter in sorted(by_adapter, key=lambda a: family_of(a).lower()):
+        names = by_adapter[adapter]
+        notes = [f"{name}: {NOTES[name]}" for name in names if name in NOTES]
+        graphed = "; ".join(["yes, the whole tower, in place", *notes])
+        classes = ", ".join(f"`{name}`" for name in names)
+        speed, against_hand = runs.get(adapter, ("not measured yet", "not measured yet"))
+        lines.append(
+            f"| {family_of(adapter)} | `{adapter}` | {classes} | {graphed} | {speed} | "
+            f"{against_hand} |"
+        )
+    for adapter in sorted(packed):
+        classes = ", ".join(f"`{name}`" for name in packed[adapter])
+        lines.append(
+            f"| {family_of(adapter)} | `{adapter}` | {classes} | yes, in packed mode: the images "
+            "of a call packed into one sequence, a graph per token budget | see "
+            "`benchmarks/packed_towers.py` | see `benchmarks/packed_towers.py` |"
+        )
+    lines += ["", "## Not served", "", "| why | classes |", "| --- | --- |"]
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(UNSERVED):
+        if name in walked:
+            by_reason[UNSERVED[name]].append(name)
+    for reason, names in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        lines.append(f"| {reason} | {', '.join(f'`{name}`' for name in names)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _source(results: dict[str, Any] | None) -> str:
+    if results is None:
+        return (
+            "Latencies: not measured yet; `benchmarks/families.py` on an H200 measures each "
+            "family's usual configuration."
+        )
+    return (
+        f"Latencies: `benchmarks/families.py` on {results['device']} (torch "
+        f"{results['torch']}, transformers {results['transformers']}), bf16, random weights, "
+        "one image at the family's usual size, medians of calls each waited for, for each "
+        "configuration measured."
+    )
+
+
+def _runs_by_adapter(results: dict[str, Any] | None) -> dict[str, tuple[str, str]]:
+    """Per adapter: eager / layergraph and layergraph / hand-written for each configuration
+    the H200 run measured, or what it says of those it could not."""
+    speeds: dict[str, list[str]] = defaultdict(list)
+    against_hand: dict[str, list[str]] = defaultdict(list)
+    for row in (results or {}).get("rows", []):
+        adapter, model = row["adapter"], row["model"]
+        if row["status"] != "measured":
+            speeds[adapter].append(f"{model}: {row['status']}")
+            continue
+        speeds[adapter].append(f"{row['eager_ms'] / row['layergraph_ms']:.2f}x ({model})")
+        against_hand[adapter].append(
+            f"{row['layergraph_ms'] / row['hand_written_ms']:.3f} ({model})"
+        )
+    return {
+        adapter: ("; ".join(speeds[adapter]), "; ".join(against_hand[adapter]) or "-")
+        for adapter in speeds
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=None, help="a families.py JSON file")
+    parser.add_argument("--output", default=str(PAGE), help="the page to write, or - to print")
+    options = parser.parse_args()
+    path = options.results or latest_results()
+    results = json.loads(path.read_text()) if path is not None else None
+    page = render(results)
+    if options.output == "-":
+        print(page, end="")
+    else:
+        Path(options.output).write_text(page)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Speed options left to ``"auto"`` (the default of fuse_qkv, patch_matmul and fuse_norm):
+on where the tower is on a GPU and its plan takes the option, off with the reason otherwise.
+
+On the CPU the GPU check is replaced, so that the options are decided as on a GPU and run
+through Triton's interpreter (fuse_norm's kernel); wrapped outputs (simulated graphs) are held
+to the dtype's tolerance against the unmodified model, 1e-4 relative in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+from layergraph.validation import DEFAULT_TOLERANCE, relative_error
+from layergraph_adapters import automatic
+from layergraph_adapters.fused_norm import fused_norm_unavailable
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("timm")
+from test_fused_norm import IMAGE, internvit, timm_vit  # noqa: E402
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    if fused_norm_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("decides fuse_norm through Triton's interpreter")
+    monkeypatch.setattr(automatic, "not_on_a_gpu", lambda module: None)
+
+
+def dinov2() -> torch.nn.Module:
+    config = transformers.Dinov2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE,
+        patch_size=8,
+    )
+    return transformers.Dinov2Model(config).eval()
+
+
+def check_equal(graphed: layergraph.GraphedModule, model: torch.nn.Module) -> None:
+    pixels = torch.randn(2, 3, IMAGE, IMAGE)
+    with torch.inference_mode():
+        with graphed.original():
+            want = model(pixels)
+        got = graphed(pixels)
+    want = want if isinstance(want, torch.Tensor) else want[0]
+    got = got if isinstance(got, torch.Tensor) else got[0]
+    assert relative_error(got, want) <= DEFAULT_TOLERANCE[torch.float32]
+
+
+def test_on_the_cpu_every_automatic_option_is_off_and_says_why() -> None:
+    graphed = layergraph.wrap(internvit("layer_norm").eval(), backend=SimulatedGraphs())
+    assert graphed.speed_options == {
+        "fuse_qkv": "off: the model is on cpu, not a CUDA device",
+        "patch_matmul": "off: the model is on cpu, not a CUDA device",
+        "fuse_norm": "off: the model is on cpu, not a CUDA device",
+    }
+    assert not any("fuse_norm" in change or "patch_matmul" in change for change in graphed.changes)
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+@pytest.mark.parametrize("norm_type", ["layer_norm", "rms_norm"])
+def test_on_a_gpu_internvit_takes_every_option_and_answers_as_before(norm_type: str) -> None:
+    model = internvit(norm_type).eval()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    assert graphed.speed_options == {"fuse_qkv": "on", "patch_matmul": "on", "fuse_norm": "on"}
+    changes = "\n".join(graphed.changes)
+    assert "fuse_norm" in changes and "patch_matmul" in changes
+    check_equal(graphed, model)
+    pixels = torch.randn(1, 3, IMAGE, IMAGE)
+    with torch.inference_mode():
+        with graphed.original():
+            want = model(pixels).last_hidden_state
+        graphed.unwrap()
+        assert torch.equal(model(pixels).last_hidden_state, want)
+    attention = model.encoder.layer[0].attention
+    assert attention.q_proj.weight.untyped_storage().nbytes() == attention.q_proj.weight.nbytes
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+def test_an_option_a_family_cannot_take_stays_off_with_the_reason() -> None:
+    model = dinov2()
+    graphed = layergraph.wrap(model, adapter="dinov2", backend=SimulatedGraphs())
+    options = graphed.speed_options
+    assert options["fuse_qkv"].startswith("off: fuse_qkv is not available for DINOv2")
+    assert options["fuse_norm"].startswith("off: fuse_norm serves")
+    assert options["patch_matmul"] == "on"
+    check_equal(graphed, model)
+    with pytest.raises(layergraph.AdapterMismatch, match="fuse_qkv is not available"):
+        layergraph.wrap(dinov2(), adapter="dinov2", backend=SimulatedGraphs(), fuse_qkv=True)
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+def test_compiled_layers_leave_fuse_norm_to_torch_compile() -> None:
+    graphed = layergraph.wrap(
+        timm_vit(0.5).eval(), adapter="timm", backend=SimulatedGraphs(), compile_layers=True
+    )
+    assert graphed.speed_options["fuse_norm"].startswith("off: the layers are compiled")
+    assert graphed.speed_options["patch_matmul"] == "on"
+    graphed.unwrap()
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+def test_options_set_by_hand_are_kept_and_bad_values_refused() -> None:
+    graphed = layergraph.wrap(
+        timm_vit(None).eval(), adapter="timm", backend=SimulatedGraphs(), fuse_norm=False
+    )
+    assert graphed.speed_options == {"patch_matmul": "on", "fuse_norm": "off"}
+    graphed.unwrap()
+    with pytest.raises(ValueError, match="fuse_norm='yes': choose True, False or 'auto'"):
+        layergraph.wrap(timm_vit(None).eval(), adapter="timm", fuse_norm="yes")
