@@ -13,26 +13,30 @@ graphs with little padding and few captures:
   ``largest``. Its largest, the *top*, is the largest total seen with :data:`TOP_ROOM` more
   room (rounded to ``step``, at most ``largest``), so that a somewhat larger call later still
   fits: a new top means a fresh pool, every graph captured again, the top first;
-- a plan is priced: its padding of the totals seen, plus :data:`CAPTURE_COST` times the tokens
-  of every budget it would capture (each budget not held; all of them under a new top). The
-  cheapest plan (:func:`best_budgets`, exact) is the target, and the fewest budgets priced
-  within :data:`GRAPH_WORTH` of the tokens seen of it are chosen: a graph more must save that;
-- the plan held is replaced only when a call fits none of its budgets, or when a search finds
-  a plan priced below the held plan's padding: its padding saved must pay for its captures.
-  A search runs when the held plan's padding has grown by :data:`REPLAN_GAIN` of the tokens
-  seen since the last one.
+- the first plan, and a plan under a new top, captures all of its budgets whichever they are:
+  it is the least padding of the totals seen with at most ``cap`` budgets
+  (:func:`best_budgets`, exact), taking the fewest budgets within :data:`GRAPH_WORTH` of the
+  tokens seen of that least: a graph more must save that much;
+- later, a plan is priced: its padding of the totals seen, plus :data:`CAPTURE_COST` times the
+  tokens of every budget it would capture (each budget not held). The held plan is replaced
+  only when a call fits none of its budgets (a new top), or when a search finds a plan priced
+  below the held plan's padding: the padding it would have saved over the calls seen must pay
+  for its captures, the calls to come taken to be as many as those seen. A search runs when
+  the held plan's padding has grown by :data:`REPLAN_GAIN` of the tokens seen since the last
+  one.
 
 So, after every call, the plan held serves every total seen, and pads them by at most the least
 padding any ``cap`` budgets under the same top would have, plus ``REPLAN_GAIN + GRAPH_WORTH``
 of their tokens, plus ``CAPTURE_COST`` times the tokens of the budgets of that least plan it
 does not hold: an amount that does not grow with the traffic, so that, as calls come, the
-plan's padding approaches the least, while early calls do not make it capture for small gains.
-Each search takes ``cap * distinct totals ** 2 / 2`` steps.
+plan's padding approaches the least, while a stream that has not yet run long enough to repay
+a capture keeps the graphs it has. Each search takes ``cap * distinct totals ** 2 / 2`` steps.
 
 This module holds the decision only: it knows token counts, never graphs or tensors, so all
 of it runs and is tested on the CPU. The runner drops the graphs of budgets a new plan leaves
-out (all of them under a new top, so that the pool starts afresh) and captures its budgets
-when calls first need them, the top first in a fresh pool.
+out (all of them under a new top, so that the pool starts afresh) and captures a fresh
+pool's budgets all at once, largest first; it captures budgets a later plan adds when calls
+first need them.
 """
 
 from __future__ import annotations
@@ -59,15 +63,16 @@ GRAPH_WORTH = 0.01
 """A plan takes a budget more only if that saves more than this share of the tokens seen."""
 REPLAN_GAIN = 0.03
 """The held plan's padding grows by this share of the tokens seen between two searches."""
-CAPTURE_COST = 0.5
-"""What capturing a budget costs a plan, in padding tokens per token of the budget. A capture
-runs the budget's work a few times (warm-up, capture, measurement), but a budget serves calls
-long after the totals seen so far: its padding saved is counted over those alone, so its
-capture is priced at a part of what it costs."""
+CAPTURE_COST = 6.0
+"""What capturing a budget costs a plan, in padding tokens per token of the budget: a capture
+runs the budget's work about this many times (a warm-up, the capture, a measured eager call
+and replays), where a padding token costs about a token's work at every call it pads."""
 TOP_ROOM = 0.25
 """The top budget has this share more tokens than the largest total seen."""
-OBSERVED_PER_BUDGET = 2
-"""Calls observed before the first plan, per budget a plan may hold."""
+OBSERVED_PER_BUDGET = 4
+"""Calls observed before the first plan, per budget a plan may hold: with two, the first plan
+of the packed towers' benchmark stream padded its later calls by a quarter more than with
+four, and was replaced within the stream (``benchmarks/budget_replay.py``)."""
 
 
 def padding(totals: Mapping[int, int], budgets: Collection[int]) -> int | None:
@@ -95,19 +100,20 @@ def best_budgets(
     cap: int,
     step: int,
     top: int | None = None,
-    held: Collection[int] = (),
+    held: Collection[int] | None = None,
 ) -> tuple[tuple[int, ...], float]:
     """The cheapest budgets, multiples of ``step``, ``top`` the largest (default: the largest
     total rounded up), that serve ``totals`` (calls by token total) with at most ``cap`` of
     them, and their price: the fewest budgets whose price is within :data:`GRAPH_WORTH` of
     the tokens of the least price.
 
-    A plan's price is its padding plus :data:`CAPTURE_COST` times the tokens of each budget
-    not in ``held``. Exact: the other budgets are among the totals rounded up to ``step`` (a
-    budget between two of them pads more than the larger of them would, and costs as much to
-    capture unless held, and the held budgets are such totals), and a dynamic programme over
-    those, in order, finds the cheapest split into at most ``cap`` groups, each served by its
-    largest.
+    A plan's price is its padding plus, unless ``held`` is ``None`` (every plan captures all
+    its budgets: the first, or one under a new top), :data:`CAPTURE_COST` times the tokens of
+    each budget not in ``held``. Exact: the other budgets are among the totals rounded up to
+    ``step`` (a budget between two of them pads more than the larger of them would, and costs
+    as much to capture unless held, and the held budgets are such totals), and a dynamic
+    programme over those, in order, finds the cheapest split into at most ``cap`` groups, each
+    served by its largest.
     """
     if not totals:
         raise ValueError("no token totals to choose budgets for")
@@ -131,7 +137,7 @@ def best_budgets(
         """Price of the totals rounded to ``values[first..last]``, served by the last."""
         budget = values[last]
         padded = budget * (calls[last + 1] - calls[first]) - (tokens[last + 1] - tokens[first])
-        return padded + (0 if budget in held else CAPTURE_COST * budget)
+        return padded + (0 if held is None or budget in held else CAPTURE_COST * budget)
 
     infinite = float("inf")
     levels = min(cap, n)

@@ -99,7 +99,7 @@ class RunnerOptions:
       outputs, per-key state, the model's parameters) still has its captured address.
     - ``observe_calls``: a packed plan with learnt budgets serves this many first calls
       eagerly, observing their token totals, before it chooses budgets
-      (:mod:`layergraph.budgets`); ``None`` (the default): twice ``max_graphs``. Other plans
+      (:mod:`layergraph.budgets`); ``None`` (the default): four times ``max_graphs``. Other plans
       ignore it.
     """
 
@@ -435,7 +435,7 @@ class GraphRunner:
         call.
 
         With learnt budgets, the planner's first calls run eagerly while it observes them; a
-        fresh pool's first captures are the plan's budgets above the call's, largest first
+        fresh pool's first call captures every budget of the plan, largest first
         (:meth:`_capture_ahead`), and a graph captured that way is measured on the first call
         it serves."""
         planner = self._planner
@@ -482,25 +482,35 @@ class GraphRunner:
         return self._replay(entry, call, fresh, count=True)
 
     def _capture_ahead(self, call: PackedCall, budget: int) -> None:
-        """In a fresh pool, capture the plan's budgets above ``budget`` (``call``'s) for its
-        signature before it, largest first, so that each capture takes blocks the larger ones
-        freed instead of growing the pool. ``call`` is smaller than each, so each graph is
-        measured later, on the first call it serves (:meth:`_measure_later`). A budget measured
-        slower than eager or whose capture failed is skipped; nothing is captured while
-        ``capture_after`` holds the call's own budget back, or without lazy capture."""
+        """In a fresh pool, capture every budget of the plan for ``call``'s signature, largest
+        first, so that each capture takes blocks the larger ones freed instead of growing the
+        pool. A budget below ``budget`` (``call``'s own) is captured from the call's first
+        piece that fits it (:meth:`~layergraph.packing.Packing.split`), or left to its first
+        call if its first image does not. Each graph is measured later, on the first call it
+        serves (:meth:`_measure_later`): the call's own budget right after. A budget measured
+        slower than eager or whose capture failed is skipped, and a capture that fails ends
+        the loop; nothing is captured while ``capture_after`` holds the call's own budget
+        back, or without lazy capture."""
         own = (budget, call.signature)
         if not self.options.lazy or self._entries.sightings(own) + 1 < self.options.capture_after:
             return
         self.plan.check_inputs(call)
-        for larger in sorted(self._planner.budgets, reverse=True):
-            lookup = (larger, call.signature)
+        packing = self.plan.packing
+        for planned in sorted(self._planner.budgets, reverse=True):
+            lookup = (planned, call.signature)
             costs = self._entries.costs(lookup)
-            if larger <= budget or self._entries.failure(lookup) is not None:
+            if self._entries.failure(lookup) is not None:
                 continue
             if costs is not None and costs.graph_ms is not None and not costs.graph_pays:
                 continue
-            key = ShapeKey(larger, self.plan.sequence_of(call))
-            self._capture(key, lookup, call, measure=False)
+            pieces = [call] if planned >= call.size else packing.split(call, planned)
+            example = pieces[0]
+            if example.size > planned or example.signature != call.signature:
+                continue
+            key = ShapeKey(planned, self.plan.sequence_of(example))
+            entry, _ = self._capture(key, lookup, example, measure=False)
+            if entry is None:
+                return
 
     def _measure_later(self, entry: GraphEntry, call: PackedCall) -> tuple[GraphEntry | None, str]:
         """Measure a graph captured ahead of its calls (:meth:`_capture_ahead`) on ``call``, the

@@ -5,7 +5,7 @@ totals rounded up to the step, the top among them. The planner observes its firs
 must hold at most ``cap`` budgets that serve every total seen, padding them by at most the
 least padding under its top plus ``REPLAN_GAIN + GRAPH_WORTH`` of their tokens plus
 ``CAPTURE_COST`` times the tokens of that least plan's budgets, after every call; and a stream
-of mixed image sizes must be served by few captures and one pool.
+of mixed image sizes must be served by one plan, under one top.
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ def plans(totals: Counter[int], cap: int, step: int, top: int) -> Iterator[tuple
             yield (*others, top)
 
 
-def price(totals: Counter[int], budgets: tuple[int, ...], held: Collection[int]) -> float:
-    """Padding plus the capture cost of every budget not held."""
+def price(totals: Counter[int], budgets: tuple[int, ...], held: Collection[int] | None) -> float:
+    """Padding plus the capture cost of every budget not held (none priced with ``None``)."""
     padded = padding(totals, budgets)
     assert padded is not None
+    if held is None:
+        return padded
     return padded + sum(CAPTURE_COST * b for b in budgets if b not in held)
 
 
@@ -63,10 +65,10 @@ totals_strategy = st.lists(st.integers(1, 400), min_size=1, max_size=40)
     sizes=totals_strategy,
     cap=st.integers(1, 5),
     room=st.integers(0, 8),
-    held=st.sets(st.integers(1, 30).map(lambda n: n * STEP), max_size=4),
+    held=st.none() | st.sets(st.integers(1, 30).map(lambda n: n * STEP), max_size=4),
 )
 def test_the_best_budgets_are_the_cheapest_or_within_a_graphs_worth_with_fewer(
-    sizes: list[int], cap: int, room: int, held: set[int]
+    sizes: list[int], cap: int, room: int, held: set[int] | None
 ) -> None:
     totals = Counter(sizes)
     top = -(-max(sizes) // STEP) * STEP + room * STEP
@@ -106,11 +108,12 @@ def test_after_every_call_the_plan_serves_all_seen_within_the_bound_of_the_least
         assert padding(seen, planner.budgets) <= bound
 
 
-def test_a_stream_of_mixed_image_sizes_gets_eight_budgets_few_captures_one_pool() -> None:
+def test_a_stream_of_mixed_image_sizes_gets_eight_budgets_planned_once() -> None:
     """Requests of one to three images of five sizes (Qwen2.5-VL's tokens at 224 to 1344
     pixels), in a seeded random order: many more distinct totals than budgets. After observing
-    16 calls the planner settles on eight budgets near the least padding, having held few
-    others, under at most two tops (the first plans, from few calls, had less room)."""
+    32 calls the planner takes eight budgets and keeps them for the stream, one plan under one
+    top: replacing some would save less padding over the calls seen than their captures cost.
+    They pad the stream within 6 % of its tokens of the least eight budgets would."""
     images = [256, 1024, 1536, 4096, 6912]
     stream = [
         images[a] + (images[b] if b >= 0 else 0) + (images[c] if c >= 0 else 0)
@@ -120,30 +123,27 @@ def test_a_stream_of_mixed_image_sizes_gets_eight_budgets_few_captures_one_pool(
     ]
     random.Random(0).shuffle(stream)
     planner = BudgetPlanner(64, 16384, 8)
-    ever: set[int] = set()
     for size in stream:
         if planner.observing:
             planner.observe(size)
             continue
         planner.budget_for(size)
-        ever.update(planner.budgets)
     totals, tokens = Counter(stream), sum(stream)
     least = padding(totals, least_plan(totals, planner.budgets[-1]))
     assert len(totals) > 3 * 8 and len(planner.budgets) == 8
-    assert padding(totals, planner.budgets) <= least + (REPLAN_GAIN + GRAPH_WORTH) * tokens
-    assert planner.pools <= 2 and len(ever) <= 12 and planner.generation <= 6
+    assert planner.generation == 1 and planner.pools == 1
+    assert padding(totals, planner.budgets) <= least + 0.06 * tokens
     assert planner.budget_for(16385) is None
 
 
 def least_plan(totals: Counter[int], top: int) -> tuple[int, ...]:
     """The least-padding eight budgets under ``top``, by the planner's own programme with
-    captures free (every candidate held)."""
-    candidates = {-(-total // 64) * 64 for total in totals} | {top}
-    return best_budgets(totals, 8, 64, top, held=candidates)[0]
+    captures not priced."""
+    return best_budgets(totals, 8, 64, top)[0]
 
 
 def test_a_call_above_the_top_starts_a_new_pool_with_room() -> None:
-    planner = BudgetPlanner(16, 4096, 2)
+    planner = BudgetPlanner(16, 4096, 2, observed=4)
     for size in (100, 200, 300, 400):
         planner.observe(size)
     assert not planner.observing

@@ -313,16 +313,19 @@ def test_a_budget_slower_than_eager_sends_its_calls_to_a_larger_one_measured_fas
         eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 20.0 if tokens < 50 else 1.0
     )
     graphed = layergraph.wrap(
-        model, observe_calls=0, adapter="qwen2_vl", backend=backend, budget_step=32
+        model, observe_calls=2, adapter="qwen2_vl", backend=backend, budget_step=32
     )
-    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens: budget 128, faster than eager
-    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens: budget 32, slower than eager
+    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens, observed
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens, observed: budgets 32 and 128
+    check(graphed, model, [(1, 6, 6), (1, 8, 8)])  # both captured; 128 faster than eager
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 32 measured slower than eager, dropped
     check(graphed, model, [(1, 6, 4), (1, 2, 2)])  # 28 tokens again, other windows
     stats = graphed.stats
+    assert stats.budgets == (32, 128) and stats.captures == 2
     assert [key.batch for key in graphed.keys] == [128]
     assert stats.slower_graphs == 1
     assert stats.served[(28, "padded to 128")] == 2
-    assert stats.eager_total == 0
+    assert stats.eager_total == 2  # the calls observed
 
 
 VISION_QWEN3 = dict(
