@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -69,7 +69,8 @@ class GraphEntry:
     addresses: tuple[int, ...] = field(default=(), repr=False)
     """Data pointers of every buffer the graph reads or writes, as captured (debug checks)."""
     costs: Costs | None = None
-    """Its replay and an eager call of its batch, measured at capture."""
+    """Its replay and an eager call of its batch, measured at capture; ``None`` for a packed
+    budget captured ahead of its calls until the first of them measures it."""
     record: ReplayRecord = field(default_factory=ReplayRecord, repr=False)
     """The mutable part: validation and held outputs."""
 
@@ -154,6 +155,23 @@ class GraphCache:
         self._graphs[lookup] = entry
         self.generation += 1
         return evicted
+
+    def sightings(self, lookup: Hashable) -> int:
+        """Calls counted of ``lookup`` without a graph (as halved)."""
+        return self._sightings.get(lookup, 0)
+
+    def settle(self, lookup: Hashable, costs: Costs) -> GraphEntry | None:
+        """Give the graph of ``lookup``, stored unmeasured, its ``costs``: return the entry
+        that holds them if the graph pays, else drop it (the costs kept) and return ``None``."""
+        entry = self._graphs[lookup]
+        if not costs.graph_pays:
+            self.remove(lookup)
+            self.measured(lookup, costs)
+            return None
+        settled = replace(entry, costs=costs)
+        self._graphs[lookup] = settled
+        self.generation += 1
+        return settled
 
     def costs(self, lookup: Hashable) -> Costs | None:
         """What was measured of ``lookup``, with or without a graph; ``None`` if nothing."""

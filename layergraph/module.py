@@ -40,6 +40,7 @@ def wrap(
     tolerance: float | None = None,
     warmup_runs: int = 2,
     debug: bool = False,
+    observe_calls: int | None = None,
     compile_layers: bool | dict[str, Any] = False,
     compile_region: bool | dict[str, Any] = False,
     compile_budget: float | None = None,
@@ -123,6 +124,7 @@ def wrap(
         tolerance=tolerance,
         warmup_runs=warmup_runs,
         debug=debug,
+        observe_calls=observe_calls,
     )
     if compile_layers is not False and compile_region is not False:
         raise ValueError("compile_layers and compile_region exclude each other: choose one")

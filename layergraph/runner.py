@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .adapter import CapturePlan
-from .budgets import PACKED_MAX_GRAPHS, BudgetPlanner
+from .budgets import OBSERVED_PER_BUDGET, PACKED_MAX_GRAPHS, BudgetPlanner
 from .cache import GraphCache, GraphEntry
 from .graphs import GraphBackend, GraphCaptureError
 from .guards import GLOBAL_HOOKS, HookFingerprint, HookWatch, ParameterWatch, addresses
@@ -46,6 +46,14 @@ DEFAULT_MAX_GRAPHS = 32
 
 _MEASURED_RUNS = 3
 """Eager calls and replays timed at each capture; the fastest of each is kept."""
+
+_DECISIVE = 1.5
+"""A packed graph's capture times one eager call, and more (up to :data:`_MEASURED_RUNS`) only
+while the fastest replay is not this many times faster than the fastest eager call: further
+eager calls could only come out faster than a first one slowed by half, which is rare."""
+
+_OBSERVING = "observing the traffic before choosing token budgets"
+"""Why a packed plan's first calls run eagerly (:class:`~layergraph.budgets.BudgetPlanner`)."""
 
 
 class StaleOutputWarning(UserWarning):
@@ -89,6 +97,10 @@ class RunnerOptions:
     - ``warmup_runs``: eager runs on a side stream before each capture.
     - ``debug``: check at every replay that each buffer the graph uses (static inputs and
       outputs, per-key state, the model's parameters) still has its captured address.
+    - ``observe_calls``: a packed plan with learnt budgets serves this many first calls
+      eagerly, observing their token totals, before it chooses budgets
+      (:mod:`layergraph.budgets`); ``None`` (the default): four times ``max_graphs``. Other plans
+      ignore it.
     """
 
     batch_sizes: Sequence[int] | Literal["auto"] | None = "auto"
@@ -100,12 +112,15 @@ class RunnerOptions:
     tolerance: float | None = None
     warmup_runs: int = 2
     debug: bool = False
+    observe_calls: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_graphs is not None and self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {self.max_graphs}")
         if self.warmup_runs < 1:
             raise ValueError(f"warmup_runs must be at least 1, got {self.warmup_runs}")
+        if self.observe_calls is not None and self.observe_calls < 0:
+            raise ValueError(f"observe_calls must be at least 0, got {self.observe_calls}")
         if self.capture_after < 1:
             raise ValueError(f"capture_after must be at least 1, got {self.capture_after}")
         if isinstance(self.batch_sizes, str) and self.batch_sizes != "auto":
@@ -192,10 +207,19 @@ class GraphRunner:
         """A packed plan's learnt token budgets (``batch_sizes="auto"``)."""
         self._planned = 0
         """The planner's generation whose budgets the graphs held follow."""
+        self._pools_planned = 0
+        """The planner's count of tops whose pool the graphs held share."""
+        self._warmed: set[Any] = set()
+        """Call signatures of a packed plan captured since the model last changed: the lazy
+        initialisation of their kernels has run, so their next captures warm up once."""
         if plan.packing is not None and options.measured:
             packing = plan.packing
+            observed = options.observe_calls
             self._planner = BudgetPlanner(
-                packing.budget_step, packing.largest_budget, self.max_graphs
+                packing.budget_step,
+                packing.largest_budget,
+                self.max_graphs,
+                OBSERVED_PER_BUDGET * self.max_graphs if observed is None else observed,
             )
         self._entries = GraphCache(self.max_graphs, options.capture_after)
         """Every graph, and everything known about each key: its graph with that graph's
@@ -244,6 +268,7 @@ class GraphRunner:
         if len(self._entries):
             self._stats.invalidations += 1
         self._entries.clear()
+        self._warmed.clear()
         self._pool = None
 
     def _drop_graphs(self) -> None:
@@ -395,7 +420,10 @@ class GraphRunner:
         if self._planner.generation != self._planned:
             self._planned = self._planner.generation
             self._stats.replans += 1
-            if self._entries.keep_buckets(self._planner.budgets) and not len(self._entries):
+            if self._planner.pools != self._pools_planned:
+                self._pools_planned = self._planner.pools
+                self._drop_graphs()
+            elif self._entries.keep_buckets(self._planner.budgets) and not len(self._entries):
                 self._pool = None
         return budget
 
@@ -404,11 +432,24 @@ class GraphRunner:
         budgets, else from the cheapest larger budget held if measured faster than eager by
         :data:`~layergraph.policy.ROUTE_MARGIN`; a call above every budget split by images;
         else eagerly, the reason counted. A budget's eager time is measured on its first eager
-        call."""
+        call.
+
+        With learnt budgets, the planner's first calls run eagerly while it observes them; a
+        fresh pool's first call captures every budget of the plan, largest first
+        (:meth:`_capture_ahead`), and a graph captured that way is measured on the first call
+        it serves."""
+        planner = self._planner
+        if planner is not None and planner.observing and call.size <= planner.largest:
+            planner.observe(call.size)
+            return self._run_eagerly(_OBSERVING, call.args, call.kwargs, batch=call.size)
         budget = self._budget_for(call.size)
         if budget is None:
             return self._serve_split(call)
+        if planner is not None and not len(self._entries):
+            self._capture_ahead(call, budget)
         entry, reason = self._entry_for(budget, call)
+        if entry is not None and entry.costs is None:
+            entry, reason = self._measure_later(entry, call)
         if entry is not None or not self.options.measured:
             if entry is None:
                 return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
@@ -439,6 +480,50 @@ class GraphRunner:
             return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
         entry = self._entries.get((cheapest.key.batch, call.signature))
         return self._replay(entry, call, fresh, count=True)
+
+    def _capture_ahead(self, call: PackedCall, budget: int) -> None:
+        """In a fresh pool, capture every budget of the plan for ``call``'s signature, largest
+        first, so that each capture takes blocks the larger ones freed instead of growing the
+        pool. A budget below ``budget`` (``call``'s own) is captured from the call's first
+        piece that fits it (:meth:`~layergraph.packing.Packing.split`), or left to its first
+        call if its first image does not. Each graph is measured later, on the first call it
+        serves (:meth:`_measure_later`): the call's own budget right after. A budget measured
+        slower than eager or whose capture failed is skipped, and a capture that fails ends
+        the loop; nothing is captured while ``capture_after`` holds the call's own budget
+        back, or without lazy capture."""
+        own = (budget, call.signature)
+        if not self.options.lazy or self._entries.sightings(own) + 1 < self.options.capture_after:
+            return
+        self.plan.check_inputs(call)
+        packing = self.plan.packing
+        for planned in sorted(self._planner.budgets, reverse=True):
+            lookup = (planned, call.signature)
+            costs = self._entries.costs(lookup)
+            if self._entries.failure(lookup) is not None:
+                continue
+            if costs is not None and costs.graph_ms is not None and not costs.graph_pays:
+                continue
+            pieces = [call] if planned >= call.size else packing.split(call, planned)
+            example = pieces[0]
+            if example.size > planned or example.signature != call.signature:
+                continue
+            key = ShapeKey(planned, self.plan.sequence_of(example))
+            entry, _ = self._capture(key, lookup, example, measure=False)
+            if entry is None:
+                return
+
+    def _measure_later(self, entry: GraphEntry, call: PackedCall) -> tuple[GraphEntry | None, str]:
+        """Measure a graph captured ahead of its calls (:meth:`_capture_ahead`) on ``call``, the
+        first it serves; keep it if it pays, else drop it (its costs kept)."""
+        lookup = (entry.key.batch, call.signature)
+        started = time.perf_counter()
+        costs = self._measure_packed(entry.graph, entry.state, entry.output_leaves, call)
+        self._stats.capture_seconds += time.perf_counter() - started
+        kept = self._entries.settle(lookup, costs)
+        if kept is not None:
+            return kept, ""
+        self._stats.slower_graphs += 1
+        return None, f"the graph of batch {entry.key.batch} was measured slower than eager"
 
     def _serve_split(self, call: PackedCall) -> Any:
         """A packed call above every budget, split by images into calls that fit, each served
@@ -557,9 +642,14 @@ class GraphRunner:
         return self._capture(key, lookup, call)
 
     def _capture(
-        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs | PackedCall
+        self,
+        key: ShapeKey,
+        lookup: tuple[int, Any],
+        call: CallInputs | PackedCall,
+        measure: bool = True,
     ) -> tuple[GraphEntry | None, str]:
-        """Capture ``key``; return its entry, or ``None`` and why its call runs eagerly.
+        """Capture ``key`` (measured unless ``measure`` is off); return its entry, or ``None``
+        and why its call runs eagerly.
 
         A capture that runs out of memory drops every graph. One that fails otherwise after its
         warm-up runs, eager runs of the same inputs, succeeded (the backend's
@@ -568,7 +658,7 @@ class GraphRunner:
         own) is raised as it is.
         """
         try:
-            entry = self._capture_entry(key, lookup, call)
+            entry = self._capture_entry(key, lookup, call, measure)
         except Exception as error:
             failed = error if isinstance(error, GraphCaptureError) else None
             cause = (error.__cause__ or error) if failed is not None else error
@@ -614,14 +704,22 @@ class GraphRunner:
         return reason
 
     def _capture_entry(
-        self, key: ShapeKey, lookup: tuple[int, Any], call: CallInputs | PackedCall
+        self,
+        key: ShapeKey,
+        lookup: tuple[int, Any],
+        call: CallInputs | PackedCall,
+        measure: bool = True,
     ) -> GraphEntry | None:
         """Capture and measure ``key``'s graph; store and return it, or, if it was measured
-        slower than eager, record the costs and return ``None``.
+        slower than eager, record the costs and return ``None``. Without ``measure`` (a packed
+        budget captured ahead of its calls) it is stored unmeasured, its costs ``None``.
 
         A packed call's buffers come from the plan's packing and are the graph's per-key state
         too; a batched call's static inputs are zeros of the key's batch, its state the plan's
-        :meth:`~layergraph.adapter.CapturePlan.key_state`."""
+        :meth:`~layergraph.adapter.CapturePlan.key_state`. The capture seconds counted include
+        the buffers' allocation (where a plan times its attention backends) and the
+        measurement."""
+        started = time.perf_counter()
         if not len(self._entries):
             # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
             # to capture into a pool whose graphs were all released if any of its memory is
@@ -642,7 +740,8 @@ class GraphRunner:
                 )
             _load(static, call.tensors)
             args, kwargs = call.rebuild(static)
-        started = time.perf_counter()
+        warmed = isinstance(call, PackedCall) and call.signature in self._warmed
+        warmup_runs = 1 if warmed else self.options.warmup_runs
         if not isinstance(call, PackedCall):
             state = self.plan.key_state(key, call)
 
@@ -654,15 +753,19 @@ class GraphRunner:
         with self._hooks.adopting(), contextlib.ExitStack() as contexts:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
-            graph, output = self.backend.capture(region, self._pool, self.options.warmup_runs)
-        leaves, spec = pytree.tree_flatten(output)
+            graph, output = self.backend.capture(region, self._pool, warmup_runs)
         if isinstance(call, PackedCall):
+            self._warmed.add(call.signature)
+        leaves, spec = pytree.tree_flatten(output)
+        if not measure:
+            costs = None
+        elif isinstance(call, PackedCall):
             costs = self._measure_packed(graph, state, leaves, call)
         else:
             costs = self._measure(graph, static, leaves, args, kwargs)
         self._stats.captures += 1
         self._stats.capture_seconds += time.perf_counter() - started
-        if not costs.graph_pays:
+        if costs is not None and not costs.graph_pays:
             self._stats.slower_graphs += 1
             self._entries.measured(lookup, costs)
             return None
@@ -711,20 +814,14 @@ class GraphRunner:
     def _measure_packed(
         self, graph: Any, buffers: Any, leaves: Sequence[Any], call: PackedCall
     ) -> Costs:
-        """The fastest of a few eager calls of ``call`` itself (the plan's region unbound: the
-        model's own forward), and of a few replays of the budget's graph with the outputs
-        cloned, each waited for. A measured replay pays what a call served by the graph pays
-        on the host too: the call is read again (:meth:`~layergraph.packing.Packing.pack`) and
-        loaded, so a plan whose per-call metadata is costly to compute keeps a graph only if
-        it still beats the model's own eager call."""
+        """The fastest of a few replays of the budget's graph with the outputs cloned, and of
+        one to a few eager calls of ``call`` itself (the plan's region unbound: the model's own
+        forward; more only while the replay is not :data:`_DECISIVE` times faster), each waited
+        for. A measured replay pays what a call served by the graph pays on the host too: the
+        call is read again (:meth:`~layergraph.packing.Packing.pack`) and loaded, so a plan
+        whose per-call metadata is costly to compute keeps a graph only if it still beats the
+        model's own eager call."""
         packing = self.plan.packing
-        with self._hooks.adopting():
-            eager_ms = min(
-                self.backend.time_eager(
-                    lambda: self.plan.region(*call.args, **call.kwargs), call.size
-                )[1]
-                for _ in range(_MEASURED_RUNS)
-            )
 
         def replay() -> None:
             packing.load(buffers, packing.pack(call.args, call.kwargs))
@@ -734,6 +831,17 @@ class GraphRunner:
                     leaf.clone()
 
         graph_ms = min(self.backend.time_replay(replay, call.size) for _ in range(_MEASURED_RUNS))
+        eager_ms = float("inf")
+        with self._hooks.adopting():
+            for _ in range(_MEASURED_RUNS):
+                eager_ms = min(
+                    eager_ms,
+                    self.backend.time_eager(
+                        lambda: self.plan.region(*call.args, **call.kwargs), call.size
+                    )[1],
+                )
+                if graph_ms * _DECISIVE <= eager_ms:
+                    break
         return Costs(eager_ms, graph_ms)
 
     def _replay(

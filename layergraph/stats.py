@@ -71,7 +71,9 @@ class GraphStats:
     """Times a packed plan's token budgets were chosen (again), the graphs of budgets left out
     dropped."""
     capture_seconds: float = 0.0
-    """Wall-clock seconds spent capturing, warm-up runs included."""
+    """Wall-clock seconds spent capturing, for every capture (those of graphs dropped since
+    included): the graph's buffers (a packed plan times its attention backends there), warm-up
+    runs, the capture and its measurement against eager."""
     pool_bytes: int = 0
     """Bytes the shared graph memory pool holds, read from the allocator when the statistics
     were taken; 0 before the first capture and after every graph was dropped at once."""

@@ -13,7 +13,9 @@ one of the pool's graphs lives. Its captures refuse what a CUDA stream capture r
 CPU run would not notice: reading a tensor's value on the host (``.item()``, ``bool(t)``) and
 operators whose output size depends on values (``nonzero``, boolean-mask indexing,
 ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``), each of which
-waits for the GPU. It does not simulate kernels, streams or memory.
+waits for the GPU. Its pools model the memory a CUDA caching allocator reserves for graphs
+(:class:`_SimulatedPool`), so that tests can check how captures share a pool; it does not
+simulate kernels or streams.
 """
 
 from __future__ import annotations
@@ -144,11 +146,70 @@ class _SimulatedGraph:
 
 
 @dataclass(eq=False)
+class _Block:
+    """A span of a segment, free or allocated."""
+
+    size: int
+    free: bool
+
+
+@dataclass(eq=False)
 class _SimulatedPool:
-    outputs: list[Any] = field(default_factory=list)
-    """Every output captured into the pool, for :meth:`SimulatedGraphs.pool_bytes`."""
+    """The memory reserved for one graph pool, as PyTorch's caching allocator keeps it.
+
+    The pool is a list of segments, each reserved once (never returned while the pool lives)
+    and cut into blocks. An allocation takes the smallest free block that holds it, split if
+    larger, or reserves a new segment of its size; a freed block merges with free neighbours
+    of its segment. So a capture can take blocks that earlier captures freed (their
+    intermediates, the outputs of a dropped graph), never the outputs of graphs alive, and a
+    larger allocation than any free block grows the pool even when the free blocks together
+    would hold it. What it leaves out: rounding of sizes, the small-allocation pool, and
+    splitting limits.
+    """
+
+    segments: list[list[_Block]] = field(default_factory=list)
     graphs: weakref.WeakSet[_SimulatedGraph] = field(default_factory=weakref.WeakSet)
     used: bool = False
+
+    def allocate(self, size: int) -> _Block:
+        """A block of ``size`` bytes: the best-fitting free one, split, or a new segment."""
+        free = [
+            (block.size, index, position)
+            for index, segment in enumerate(self.segments)
+            for position, block in enumerate(segment)
+            if block.free and block.size >= size
+        ]
+        if not free:
+            block = _Block(size, free=False)
+            self.segments.append([block])
+            return block
+        _, index, position = min(free)
+        segment = self.segments[index]
+        block = segment[position]
+        if block.size > size:
+            segment.insert(position + 1, _Block(block.size - size, free=True))
+            block.size = size
+        block.free = False
+        return block
+
+    def release(self, block: _Block) -> None:
+        """Free ``block``, merged with the free blocks beside it in its segment."""
+        block.free = True
+        for segment in self.segments:
+            if any(held is block for held in segment):
+                merged: list[_Block] = []
+                for held in segment:
+                    if merged and merged[-1].free and held.free:
+                        merged[-1].size += held.size
+                    else:
+                        merged.append(held)
+                segment[:] = merged
+                return
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of every segment."""
+        return sum(block.size for segment in self.segments for block in segment)
 
 
 class SimulatedGraphs:
@@ -157,8 +218,16 @@ class SimulatedGraphs:
     Costs, which the runner measures to choose how each batch size is served
     (:mod:`layergraph.policy`), are wall-clock time for eager calls and nothing for replays,
     unless given: ``eager_ms(rows)`` and ``replay_ms(rows)`` make them a function of the batch,
-    so that a test decides which way wins. With ``strict`` (the default) a capture fails
-    with :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
+    so that a test decides which way wins.
+
+    Memory: a capture allocates, in its pool, ``working_set`` blocks of its outputs' bytes (its
+    intermediates: a tower's layers hold several tensors about the size of its hidden state),
+    then its outputs (one block per output storage), then frees the intermediates; the
+    outputs' blocks are freed when the graph is collected.
+    :meth:`pool_bytes` is what the pool reserved. With the default ``working_set`` of 0 a pool
+    holds the outputs of its graphs, and of graphs dropped unless later captures reused their
+    blocks. With ``strict`` (the default) a capture fails with
+    :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
     docstring lists it), raised as the cause of a
     :class:`~layergraph.graphs.GraphCaptureError`; warm-up runs, like a GPU's, may do
     anything.
@@ -172,6 +241,7 @@ class SimulatedGraphs:
         replay_ms: Callable[[int], float] | None = None,
         *,
         strict: bool = True,
+        working_set: int = 0,
     ) -> None:
         self.captures = 0
         self.replays = 0
@@ -179,6 +249,7 @@ class SimulatedGraphs:
         self.eager_ms = eager_ms
         self.replay_ms = replay_ms
         self.strict = strict
+        self.working_set = working_set
 
     def unavailable_reason(self) -> str | None:
         return None
@@ -214,7 +285,13 @@ class SimulatedGraphs:
             raise GraphCaptureError.caused_by(error) from error
         pool.used = True
         graph = _SimulatedGraph(fn, output)
-        pool.outputs.append(output)
+        sizes = _storage_bytes(output)
+        intermediates = [pool.allocate(sum(sizes)) for _ in range(self.working_set if sizes else 0)]
+        blocks = [pool.allocate(size) for size in sizes]
+        for block in intermediates:
+            pool.release(block)
+        for block in blocks:
+            weakref.finalize(graph, pool.release, block)
         pool.graphs.add(graph)
         self.captures += 1
         return graph, output
@@ -247,12 +324,17 @@ class SimulatedGraphs:
         return None
 
     def pool_bytes(self, pool: _SimulatedPool) -> int:
-        return sum(
-            leaf.untyped_storage().nbytes()
-            for output in pool.outputs
-            for leaf in pytree.tree_leaves(output)
-            if isinstance(leaf, torch.Tensor)
-        )
+        return pool.reserved
+
+
+def _storage_bytes(output: Any) -> list[int]:
+    """Bytes of each distinct storage among the tensors of ``output``."""
+    storages = {}
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return [size for size in storages.values() if size]
 
 
 # ---- the pytest plugin for adapter authors ---------------------------------------------------

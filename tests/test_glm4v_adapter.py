@@ -149,7 +149,12 @@ def test_mixed_image_sizes_are_served_by_few_budgets(kind: str) -> None:
     model = tower(kind)
     assert qwen2_vl.Qwen2VLAdapter().recognizes(model)
     graphed = layergraph.wrap(
-        model, adapter="auto", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+        model,
+        observe_calls=0,
+        adapter="auto",
+        backend=SimulatedGraphs(),
+        budget_step=32,
+        max_tokens=256,
     )
     rng = random.Random(0)
     mixes = set()
@@ -202,7 +207,7 @@ def test_an_entry_of_several_frames_runs_the_towers_own_forward_with_the_reason(
     """GLM-4.1V's forward reads ``grid_thw``'s rows by frame index, so an entry of two frames
     is out of its rows: the unwrapped tower raises, and so does the wrapped one, eagerly."""
     model = tower()
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+    graphed = layergraph.wrap(model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs())
     pixels, grid = call([(1, 4, 4), (2, 4, 4)])
     with torch.inference_mode(), graphed.original(), pytest.raises(IndexError):
         model(pixels, grid_thw=grid)
@@ -215,7 +220,9 @@ def test_an_entry_of_several_frames_runs_the_towers_own_forward_with_the_reason(
 @pytest.mark.usefixtures("registry")
 def test_towers_without_a_position_table_serve_entries_of_several_frames(kind: str) -> None:
     model = tower(kind)
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32
+    )
     check(graphed, model, [(2, 4, 4), (1, 6, 4), (3, 2, 2)])
     assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
 
@@ -237,7 +244,9 @@ def test_the_vlm_image_and_video_features_go_through_the_graphs(name: str) -> No
     model = vlm(name)
     adapter = qwen2_vl.Qwen2VLAdapter()
     assert adapter.recognizes(model) and adapter.recognizes(model.model)
-    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, adapter="auto", backend=SimulatedGraphs(), budget_step=32
+    )
     assert graphed.adapter.name == "qwen2_vl"
     for method, grids in (
         ("get_image_features", [(1, 4, 6), (1, 2, 2), (1, 6, 4)]),
@@ -292,7 +301,9 @@ def test_generate_reads_the_image_features_from_the_graphs() -> None:
     with torch.inference_mode():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+        graphed = layergraph.wrap(
+            model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs()
+        )
         assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
         assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
     assert graphed.stats.replays == 2  # the forward's and generate's prefill

@@ -91,6 +91,7 @@ def test_a_plugin_backend_reads_the_boundaries_its_hook_built_written_at_each_ca
     model = tower()
     graphed = layergraph.wrap(
         model,
+        observe_calls=0,
         adapter="qwen2_vl",
         attention="recording",
         backend=SimulatedGraphs(),
@@ -115,7 +116,11 @@ def test_packed_metadata_that_cannot_hold_a_budgets_calls_is_refused_naming_the_
 ) -> None:
     layergraph_registry.add_plugin(Plugin(build=lambda layout: 16), "short-plugin")
     graphed = layergraph.wrap(
-        tower(), adapter="qwen2_vl", attention="recording", backend=SimulatedGraphs()
+        tower(),
+        observe_calls=0,
+        adapter="qwen2_vl",
+        attention="recording",
+        backend=SimulatedGraphs(),
     )
     pixels, grid = torch.randn(64, 3 * 2 * 14 * 14), torch.tensor([[1, 8, 8]])
     with torch.inference_mode(), pytest.raises(ValueError) as refusal:
@@ -123,7 +128,8 @@ def test_packed_metadata_that_cannot_hold_a_budgets_calls_is_refused_naming_the_
     assert "attention metadata from an attention_metadata hook cannot hold calls of up to" in str(
         refusal.value
     )
-    assert "max_seqlen must be an int of at least 64" in str(refusal.value)
+    # The first capture is the top budget: 64 tokens with a quarter more room, in 64-token steps.
+    assert "max_seqlen must be an int of at least 128" in str(refusal.value)
 
 
 def test_metadata_holds_a_sequence_layouts_boundaries_and_room_for_a_packed_layouts() -> None:
@@ -175,7 +181,7 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
     layergraph_registry.add_plugin(Kernels(), "kernels")
     model = tower()
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[BUDGET]
+        model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[BUDGET]
     )
     grids = [(1, 4, 6), (2, 2, 2), (1, 8, 8)]
     check(graphed, model, grids)

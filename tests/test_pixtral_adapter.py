@@ -187,7 +187,9 @@ def check(
 @pytest.mark.usefixtures("registry")
 def test_a_stream_of_mixed_sizes_is_served_by_few_budgets() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32, max_tokens=128)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32, max_tokens=128
+    )
     assert isinstance(graphed.plan, pixtral.PixtralPlan)  # adapter="auto" found it
     stream = [
         [(2, 2)],  # one patch
@@ -298,7 +300,9 @@ def test_calls_above_every_budget_are_split_by_images_an_image_above_them_eagerl
 @pytest.mark.usefixtures("registry")
 def test_attention_weights_asked_for_run_the_tower_eagerly_with_the_reason() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32, validate=True)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32, validate=True
+    )
     inputs = call([(6, 10), (4, 4)])
     with torch.inference_mode():
         replayed = graphed(**inputs)  # validated against the eager path: no mismatch
@@ -433,7 +437,7 @@ def test_a_vlms_image_features_read_the_graphs(family: str) -> None:
     inputs = call([(8, 12), (4, 4), (12, 4)])
     with torch.inference_mode():
         want = model.model.get_image_features(**inputs).pooler_output
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32)
         got = model.get_image_features(**inputs).pooler_output
     assert graphed.adapter.name == "pixtral"
     assert [t.shape for t in got] == [t.shape for t in want]
@@ -452,7 +456,7 @@ def test_mistral3_generate_reads_the_graphs() -> None:
     with torch.inference_mode():
         logits = model(input_ids=prompt, **inputs).logits
         tokens = model.generate(input_ids=prompt, **inputs, max_new_tokens=3, do_sample=False)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32)
         assert relative_error(graphed(input_ids=prompt, **inputs).logits, logits) <= TOLERANCE
         generated = graphed.generate(input_ids=prompt, **inputs, max_new_tokens=3, do_sample=False)
     assert torch.equal(generated, tokens)
@@ -466,7 +470,7 @@ def test_unwrap_gives_back_the_towers_own_forward_and_attention() -> None:
     inputs = call([(6, 10), (4, 4)])
     with torch.inference_mode():
         before = model(**inputs)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs())
         graphed(**inputs)
         assert graphed.unwrap() is model
         after = model(**inputs)

@@ -141,7 +141,12 @@ def check(graphed: Any, model: torch.nn.Module, grids: list[tuple[int, int, int]
 def test_random_streams_are_served_by_few_budgets(kind: str) -> None:
     model = tower(kind)
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+        model,
+        observe_calls=0,
+        adapter="qwen2_vl",
+        backend=SimulatedGraphs(),
+        budget_step=32,
+        max_tokens=256,
     )
     rng = random.Random(0)
     mixes = set()
@@ -160,7 +165,7 @@ def test_random_streams_are_served_by_few_budgets(kind: str) -> None:
 def test_equal_token_totals_with_other_images_read_their_own_boundaries(kind: str) -> None:
     model = tower(kind)
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
+        model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
     )
     for grids in ([(1, 4, 6), (2, 2, 2), (1, 8, 8)], [(1, 8, 8), (1, 6, 4), (2, 2, 2)]):
         check(graphed, model, grids)  # 96 tokens each, other frames and windows
@@ -172,7 +177,7 @@ def test_equal_token_totals_with_other_images_read_their_own_boundaries(kind: st
 def test_calls_above_every_budget_are_split_or_run_eagerly_with_the_reason() -> None:
     model = tower()
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[64, 128]
+        model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[64, 128]
     )
     check(graphed, model, [(1, 8, 8), (1, 6, 10), (2, 4, 4)])  # 188 tokens: 64 + 60 + 64
     assert graphed.stats.split_calls == 1
@@ -186,7 +191,13 @@ def test_calls_above_every_budget_are_split_or_run_eagerly_with_the_reason() -> 
 def test_budgets_that_would_pad_part_of_a_merged_token_are_refused_at_wrap() -> None:
     model = tower()
     with pytest.raises(ValueError, match=r"token budgets \[102\] are not multiples of 4 tokens"):
-        layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[64, 102])
+        layergraph.wrap(
+            model,
+            observe_calls=0,
+            adapter="qwen2_vl",
+            backend=SimulatedGraphs(),
+            batch_sizes=[64, 102],
+        )
     assert "forward" not in model.__dict__
 
 
@@ -201,7 +212,9 @@ def test_budgets_that_would_pad_part_of_a_merged_token_are_refused_at_wrap() -> 
 def test_a_grid_the_tower_cannot_take_gets_the_reason_and_the_towers_error(
     grid: torch.Tensor, reason: str
 ) -> None:
-    graphed = layergraph.wrap(tower(), adapter="qwen2_vl", backend=SimulatedGraphs())
+    graphed = layergraph.wrap(
+        tower(), observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs()
+    )
     pixels = torch.randn(int(grid.prod(-1).sum()), PATCH)
     with torch.inference_mode(), pytest.raises(ValueError, match=f"{reason}.*the model raised"):
         graphed(pixels, grid_thw=grid)
@@ -212,7 +225,7 @@ def test_a_grid_the_tower_cannot_take_gets_the_reason_and_the_towers_error(
 def windowed_plan() -> Any:
     """The plan of a wrapped Qwen2.5-VL tower (windows of 2x2 merged tokens)."""
     return layergraph.wrap(
-        tower(), adapter=qwen2_vl.Qwen2VLAdapter(), backend=SimulatedGraphs()
+        tower(), observe_calls=0, adapter=qwen2_vl.Qwen2VLAdapter(), backend=SimulatedGraphs()
     ).plan
 
 
@@ -249,7 +262,7 @@ def test_a_7b_shaped_towers_windows_fit_the_triton_grid_at_the_largest_learnt_bu
     )
     adapter = qwen2_vl.Qwen2VLAdapter()
     model = Qwen2_5_VisionTransformerPretrainedModel(config)
-    plan = layergraph.wrap(model, adapter=adapter, backend=SimulatedGraphs()).plan
+    plan = layergraph.wrap(model, observe_calls=0, adapter=adapter, backend=SimulatedGraphs()).plan
     assert plan.window_slots(adapter.max_tokens, 8) * plan.heads <= 65535
 
 
@@ -257,7 +270,12 @@ def test_a_7b_shaped_towers_windows_fit_the_triton_grid_at_the_largest_learnt_bu
 def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
     model = tower()
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", attention="triton", backend=SimulatedGraphs(), batch_sizes=[96]
+        model,
+        observe_calls=0,
+        adapter="qwen2_vl",
+        attention="triton",
+        backend=SimulatedGraphs(),
+        batch_sizes=[96],
     )
     for grids in ([(1, 2, 2), (2, 4, 4)], [(1, 6, 10), (1, 2, 2)]):
         check(graphed, model, grids)
@@ -270,7 +288,9 @@ def test_the_vlm_image_features_go_through_the_graphs(kind: str) -> None:
     model = vlm(kind)
     assert qwen2_vl.Qwen2VLAdapter().recognizes(model)
     assert qwen2_vl.Qwen2VLAdapter().recognizes(model.model)  # the tower at visual
-    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, adapter="auto", backend=SimulatedGraphs(), budget_step=32
+    )
     for grids in ([(1, 4, 6), (1, 2, 2)], [(1, 8, 8)]):
         pixels, grid = call(grids)
         with torch.inference_mode():
@@ -292,15 +312,20 @@ def test_a_budget_slower_than_eager_sends_its_calls_to_a_larger_one_measured_fas
     backend = SimulatedGraphs(
         eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 20.0 if tokens < 50 else 1.0
     )
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=backend, budget_step=32)
-    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens: budget 128, faster than eager
-    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens: budget 32, slower than eager
+    graphed = layergraph.wrap(
+        model, observe_calls=2, adapter="qwen2_vl", backend=backend, budget_step=32
+    )
+    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens, observed
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens, observed: budgets 32 and 128
+    check(graphed, model, [(1, 6, 6), (1, 8, 8)])  # both captured; 128 faster than eager
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 32 measured slower than eager, dropped
     check(graphed, model, [(1, 6, 4), (1, 2, 2)])  # 28 tokens again, other windows
     stats = graphed.stats
+    assert stats.budgets == (32, 128) and stats.captures == 2
     assert [key.batch for key in graphed.keys] == [128]
     assert stats.slower_graphs == 1
     assert stats.served[(28, "padded to 128")] == 2
-    assert stats.eager_total == 0
+    assert stats.eager_total == 2  # the calls observed
 
 
 VISION_QWEN3 = dict(
@@ -330,7 +355,12 @@ def qwen3_vlm() -> torch.nn.Module:
 def test_qwen3_vl_learned_positions_and_deepstack_features_equal_the_towers() -> None:
     model = qwen3_vlm().model.visual
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+        model,
+        observe_calls=0,
+        adapter="qwen2_vl",
+        backend=SimulatedGraphs(),
+        budget_step=32,
+        max_tokens=256,
     )
     rng = random.Random(0)
     for grids in (
@@ -362,7 +392,9 @@ def test_qwen3_vl_image_features_and_their_deepstack_features_go_through_the_gra
     model = qwen3_vlm()
     adapter = qwen2_vl.Qwen2VLAdapter()
     assert adapter.recognizes(model) and adapter.recognizes(model.model)
-    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, adapter="auto", backend=SimulatedGraphs(), budget_step=32
+    )
     for grids in ([(1, 4, 6), (1, 2, 2)], [(1, 8, 8)]):
         pixels, grid = call(grids)
         with torch.inference_mode():
@@ -409,7 +441,9 @@ def test_generate_reads_the_image_features_from_the_graphs() -> None:
     with torch.inference_mode():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        graphed = layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+        graphed = layergraph.wrap(
+            model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs()
+        )
         assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
         assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
     assert graphed.stats.replays == 2  # the forward's and generate's prefill
@@ -425,5 +459,5 @@ def test_releases_without_precomputed_tower_arguments_are_refused_by_name(
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.0")
     model = tower()
     with pytest.raises(AdapterMismatch, match="qwen2_vl adapter was checked with transformers"):
-        layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+        layergraph.wrap(model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs())
     assert "forward" not in model.__dict__

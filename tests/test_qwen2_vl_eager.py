@@ -82,7 +82,12 @@ def test_calls_served_eagerly_run_the_towers_own_forward_and_read_nothing_for_gr
     tower = model(kind)
     backend = SimulatedGraphs(eager_ms=lambda tokens: 1.0, replay_ms=lambda tokens: 2.0)
     graphed = layergraph.wrap(
-        tower, adapter="qwen2_vl", backend=backend, batch_sizes=[BUDGET], validate=False
+        tower,
+        observe_calls=0,
+        adapter="qwen2_vl",
+        backend=backend,
+        batch_sizes=[BUDGET],
+        validate=False,
     )
     try:
         pixels, grid = call(SMALL)
@@ -126,7 +131,11 @@ def test_a_graph_is_measured_with_the_host_work_its_calls_pay_and_dropped_if_tha
 ) -> None:
     tower = model(kind)
     graphed = layergraph.wrap(
-        tower, adapter="qwen2_vl", backend=HostPricedGraphs(host_reads), batch_sizes=[BUDGET]
+        tower,
+        observe_calls=0,
+        adapter="qwen2_vl",
+        backend=HostPricedGraphs(host_reads),
+        batch_sizes=[BUDGET],
     )
     try:
         towers_answer(graphed, tower, SMALL)
@@ -143,6 +152,7 @@ def test_a_call_is_split_around_an_image_above_every_budget(kind: str, budgets: 
     tower = model(kind)
     graphed = layergraph.wrap(
         tower,
+        observe_calls=0,
         adapter=qwen2_vl.Qwen2VLAdapter(budget_step=32, max_tokens=BUDGET),
         backend=SimulatedGraphs(),
         batch_sizes=budgets,

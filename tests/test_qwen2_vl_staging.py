@@ -53,7 +53,7 @@ def test_each_call_writes_and_sends_its_metadata_once_and_never_reads_a_stale_on
 ) -> None:
     tower = model(kind)
     graphed = layergraph.wrap(
-        tower, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
+        tower, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
     )
     try:
         for grids in EQUAL_TOTALS * 3:
@@ -87,7 +87,9 @@ def test_fields_are_laid_out_apart_and_reach_the_device_views_through_both_host_
 @pytest.mark.cuda
 def test_a_replayed_call_with_its_grid_on_the_host_does_not_synchronise() -> None:
     tower = model("qwen2_5_vl").cuda()
-    graphed = layergraph.wrap(tower, adapter="qwen2_vl", batch_sizes=[128], attention="auto")
+    graphed = layergraph.wrap(
+        tower, observe_calls=0, adapter="qwen2_vl", batch_sizes=[128], attention="auto"
+    )
     try:
         for grids in EQUAL_TOTALS:  # the first captures (and synchronises)
             pixels = torch.randn(96, 3 * 2 * 14 * 14, device="cuda")

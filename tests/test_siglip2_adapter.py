@@ -141,7 +141,9 @@ def check(graphed: Any, model: torch.nn.Module, grids: Grids, patches: int | Non
 @pytest.mark.usefixtures("registry")
 def test_a_stream_of_mixed_grids_is_served_by_few_budgets() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32, max_tokens=128)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32, max_tokens=128
+    )
     assert isinstance(graphed.plan, siglip2.Siglip2Plan)  # adapter="auto" found it
     stream = [
         [(1, 1)],  # one patch
@@ -162,7 +164,7 @@ def test_a_stream_of_mixed_grids_is_served_by_few_budgets() -> None:
 @pytest.mark.usefixtures("registry")
 def test_equal_token_totals_with_other_grids_read_their_own_boundaries_and_positions() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[64])
+    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), batch_sizes=[64])
     for grids in (
         [(3, 5), (7, 2), (5, 5)],  # 54 tokens
         [(5, 3), (2, 7), (5, 5)],  # the same counts, grids transposed
@@ -179,7 +181,7 @@ def test_equal_token_totals_with_other_grids_read_their_own_boundaries_and_posit
 @pytest.mark.usefixtures("registry")
 def test_a_position_table_updated_in_place_reaches_the_next_replay() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[64])
+    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), batch_sizes=[64])
     check(graphed, model, [(3, 5), (7, 2)])
     table = model.embeddings.position_embedding.weight
     model.load_state_dict(
@@ -193,7 +195,9 @@ def test_a_position_table_updated_in_place_reaches_the_next_replay() -> None:
 @pytest.mark.usefixtures("registry")
 def test_calls_above_every_budget_are_split_by_images_an_image_above_them_eagerly() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[32, 64])
+    graphed = layergraph.wrap(
+        model, observe_calls=0, backend=SimulatedGraphs(), batch_sizes=[32, 64]
+    )
     check(graphed, model, [(6, 6), (4, 7), (2, 5), (5, 5)])  # 99 tokens: 64 + 35
     assert graphed.stats.split_calls == 1
     assert graphed.stats.served[(99, "split into 2 calls")] == 1
@@ -211,7 +215,9 @@ def test_calls_above_every_budget_are_split_by_images_an_image_above_them_eagerl
 @pytest.mark.usefixtures("registry")
 def test_the_eager_path_and_validation_hold_zeros_at_the_padding_too() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32, validate=True)
+    graphed = layergraph.wrap(
+        model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32, validate=True
+    )
     inputs = call([(3, 5), (2, 2)], patches=20)
     with torch.inference_mode():
         replayed = graphed(**inputs)  # validated against the eager path: no mismatch
@@ -238,7 +244,7 @@ def unmask_second_padding(mask: torch.Tensor) -> None:
 @pytest.mark.usefixtures("registry")
 def test_a_mask_unlike_the_grids_runs_eagerly_with_the_reason(change: Any) -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs())
     inputs = call([(3, 5), (2, 2)], patches=20)
     change(inputs["pixel_attention_mask"])
     with torch.inference_mode():
@@ -256,7 +262,7 @@ def test_a_mask_unlike_the_grids_runs_eagerly_with_the_reason(change: Any) -> No
 @pytest.mark.usefixtures("registry")
 def test_a_call_without_mask_runs_the_tower_eagerly_with_the_reason() -> None:
     model = tower()
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs())
     inputs = dict(call([(3, 5), (5, 3)]), pixel_attention_mask=None)
     with torch.inference_mode():
         got = graphed(**inputs)
@@ -287,7 +293,7 @@ def test_a_call_without_mask_runs_the_tower_eagerly_with_the_reason() -> None:
 def test_inputs_the_tower_cannot_take_get_the_reason_and_the_towers_error(
     inputs: dict[str, torch.Tensor], reason: str
 ) -> None:
-    graphed = layergraph.wrap(tower(), backend=SimulatedGraphs())
+    graphed = layergraph.wrap(tower(), observe_calls=0, backend=SimulatedGraphs())
     with torch.inference_mode(), pytest.raises(ValueError, match=f"{reason}.*the model raised"):
         graphed(**inputs)
     assert graphed.stats.graphs == 0
@@ -296,7 +302,7 @@ def test_inputs_the_tower_cannot_take_get_the_reason_and_the_towers_error(
 @pytest.mark.usefixtures("registry")
 def test_a_tower_without_head_and_tuple_outputs() -> None:
     model = tower(vision_use_head=False)
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32)
     inputs = call([(4, 4), (1, 7)], patches=18)
     with torch.inference_mode():
         got = graphed(**inputs, return_dict=False)
@@ -313,7 +319,7 @@ def test_a_tower_without_head_and_tuple_outputs() -> None:
 def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
     model = tower()
     graphed = layergraph.wrap(
-        model, attention="triton", backend=SimulatedGraphs(), batch_sizes=[64]
+        model, observe_calls=0, attention="triton", backend=SimulatedGraphs(), batch_sizes=[64]
     )
     for grids in ([(3, 5), (7, 2), (1, 1)], [(1, 30), (5, 6)]):
         check(graphed, model, grids)
@@ -347,7 +353,11 @@ def test_unwritten_attention_rows_of_the_padding_reach_no_pooled_feature(registr
     registry.add_plugin(Plugin(), "unwritten-padding")
     model = tower()
     graphed = layergraph.wrap(
-        model, attention="unwritten_padding", backend=SimulatedGraphs(), batch_sizes=[64]
+        model,
+        observe_calls=0,
+        attention="unwritten_padding",
+        backend=SimulatedGraphs(),
+        batch_sizes=[64],
     )
     for grids in ([(3, 5), (7, 2)], [(6, 6), (1, 1), (2, 2)]):
         check(graphed, model, grids)
@@ -395,7 +405,7 @@ def test_a_plugins_metadata_for_the_budget_holds_each_calls_boundaries(registry:
     registry.add_plugin(plugin, "recording-plugin")
     model = tower()
     graphed = layergraph.wrap(
-        model, attention="recording", backend=SimulatedGraphs(), batch_sizes=[64]
+        model, observe_calls=0, attention="recording", backend=SimulatedGraphs(), batch_sizes=[64]
     )
     for grids, boundaries in (
         ([(3, 5), (7, 2)], [0, 15, 29, *[29] * 6]),
@@ -418,7 +428,7 @@ def test_siglip2_models_image_features_and_classification_go_through_the_graphs(
     dual = sharpen(transformers.Siglip2Model(config).eval())
     for model in (classifier, dual):
         assert siglip2.Siglip2Adapter().recognizes(model)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32)
         inputs = call([(3, 5), (6, 2), (2, 2)], patches=16)
         with torch.inference_mode():
             if model is dual:
@@ -448,7 +458,7 @@ def test_lfm2_vl_image_features_and_generate_read_the_graphs() -> None:
         features = model.model.get_image_features(**inputs).pooler_output
         logits = model(input_ids=prompt, **inputs).logits
         tokens = model.generate(input_ids=prompt, **inputs, max_new_tokens=3, do_sample=False)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), budget_step=32)
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32)
         got = model.model.get_image_features(**inputs).pooler_output
         assert [t.shape for t in got] == [t.shape for t in features] == [(6, 32), (1, 32)]
         for part, expected in zip(got, features):
@@ -504,7 +514,7 @@ def test_unwrap_gives_back_the_towers_own_forward_and_attention() -> None:
     inputs = call([(3, 5), (2, 2)])
     with torch.inference_mode():
         before = model(**inputs)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs())
         graphed(**inputs)
         assert graphed.unwrap() is model
         after = model(**inputs)
@@ -516,11 +526,17 @@ def test_unwrap_gives_back_the_towers_own_forward_and_attention() -> None:
 def test_options_the_adapter_cannot_serve_are_refused_at_wrap() -> None:
     model = tower()
     with pytest.raises(ValueError, match="attention='sdpa': choose one of sdpa_varlen"):
-        layergraph.wrap(model, adapter="siglip2", attention="sdpa", backend=SimulatedGraphs())
+        layergraph.wrap(
+            model, observe_calls=0, adapter="siglip2", attention="sdpa", backend=SimulatedGraphs()
+        )
     with pytest.raises(ValueError, match="max_tokens 1000 must be a multiple of budget_step 256"):
-        layergraph.wrap(model, adapter="siglip2", max_tokens=1000, backend=SimulatedGraphs())
+        layergraph.wrap(
+            model, observe_calls=0, adapter="siglip2", max_tokens=1000, backend=SimulatedGraphs()
+        )
     with pytest.raises(AdapterMismatch, match="the siglip2 adapter serves transformers'"):
-        layergraph.wrap(torch.nn.Linear(2, 2), adapter="siglip2", backend=SimulatedGraphs())
+        layergraph.wrap(
+            torch.nn.Linear(2, 2), observe_calls=0, adapter="siglip2", backend=SimulatedGraphs()
+        )
     assert "forward" not in model.__dict__
 
 
@@ -532,5 +548,5 @@ def test_releases_outside_the_checked_range_are_refused_by_name(
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.5.4")
     model = tower()
     with pytest.raises(AdapterMismatch, match="siglip2 adapter was checked with transformers"):
-        layergraph.wrap(model, adapter="siglip2", backend=SimulatedGraphs())
+        layergraph.wrap(model, observe_calls=0, adapter="siglip2", backend=SimulatedGraphs())
     assert "forward" not in model.__dict__

@@ -5,7 +5,9 @@ method's answers agree with the tower's.
 A four-layer SigLIP2 NaFlex tower in float32: layergraph's graphs are simulated on the CPU and
 the hand-written graph runs the forward eagerly, so each method's error against the float64
 reference is float32 rounding (about 1e-7; 1e-5 allowed), and in the stream each answer of
-layergraph and of the hand-written graphs equals eager's within 1e-5.
+layergraph and of the hand-written graphs equals eager's within 1e-5. The stream has 20
+requests, given twice (the first pass and the second): layergraph observes the first 32 calls
+before choosing budgets.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
 ) -> None:
     path = tmp_path / "tiny.json"
     result = bench.main(
-        ["--tiny", "--tower", tower, "--requests", "4", "--seconds", "0.01", "--json", str(path)]
+        ["--tiny", "--tower", tower, "--requests", "20", "--seconds", "0.01", "--json", str(path)]
     )
     assert json.loads(path.read_text())["graphs"] == result["graphs"]
     assert result["tower"] == tower
@@ -51,13 +53,14 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
             assert row[f"{method}_error"] <= TOLERANCE, (row, method)
         assert row["layergraph_served"] and row["layergraph_triton_served"], row
     stream = result["stream"]
-    assert stream["requests"] == 4 and stream["images"] >= 4
+    assert stream["requests"] == 20 and stream["images"] >= 20
     assert stream["tokens"] < stream["padded_tokens"]
     assert stream["eager_s"] > 0 and stream["layergraph_s"] > 0 and stream["hand_graph_s"] > 0
     for method in ("layergraph_first_pass", "layergraph", "hand_graph"):
         assert stream[f"{method}_error"] <= TOLERANCE, method
     assert 1 <= stream["graphs"] == len(stream["budgets"])
-    assert stream["eager_calls"] == {}
+    # The first 32 calls (four times max_graphs) run eagerly while the budgets are chosen.
+    assert stream["eager_calls"] == {"observing the traffic before choosing token budgets": 32}
     assert stream["hand_graph_failures"] == []
 
 

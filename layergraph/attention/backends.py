@@ -360,6 +360,12 @@ def _time_ms(
     return captured_ms(run, device=device)
 
 
+_PACKED_TIMING = {"warmup": 1, "calls": 5, "replays": 3}
+"""How each backend is timed for a packed graph's budget (:func:`~layergraph.timing.captured_ms`):
+one call warms up (compiles), and the median of three replays of five captured calls decides.
+Timed once per budget and kind of attention, at every capture of a budget: fewer calls than
+:func:`choose_backend` times, whose choice is made once per layout."""
+
 PackedTimer = Callable[[AttentionBackend, PackedLayout, tuple[int, ...]], float]
 """Milliseconds of one attention call of a backend in a packed graph: room of a
 :class:`~layergraph.attention.PackedLayout`, sequences of the given lengths in it."""
@@ -463,4 +469,4 @@ def _time_packed_ms(
             q, k, v, layout=sequences, metadata=metadata, workspace=workspace, scale=head_dim**-0.5
         )
 
-    return captured_ms(run, device=device)
+    return captured_ms(run, device=device, **_PACKED_TIMING)
