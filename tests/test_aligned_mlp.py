@@ -144,7 +144,12 @@ def test_qwen25_tower_with_align_mlp_equals_its_own_and_unwraps() -> None:
     model = qwen25_tower()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), align_mlp=True, budget_step=32
+        model,
+        adapter="qwen2_vl",
+        backend=SimulatedGraphs(),
+        observe_calls=0,
+        align_mlp=True,
+        budget_step=32,
     )
     assert graphed.speed_options["align_mlp"] == "on"
     assert sum("align_mlp" in line for line in graphed.changes) == 2 * len(model.blocks)
@@ -165,5 +170,7 @@ def test_qwen25_tower_with_align_mlp_equals_its_own_and_unwraps() -> None:
 
 @pytest.mark.skipif(not served, reason=f"the qwen2_vl adapter needs {QWEN2_VL_CHECKED}")
 def test_align_mlp_auto_is_off_on_the_cpu_with_the_reason() -> None:
-    graphed = layergraph.wrap(qwen25_tower(), adapter="qwen2_vl", backend=SimulatedGraphs())
+    graphed = layergraph.wrap(
+        qwen25_tower(), adapter="qwen2_vl", backend=SimulatedGraphs(), observe_calls=0
+    )
     assert graphed.speed_options["align_mlp"].startswith("off: the model is on cpu")

@@ -57,7 +57,7 @@ def tower() -> torch.nn.Module:
 def test_qwen25_tower_with_padded_mlps_is_as_close_to_float32_as_eager() -> None:
     reference = tower().cuda()
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    graphed = layergraph.wrap(model, adapter="qwen2_vl")
+    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0)
     assert graphed.speed_options["align_mlp"] == "on"
     for grids in ([[1, 32, 32]], [[1, 16, 24], [2, 8, 8]]):
         grid = torch.tensor(grids, device="cuda")

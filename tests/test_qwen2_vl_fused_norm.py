@@ -67,12 +67,22 @@ def test_packed_blocks_with_fused_norms_equal_the_tower(
         exact = [reference(p, grid_thw=g).pooler_output for p, g in inputs]
         expected = [tower(p.to(dtype), grid_thw=g).pooler_output for p, g in inputs]
         unfused = layergraph.wrap(
-            tower, adapter="qwen2_vl", backend=SimulatedGraphs(), fuse_norm=False, budget_step=32
+            tower,
+            adapter="qwen2_vl",
+            backend=SimulatedGraphs(),
+            observe_calls=0,
+            fuse_norm=False,
+            budget_step=32,
         )
         plain = [unfused(p.to(dtype), grid_thw=g).pooler_output.float() for p, g in inputs]
         unfused.unwrap()
         graphed = layergraph.wrap(
-            tower, adapter="qwen2_vl", backend=SimulatedGraphs(), fuse_norm=True, budget_step=32
+            tower,
+            adapter="qwen2_vl",
+            backend=SimulatedGraphs(),
+            observe_calls=0,
+            fuse_norm=True,
+            budget_step=32,
         )
         for (pixels, grid), want, eager, without in zip(inputs, exact, expected, plain):
             got = graphed(pixels.to(dtype), grid_thw=grid).pooler_output

@@ -152,7 +152,12 @@ def test_images_and_videos_of_mixed_sizes_are_served_by_few_budgets(kind: str) -
     model = tower(kind)
     assert qwen2_vl.Qwen2VLAdapter().recognizes(model)
     graphed = layergraph.wrap(
-        model, adapter="auto", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+        model,
+        adapter="auto",
+        backend=SimulatedGraphs(),
+        observe_calls=0,
+        budget_step=32,
+        max_tokens=256,
     )
     assert graphed.adapter.name == "qwen2_vl"
     rng = random.Random(0)
@@ -171,7 +176,7 @@ def test_images_and_videos_of_mixed_sizes_are_served_by_few_budgets(kind: str) -
 def test_equal_token_totals_read_their_own_grids_position_table_rows() -> None:
     model = tower()
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[128]
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), observe_calls=0, batch_sizes=[128]
     )
     for grids in (
         [(1, 4, 6), (2, 2, 2), (1, 8, 8)],
@@ -187,7 +192,7 @@ def test_equal_token_totals_read_their_own_grids_position_table_rows() -> None:
 def test_an_image_above_every_budget_runs_eagerly_and_the_rest_of_its_call_from_graphs() -> None:
     model = tower("qwen3_5_moe")
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[64, 128]
+        model, adapter="qwen2_vl", backend=SimulatedGraphs(), observe_calls=0, batch_sizes=[64, 128]
     )
     check(graphed, model, [(1, 8, 8), (1, 16, 12), (1, 6, 10)])  # 64 + 192 + 60 tokens
     stats = graphed.stats
@@ -202,7 +207,12 @@ def test_an_image_above_every_budget_runs_eagerly_and_the_rest_of_its_call_from_
 def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
     model = tower()
     graphed = layergraph.wrap(
-        model, adapter="qwen2_vl", attention="triton", backend=SimulatedGraphs(), batch_sizes=[96]
+        model,
+        adapter="qwen2_vl",
+        attention="triton",
+        backend=SimulatedGraphs(),
+        observe_calls=0,
+        batch_sizes=[96],
     )
     for grids in ([(1, 2, 2), (2, 4, 4)], [(1, 6, 10), (1, 2, 2)]):
         check(graphed, model, grids)
@@ -215,7 +225,9 @@ def test_the_vlm_image_and_video_features_go_through_the_graphs(name: str) -> No
     model = vlm(name)
     adapter = qwen2_vl.Qwen2VLAdapter()
     assert adapter.recognizes(model) and adapter.recognizes(model.model)
-    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(
+        model, adapter="auto", backend=SimulatedGraphs(), observe_calls=0, budget_step=32
+    )
     assert graphed.adapter.name == "qwen2_vl"
     for method, grids in (
         ("get_image_features", [(1, 4, 6), (1, 2, 2), (1, 6, 4)]),
@@ -253,7 +265,7 @@ def test_generate_reads_the_image_features_from_the_graphs(name: str) -> None:
     with torch.inference_mode():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0)
         assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
         assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
     assert graphed.adapter.name == "qwen2_vl"
@@ -271,5 +283,5 @@ def test_releases_the_qwen3_5_towers_were_not_checked_with_are_refused_by_name(
     layergraph.list_adapters()  # loading the plugins may put another transformers module object
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.25.0")
     with pytest.raises(AdapterMismatch, match=r"checked with transformers>=5\.17\.0,<5\.25"):
-        layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs())
+        layergraph.wrap(model, adapter="qwen2_vl", backend=SimulatedGraphs(), observe_calls=0)
     assert "forward" not in model.__dict__
