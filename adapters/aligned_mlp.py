@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.ledger import Change
-from layergraph_adapters.rewrites import InferenceForward
+from layergraph_adapters.rewrites import InferenceForward, give_back_storage
 
 __all__ = ["MLP_LAYOUTS", "AlignedForward", "AlignedMLP", "mlp_layout"]
 
@@ -158,15 +158,8 @@ class AlignedMLP(Change):
         self.down_weight[:, : self.hidden].copy_(down.weight.data)
         down.weight.data = self.down_weight[:, : self.hidden]
 
-    @torch.no_grad()
     def undo(self) -> None:
-        for parameter, own in zip(self._parameters(), self._own):
-            now = parameter.data
-            if own.shape == now.shape and own.dtype == now.dtype and own.device == now.device:
-                own.copy_(now)
-                parameter.data = own
-            else:  # moved or converted while wrapped: keep the change, drop the padded storage
-                parameter.data = now.contiguous().clone()
+        give_back_storage(self._parameters(), self._own)
         self._own = []
 
     @torch.compiler.disable

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.ledger import Change
+from layergraph_adapters.rewrites import give_back_storage
 
 __all__ = ["FusedQKV", "fused_attention_forward", "has_qkv_projections"]
 
@@ -96,15 +97,8 @@ class FusedQKV(Change):
                 self.bias[rows].copy_(projection.bias.data)
                 projection.bias.data = self.bias[rows]
 
-    @torch.no_grad()
     def undo(self) -> None:
-        for parameter, own in zip(self._parameters(), self._own):
-            now = parameter.data
-            if own.shape == now.shape and own.dtype == now.dtype and own.device == now.device:
-                own.copy_(now)
-                parameter.data = own
-            else:  # moved or converted while wrapped: keep the change, drop the fused storage
-                parameter.data = now.clone()
+        give_back_storage(self._parameters(), self._own)
         self._own = []
 
     @torch.compiler.disable

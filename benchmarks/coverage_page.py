@@ -6,7 +6,8 @@
 The served and unserved classes come from the coverage test's table
 (``tests/coverage_table.py``),
 walked in the installed transformers; the batch-1 latencies from the newest H200 run of
-``benchmarks/families.py`` in ``docs/results`` (``--results`` names another). The test suite
+``benchmarks/families.py`` in ``docs/results`` (``--results`` names another), and the packed
+adapters' from the packed benchmarks' runs listed in :data:`PACKED_RUNS`. The test suite
 checks that the committed page is what this script writes, for the transformers it was
 written with.
 """
@@ -40,6 +41,27 @@ PACKED_BENCHMARKS = {
 """The benchmark that measures each packed adapter's towers, in ``benchmarks``."""
 PAGE = ROOT / "docs" / "coverage.md"
 RESULTS = ROOT / "docs" / "results"
+PACKED_RUNS = (
+    "2026-12-01-h200-packed-towers.json",
+    "2026-12-01-h200-packed-towers-fused-norm.json",
+    "2026-12-01-h200-siglip2-naflex.json",
+    "2026-12-01-h200-lfm2-vl-1.6b-naflex.json",
+)
+"""H200 runs of the packed benchmarks in ``docs/results``, oldest first: each tower's ratios
+come from the newest run that measured it."""
+PACKED_TOWERS = {
+    "qwen2.5-vl-7b": "qwen2_vl",
+    "qwen3-vl-8b": "qwen2_vl",
+    "qwen3.5": "qwen2_vl",
+    "glm-4.1v-9b": "qwen2_vl",
+    "pixtral-12b": "pixtral",
+    "siglip2-so400m": "siglip2",
+    "lfm2-vl-450m": "siglip2",
+    "lfm2-vl-1.6b": "siglip2",
+}
+"""The packed benchmarks' towers, by the adapter that serves them."""
+PACKED_SIZE = "448x448"
+"""The image size of ``packed_towers.py``'s per-image table the page reports."""
 
 
 def latest_results() -> Path | None:
@@ -96,13 +118,15 @@ def render(results: dict[str, Any] | None) -> str:
             f"| {family_of(adapter)} | `{adapter}` | {classes} | {graphed} | {speed} | "
             f"{against_hand} |"
         )
+    packed_runs = _packed_runs_by_adapter()
     for adapter in sorted(packed):
         classes = ", ".join(f"`{name}`" for name in packed[adapter])
-        script = f"see `benchmarks/{PACKED_BENCHMARKS[adapter]}`"
+        script = f"not measured yet (`benchmarks/{PACKED_BENCHMARKS[adapter]}`)"
+        speed, against_hand = packed_runs.get(adapter, (script, script))
         lines.append(
             f"| {family_of(adapter)} | `{adapter}` | {classes} | yes, in packed mode: the images "
-            f"of a call packed into one sequence, a graph per token budget | {script} | "
-            f"{script} |"
+            f"of a call packed into one sequence, a graph per token budget | {speed} | "
+            f"{against_hand} |"
         )
     lines += ["", "## Not served", "", "| why | classes |", "| --- | --- |"]
     by_reason: dict[str, list[str]] = defaultdict(list)
@@ -124,7 +148,12 @@ def _source(results: dict[str, Any] | None) -> str:
         f"Latencies: `benchmarks/families.py` on {results['device']} (torch "
         f"{results['torch']}, transformers {results['transformers']}), bf16, random weights, "
         "one image at the family's usual size, medians of calls each waited for, for each "
-        "configuration measured."
+        "configuration measured. Packed adapters: the newest H200 run of "
+        "`benchmarks/packed_towers.py` (one image of 448x448 per call; the hand-written graph "
+        "is captured for that exact shape) or `benchmarks/siglip2_naflex.py` (one image of "
+        "its largest patch count), among "
+        + ", ".join(f"[{name}](results/{name})" for name in PACKED_RUNS)
+        + "."
     )
 
 
@@ -144,6 +173,42 @@ def _runs_by_adapter(results: dict[str, Any] | None) -> dict[str, tuple[str, str
         )
     return {
         adapter: ("; ".join(speeds[adapter]), "; ".join(against_hand[adapter]) or "-")
+        for adapter in speeds
+    }
+
+
+def _packed_runs_by_adapter() -> dict[str, tuple[str, str]]:
+    """Per packed adapter: eager / layergraph and layergraph / hand-written graph of one image
+    for each tower the packed benchmarks' runs (:data:`PACKED_RUNS`) measured."""
+    rows: dict[str, tuple[float, float | None, str]] = {}
+    for name in PACKED_RUNS:
+        run = json.loads((RESULTS / name).read_text())
+        for tower in run.get("towers", []):
+            row = next(r for r in tower["images"] if r["size"] == PACKED_SIZE)
+            rows[tower["tower"]] = (
+                row["eager_ms"] / row["layergraph_ms"],
+                row["layergraph_ms"] / row["hand_graph_ms"],
+                f"one {PACKED_SIZE} image",
+            )
+        if "calls" in run:
+            row = next(r for r in run["calls"] if r["images"] == 1)
+            hand = row.get("hand_graph_ms")
+            rows[run.get("tower", "siglip2-so400m")] = (
+                row["eager_ms"] / row["layergraph_ms"],
+                None if hand is None else row["layergraph_ms"] / hand,
+                f"one image of {row['max_patches']} patches",
+            )
+    speeds: dict[str, list[str]] = defaultdict(list)
+    against_hand: dict[str, list[str]] = defaultdict(list)
+    for tower, (speed, hand, what) in rows.items():
+        adapter = PACKED_TOWERS[tower]
+        speeds[adapter].append(f"{speed:.2f}x ({tower}, {what})")
+        if hand is None:
+            against_hand[adapter].append(f"- ({tower}: its hand-written graph failed to capture)")
+        else:
+            against_hand[adapter].append(f"{hand:.3f} ({tower})")
+    return {
+        adapter: ("; ".join(speeds[adapter]), "; ".join(against_hand[adapter]))
         for adapter in speeds
     }
 

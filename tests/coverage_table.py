@@ -274,9 +274,18 @@ def meta_model(class_name: str) -> nn.Module | Exception | None:
             return error
 
 
+PACKED_FAMILIES = {
+    "pixtral": "Pixtral (Mistral 3, LightOnOCR)",
+    "qwen2_vl": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V and later",
+    "siglip2": "SigLIP2 NaFlex (LFM2-VL)",
+}
+"""The families the packed adapters serve, which have no tower table entry."""
+
+
 def family_of(adapter: str) -> str:
-    """The family an adapter serves, as its table entry names it."""
+    """The family an adapter serves, as its table entry (or :data:`PACKED_FAMILIES`) names
+    it."""
     from layergraph.plugins import get_registry
 
     spec: Any = getattr(get_registry().factory(adapter), "spec", None)
-    return spec.family if spec is not None else adapter
+    return spec.family if spec is not None else PACKED_FAMILIES.get(adapter, adapter)
