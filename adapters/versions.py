@@ -58,11 +58,16 @@ QWEN3_5_VISION_CHECKED = ">=5.17.0,<5.25"
 with 5.17.0 and 5.24.0. Their forwards are Qwen3-VL's without the deep-stack mergers, taking
 the same precomputed arguments, and return ``BaseModelOutputWithPooling``."""
 
-PIXTRAL_CHECKED = ">=5.24.0,<5.25"
-"""The transformers releases the pixtral adapter serves: 5.24.x. Its graphs compute the rotary
-embeddings by the tower's own module from each patch's (row, column), the positions 5.24's
-``PixtralVisionRotaryEmbedding`` takes, and route ``PixtralAttention`` as 5.24 writes it; its
-CPU tests pass with 5.24.0, the only release they were run with."""
+PIXTRAL_CHECKED = ">=5.17.0,<5.25"
+"""The transformers releases the pixtral adapter serves: 5.17.0 to 5.24.x; its CPU tests pass
+with 5.17.0 and 5.24.0. Its graphs compute the rotary embeddings by the tower's own module from
+each patch's (row, column), the positions ``PixtralVisionRotaryEmbedding`` takes in both, and
+route ``PixtralAttention``, which both write alike. The releases differ in the tower's output
+class (``BaseModelOutput`` with 5.17, ``BaseModelOutputWithPooling`` with 5.24), which the graphs'
+outputs take from the tower's forward, and in what ``output_hidden_states`` selects: with 5.24
+an index or a list of indices of ``hidden_states``, with 5.17 all of them for any true value but
+a list, which the graphs leave to the tower itself. The VLMs ask for all of them with 5.17 and
+for their ``vision_feature_layer`` with 5.24."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""
