@@ -74,8 +74,8 @@ route ``PixtralAttention``, which both write alike. The releases differ in the t
 class (``BaseModelOutput`` with 5.17, ``BaseModelOutputWithPooling`` with 5.24), which the graphs'
 outputs take from the tower's forward, and in what ``output_hidden_states`` selects: with 5.24
 an index or a list of indices of ``hidden_states``, with 5.17 all of them for any true value but
-a list, which the graphs leave to the tower itself. The VLMs ask for all of them with 5.17 and
-for their ``vision_feature_layer`` with 5.24."""
+a list, which the graphs leave to the tower itself. LLaVA and Mistral 3 ask for all of them
+with 5.17 and for their ``vision_feature_layer`` with 5.24; LightOnOCR asks for none."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""
