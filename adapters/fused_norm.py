@@ -21,10 +21,10 @@ operation.
 
 Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
 ``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, the packed towers' blocks (Qwen2-VL's,
-Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's ``VisionBlock``, GLM-4.1V's, GLM-4.5V's and GLM-OCR's,
-LayerNorm or RMSNorm), and timm's ``Block`` (the blocks of ``VisionTransformer``) whose layer
-scales are ``LayerScale`` or ``Identity``. Dropout and
-drop path are left out: they do nothing at inference.
+Qwen2.5-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's ``VisionBlock``, GLM-4.1V's, GLM-4.5V's
+and GLM-OCR's, LayerNorm or RMSNorm), and timm's ``Block`` (the blocks of
+``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Dropout and drop
+path are left out: they do nothing at inference.
 
 A layer's own forward runs instead for training calls, calls with gradients enabled, under
 autocast, and for inputs the kernel does not take (a dtype other than float16, bfloat16 and
@@ -224,6 +224,7 @@ _PACKED_BLOCKS = (
     "Qwen2VLVisionBlock",
     "Qwen2_5_VLVisionBlock",
     "Qwen3VLVisionBlock",
+    "Qwen3VLMoeVisionBlock",
     "Qwen3_5VisionBlock",
     "Qwen3_5MoeVisionBlock",
     "Glm4vVisionBlock",

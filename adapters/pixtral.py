@@ -29,11 +29,13 @@ column), and attends per image. Its graphs are captured per token budget
 - after it, the real rows are cut out, with the hidden states the call asked for.
 
 VLMs ask their tower for the hidden state they read (``output_hidden_states`` set to the
-index ``vision_feature_layer``, -1 for Pixtral-12B and Mistral 3): the graphs return the hidden
-states a call selects (an index, a list of them, or ``True``), part of the graph's signature,
-at their indices of ``hidden_states`` as the tower does. Calls served eagerly (attention
-weights asked for, ``pixel_values`` as a list, other arguments, above every budget, ...) run the
-tower's own forward with its own attention.
+index ``vision_feature_layer``, -1 for Pixtral-12B and Mistral 3; with transformers 5.17, which
+selects no hidden state by index, ``True``): the graphs return the hidden states a call selects
+(an index, a list of them, or ``True``), part of the graph's signature, at their indices of
+``hidden_states`` as the tower does, in the output class the tower's forward returns. Calls
+served eagerly (attention weights asked for, ``pixel_values`` as a list, other arguments, a list
+of hidden states with transformers 5.17, above every budget, ...) run the tower's own forward
+with its own attention.
 
 What it checks: ``image_sizes`` must hold one size per image of ``pixel_values``, each at least
 one patch and at most the padded image; otherwise a ``ValueError`` names what is wrong (the
@@ -45,7 +47,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import sys
+import typing
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +103,27 @@ def tower_class() -> type | None:
     otherwise); never imports it."""
     modeling = sys.modules.get(_MODELING)
     return None if modeling is None else modeling.PixtralVisionModel
+
+
+def tower_output_class(tower: nn.Module) -> type:
+    """The output class ``tower``'s forward returns with ``return_dict``, which the graphs'
+    outputs are built as: the ``ModelOutput`` of its return annotation (``BaseModelOutput``
+    with transformers 5.17, ``BaseModelOutputWithPooling`` with 5.24)."""
+    from transformers.utils import ModelOutput
+
+    annotation = inspect.signature(type(tower).forward, eval_str=True).return_annotation
+    classes = [
+        candidate
+        for candidate in typing.get_args(annotation) or (annotation,)
+        if isinstance(candidate, type) and issubclass(candidate, ModelOutput)
+    ]
+    if len(classes) != 1:
+        raise AdapterMismatch(
+            f"the pixtral adapter builds its outputs as the class {type(tower).__name__}'s "
+            f"forward is annotated to return, and its annotation {annotation!r} names "
+            f"{len(classes)} output classes"
+        )
+    return classes[0]
 
 
 def find_pixtral_tower(model: nn.Module) -> nn.Module | None:
@@ -225,13 +250,16 @@ class PixtralPlan(CapturePlan, Packing):
     tower's own forward."""
 
     def __init__(self, tower: nn.Module, adapter: PixtralAdapter, context: PlanContext) -> None:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
+        from transformers.utils import output_capturing
 
         self.owner = tower
         self.packing = self
         self.budget_step = adapter.budget_step
         self.largest_budget = adapter.max_tokens
-        self._output_type = BaseModelOutputWithPooling
+        self._output_type = tower_output_class(tower)
+        self._selects_by_index = hasattr(output_capturing, "selected_hidden_states")
+        """Whether transformers selects hidden states by index (``output_hidden_states=-2``
+        returns that one alone, 5.24) or takes any true value for all of them (5.17)."""
         self._forward = own_forward(tower)
         self._attentions = [layer.attention for layer in tower.transformer.layers]
         self.depth = len(self._attentions)
@@ -380,12 +408,21 @@ class PixtralPlan(CapturePlan, Packing):
     def _selected(self, asked: Any) -> tuple[int, ...] | None:
         """The indices of ``hidden_states`` ``output_hidden_states`` selects (``True``: all,
         an index or a list of them: those in range), or ``None`` where it is false (as for
-        transformers, index 0 alone is, unlike ``[0]``)."""
+        transformers, index 0 alone is, unlike ``[0]``).
+
+        Where transformers does not select hidden states by index (5.17), an index asks for
+        all of them, as any true value does, and a list of layers, which it collects by layer
+        output without the embeddings, runs the tower itself (:class:`UnsupportedCall`)."""
         count = self.depth + 1
         if not asked:
             return None
-        if asked is True:
+        if asked is True or (not self._selects_by_index and isinstance(asked, int)):
             return tuple(range(count))
+        if not self._selects_by_index:
+            raise UnsupportedCall(
+                "output_hidden_states as a list of layers, which this transformers collects "
+                "by layer output without the embeddings"
+            )
         indices = [asked] if isinstance(asked, int) else list(asked)
         return tuple(sorted({i % count for i in indices if -count <= i < count}))
 

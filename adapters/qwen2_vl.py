@@ -1,9 +1,10 @@
-"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM, from
-transformers.
+"""Plugin for the packed vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and Qwen3-VL-MoE),
+Qwen3.5 and GLM, from transformers.
 
 Serves ``Qwen2VisionTransformerPretrainedModel``, ``Qwen2_5_VisionTransformerPretrainedModel``,
-``Qwen3VLVisionModel``, Qwen3.5's towers (``Qwen3_5VisionModel``, ``Qwen3_5MoeVisionModel``) and
-GLM's towers (``Glm4vVisionModel``: GLM-4.1V and GLM-4.6V; ``Glm4vMoeVisionModel``: GLM-4.5V;
+``Qwen3VLVisionModel`` (and ``Qwen3VLMoeVisionModel``, Qwen3-VL-MoE's copy of it), Qwen3.5's
+towers (``Qwen3_5VisionModel``, ``Qwen3_5MoeVisionModel``) and GLM's towers
+(``Glm4vVisionModel``: GLM-4.1V and GLM-4.6V; ``Glm4vMoeVisionModel``: GLM-4.5V;
 ``GlmOcrVisionModel``; ``Glm5NextVisionModel``), alone or inside their VLMs (the ``...Model``
 classes at ``visual``, the ``...ForConditionalGeneration`` classes at ``model.visual``). A tower
 takes every image and video at its own resolution: the patches of all of a call's entries
@@ -27,7 +28,8 @@ own ``vision_utils`` and written, padded, into the budget's buffers, which the t
 takes as precomputed arguments (transformers 5.17 and later,
 :data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`; the GLM towers:
 :data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`; Qwen3.5's:
-:data:`~layergraph_adapters.versions.QWEN3_5_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
+:data:`~layergraph_adapters.versions.QWEN3_5_VISION_CHECKED`; Qwen3-VL-MoE's:
+:data:`~layergraph_adapters.versions.QWEN3_VL_MOE_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
 towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come last in
 every order (``window_index`` maps them to themselves), read no position table row (zero
 weights) and belong to no frame or window: the sequences past the real ones are empty. Each
@@ -86,6 +88,7 @@ from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
     QWEN3_5_VISION_CHECKED,
+    QWEN3_VL_MOE_VISION_CHECKED,
     require_transformers,
 )
 
@@ -145,6 +148,13 @@ _TOWERS = (
         "Qwen3VLVisionModel",
         windows=False,
         learned_positions=True,
+    ),
+    _TowerKind(
+        "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+        "Qwen3VLMoeVisionModel",
+        windows=False,
+        learned_positions=True,
+        checked=QWEN3_VL_MOE_VISION_CHECKED,
     ),
     _TowerKind(
         "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -219,8 +229,8 @@ def find_tower(model: nn.Module) -> nn.Module | None:
 
 
 class Qwen2VLAdapter(Adapter):
-    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V, GLM-4.6V,
-    GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
+    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V,
+    GLM-4.6V, GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
 
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt

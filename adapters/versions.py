@@ -10,8 +10,8 @@ else without failing, so the plans refuse transformers outside the checked range
 (:func:`require_transformers`).
 The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
 :data:`GLM_VISION_CHECKED` for the GLM towers it serves, :data:`QWEN3_5_VISION_CHECKED` for
-Qwen3.5's), and so does the pixtral adapter
-(:data:`PIXTRAL_CHECKED`).
+Qwen3.5's, :data:`QWEN3_VL_MOE_VISION_CHECKED` for Qwen3-VL-MoE's), and so does the pixtral
+adapter (:data:`PIXTRAL_CHECKED`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ __all__ = [
     "PIXTRAL_CHECKED",
     "QWEN2_VL_CHECKED",
     "QWEN3_5_VISION_CHECKED",
+    "QWEN3_VL_MOE_VISION_CHECKED",
     "TRANSFORMERS_CHECKED",
     "UNCHECKED_VARIABLE",
     "require_transformers",
@@ -58,11 +59,23 @@ QWEN3_5_VISION_CHECKED = ">=5.17.0,<5.25"
 with 5.17.0 and 5.24.0. Their forwards are Qwen3-VL's without the deep-stack mergers, taking
 the same precomputed arguments, and return ``BaseModelOutputWithPooling``."""
 
-PIXTRAL_CHECKED = ">=5.24.0,<5.25"
-"""The transformers releases the pixtral adapter serves: 5.24.x. Its graphs compute the rotary
-embeddings by the tower's own module from each patch's (row, column), the positions 5.24's
-``PixtralVisionRotaryEmbedding`` takes, and route ``PixtralAttention`` as 5.24 writes it; its
-CPU tests pass with 5.24.0, the only release they were run with."""
+QWEN3_VL_MOE_VISION_CHECKED = ">=5.17.0,<5.25"
+"""The transformers releases whose Qwen3-VL-MoE vision tower (``Qwen3VLMoeVisionModel``) the
+qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass with 5.17.0 and 5.24.0. In both,
+its modeling code is Qwen3-VL's tower renamed (rotary embedding, attention, MLP, block, patch
+embedding, mergers and forward, deep-stack features included), and Qwen3-VL-MoE's VLM calls it
+as Qwen3-VL's does."""
+
+PIXTRAL_CHECKED = ">=5.17.0,<5.25"
+"""The transformers releases the pixtral adapter serves: 5.17.0 to 5.24.x; its CPU tests pass
+with 5.17.0 and 5.24.0. Its graphs compute the rotary embeddings by the tower's own module from
+each patch's (row, column), the positions ``PixtralVisionRotaryEmbedding`` takes in both, and
+route ``PixtralAttention``, which both write alike. The releases differ in the tower's output
+class (``BaseModelOutput`` with 5.17, ``BaseModelOutputWithPooling`` with 5.24), which the graphs'
+outputs take from the tower's forward, and in what ``output_hidden_states`` selects: with 5.24
+an index or a list of indices of ``hidden_states``, with 5.17 all of them for any true value but
+a list, which the graphs leave to the tower itself. LLaVA and Mistral 3 ask for all of them
+with 5.17 and for their ``vision_feature_layer`` with 5.24; LightOnOCR asks for none."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""

@@ -38,8 +38,8 @@ weights, in bf16; nothing is downloaded. For each tower:
   reported (``targets``): at most 8 graphs, a pool at most 1.1x the largest budget's alone,
   captures under 3 s, the stream within 1.10x of the hand-written graphs.
 
-A tower whose adapter refuses the installed transformers (the Qwen, Qwen3.5 and GLM towers are
-served with 5.17 to 5.24, Pixtral's with 5.24) is skipped, and the console and the JSON
+A tower whose adapter refuses the installed transformers (every tower here is served with 5.17
+to 5.24) is skipped, and the console and the JSON
 (``skipped``) say so. ``--tiny`` runs four-layer towers
 in float32, on the GPU if there is one, else on the CPU, where graphs are simulated and the
 hand-written "graph" runs its forward eagerly, so that every code path of the benchmark runs

@@ -78,7 +78,9 @@ def pixels_for(
 
 
 def call(model: nn.Module, pixels: torch.Tensor, sizes: torch.Tensor) -> Any:
-    """One call of the tower (or its wrapper), as a VLM makes it."""
+    """One call of the tower (or its wrapper), as Mistral 3 makes it: for the last hidden state
+    (with transformers 5.17, which takes any true ``output_hidden_states`` for all of them, for
+    every hidden state, as its Mistral 3 asks)."""
     return model(pixels, image_sizes=sizes, output_hidden_states=-1)
 
 

@@ -25,6 +25,7 @@ PACKED_SERVED: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
     "Qwen3VLForConditionalGeneration": "qwen2_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen2_vl",
     "Qwen3_5ForConditionalGeneration": "qwen2_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen2_vl",
     "Glm4vForConditionalGeneration": "qwen2_vl",
@@ -64,7 +65,6 @@ UNSERVED: dict[str, str] = {
     **dict.fromkeys(
         (
             "Qwen2_5OmniThinkerForConditionalGeneration",
-            "Qwen3VLMoeForConditionalGeneration",
             "Qwen3OmniMoeThinkerForConditionalGeneration",
             "Qwen4ExpForConditionalGeneration",
             "Lfm3VlForConditionalGeneration",

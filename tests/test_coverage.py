@@ -82,6 +82,11 @@ def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 
         pixels, grid = qwen3_5.call([(1, 4, 6), (1, 2, 2)])
         return qwen3_5.vlm(name), {"pixel_values": pixels, "image_grid_thw": grid}
+    if name.startswith("Qwen3VLMoe"):
+        import test_qwen3_vl_moe_adapter as qwen3_vl_moe
+
+        pixels, grid = qwen3_vl_moe.call([(1, 4, 6), (1, 2, 2)])
+        return qwen3_vl_moe.vlm(), {"pixel_values": pixels, "image_grid_thw": grid}
     if PACKED_SERVED[name] == "qwen2_vl":
         import test_qwen2_vl_adapter as qwen
 

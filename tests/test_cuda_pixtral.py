@@ -64,6 +64,7 @@ def test_pixtral_12b_tower_graphs_equal_eager(attention: str) -> None:
         graphed = layergraph.wrap(model, adapter="pixtral", attention=attention, observe_calls=0)
         for call, want in zip(calls, expected):
             got = graphed(**call, output_hidden_states=-1)
+            assert type(got) is type(want)
             assert got.last_hidden_state.shape == want.last_hidden_state.shape
             assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
             assert relative_error(got.hidden_states[-1], want.hidden_states[-1]) <= TOLERANCE

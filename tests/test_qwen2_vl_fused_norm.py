@@ -1,5 +1,6 @@
 """fuse_norm in the qwen2_vl adapter, on the CPU through Triton's interpreter: each packed
-tower's blocks (Qwen2-VL's and Qwen3-VL's LayerNorm, Qwen2.5-VL's and the GLM towers' RMSNorm)
+tower's blocks (Qwen2-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's LayerNorm, Qwen2.5-VL's
+and the GLM towers' RMSNorm)
 rewritten through wrap, against the unmodified tower, and undone by unwrap().
 
 In float32, answers (simulated graphs) are held to the qwen2_vl tests' 1e-4 relative error
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.skipif(
     fused_norm_unavailable(torch.device("cpu")) is not None,
     reason="runs the kernel on CPU tensors, through Triton's interpreter",
 )
-KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "glm_ocr"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v", "glm_ocr"]
 GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
 
 

@@ -1,5 +1,5 @@
-"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V
-and GLM-OCR.
+"""Random streams through the packed towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
+Qwen3.5, GLM-4.1V and GLM-OCR.
 
 On the CPU through simulated graphs whose costs make every way win somewhere: eager pays
 ``launches`` ms per call, a replay a third of that, and both pay per token, so a budget's graph
@@ -8,8 +8,9 @@ eagerly. Calls hold one to three entries drawn from images smaller than a window
 several windows, one image larger than every budget (run eagerly, the rest of its call from
 graphs), and two-frame videos (given to GLM-4.1V's tower as one row per frame, as its VLM
 passes them); budgets are learnt, given or exact; few graphs are allowed. Every answer (the
-merged features, the last hidden state and Qwen3-VL's deep-stack features) must equal the
-unwrapped tower's on the same fresh random input within 1e-4 relative error (float32).
+merged features, the last hidden state and Qwen3-VL's and Qwen3-VL-MoE's deep-stack features)
+must equal the unwrapped tower's on the same fresh random input within 1e-4 relative error
+(float32).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ from test_qwen2_vl_adapter import (
     tower,
 )
 from test_qwen3_5_adapter import tower as qwen3_5_tower
+from test_qwen3_vl_moe_adapter import tower as qwen3_vl_moe_tower
 
-KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "glm_ocr"]
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v", "glm_ocr"]
 LARGEST = 128
 """The largest budget, learnt or given: a call above it is split by images."""
 BIG = (1, 16, 12)
@@ -64,6 +66,8 @@ def model(kind: str) -> nn.Module:
         return glm_tower(kind)
     if kind == "qwen3_5":
         return qwen3_5_tower(kind)
+    if kind == "qwen3_vl_moe":
+        return qwen3_vl_moe_tower()
     if kind != "qwen3_vl":
         return tower(kind)
     from transformers import Qwen3VLVisionConfig
