@@ -122,7 +122,12 @@ def test_the_tower_and_its_deepstack_features_are_served_by_few_budgets() -> Non
     model = tower()
     assert qwen2_vl.Qwen2VLAdapter().recognizes(model)
     graphed = layergraph.wrap(
-        model, adapter="auto", backend=SimulatedGraphs(), budget_step=32, max_tokens=256
+        model,
+        adapter="auto",
+        backend=SimulatedGraphs(),
+        observe_calls=0,
+        budget_step=32,
+        max_tokens=256,
     )
     assert graphed.adapter.name == "qwen2_vl"
     rng = random.Random(0)
@@ -150,7 +155,9 @@ def test_the_vlms_image_and_video_features_go_through_the_graphs() -> None:
     model = vlm()
     adapter = qwen2_vl.Qwen2VLAdapter()
     assert adapter.recognizes(model) and adapter.recognizes(model.model)
-    graphed = layergraph.wrap(model, adapter="auto", backend=SimulatedGraphs(), budget_step=32)
+    graphed = layergraph.wrap(
+        model, adapter="auto", backend=SimulatedGraphs(), observe_calls=0, budget_step=32
+    )
     assert graphed.adapter.name == "qwen2_vl"
     for method, grids in (
         ("get_image_features", [(1, 4, 6), (1, 2, 2), (1, 6, 4)]),
@@ -185,7 +192,7 @@ def test_generate_reads_the_image_features_from_the_graphs() -> None:
     with torch.inference_mode():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0)
         assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
         assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
     assert graphed.adapter.name == "qwen2_vl"
