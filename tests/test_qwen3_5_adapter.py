@@ -250,10 +250,10 @@ def test_the_vlm_image_and_video_features_go_through_the_graphs(name: str) -> No
     assert all("forward" not in block.attn.__dict__ for block in model.model.visual.blocks)
 
 
-@pytest.mark.parametrize("name", sorted(VLMS))
-@pytest.mark.usefixtures("registry")
-def test_generate_reads_the_image_features_from_the_graphs(name: str) -> None:
-    model = vlm(name)
+def check_generate_reads_the_graphs(model: torch.nn.Module) -> None:
+    """``model``'s logits and ``generate()`` tokens for a prompt of two images equal the
+    unwrapped model's, with the images' features read from the graphs (for every Qwen-like
+    VLM whose image tokens are 120, between 122 and 123)."""
     pixels, grid = call([(1, 4, 6), (1, 2, 2)])  # 6 and 1 merged tokens
     prompt = torch.tensor([[2, 122, *[120] * 6, 123, 3, 122, 120, 123, 4]])
     inputs = dict(
@@ -272,6 +272,12 @@ def test_generate_reads_the_image_features_from_the_graphs(name: str) -> None:
     assert graphed.stats.replays == 2  # the forward's and generate's prefill
     assert graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
+
+
+@pytest.mark.parametrize("name", sorted(VLMS))
+@pytest.mark.usefixtures("registry")
+def test_generate_reads_the_image_features_from_the_graphs(name: str) -> None:
+    check_generate_reads_the_graphs(vlm(name))
 
 
 @pytest.mark.usefixtures("registry")

@@ -38,7 +38,13 @@ if not SpecifierSet(QWEN3_VL_MOE_VISION_CHECKED).contains(
         f"the Qwen3-VL-MoE tower is served with transformers{QWEN3_VL_MOE_VISION_CHECKED}",
         allow_module_level=True,
     )
-from test_qwen3_5_adapter import ENTRIES, TOKENS, call, sharpen  # noqa: E402
+from test_qwen3_5_adapter import (  # noqa: E402
+    ENTRIES,
+    TOKENS,
+    call,
+    check_generate_reads_the_graphs,
+    sharpen,
+)
 
 TOLERANCE = 1e-4
 VISION = dict(
@@ -180,25 +186,7 @@ def test_the_vlms_image_and_video_features_go_through_the_graphs() -> None:
 
 @pytest.mark.usefixtures("registry")
 def test_generate_reads_the_image_features_from_the_graphs() -> None:
-    model = vlm()
-    pixels, grid = call([(1, 4, 6), (1, 2, 2)])  # 6 and 1 merged tokens
-    prompt = torch.tensor([[2, 122, *[120] * 6, 123, 3, 122, 120, 123, 4]])
-    inputs = dict(
-        input_ids=prompt,
-        pixel_values=pixels,
-        image_grid_thw=grid,
-        mm_token_type_ids=(prompt == 120).long(),
-    )
-    with torch.inference_mode():
-        logits = model(**inputs).logits
-        tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0)
-        assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
-        assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
-    assert graphed.adapter.name == "qwen2_vl"
-    assert graphed.stats.replays == 2  # the forward's and generate's prefill
-    assert graphed.stats.eager_total == 0
-    assert graphed.unwrap() is model
+    check_generate_reads_the_graphs(vlm())
 
 
 @pytest.mark.usefixtures("registry")
