@@ -74,6 +74,7 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
 from layergraph.staging import Staging
+from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.versions import PIXTRAL_CHECKED, require_transformers
 
 _MODELING = "transformers.models.pixtral.modeling_pixtral"
@@ -337,7 +338,11 @@ class PixtralPlan(CapturePlan, Packing):
         given = dict(zip(_INPUTS, args))
         if set(given) & set(kwargs):
             raise UnsupportedCall("an input was passed both by position and by keyword")
-        options = {name: value for name, value in kwargs.items() if name not in _INPUTS}
+        options = {
+            name: value
+            for name, value in kwargs.items()
+            if name not in _INPUTS and name not in TEXT_ONLY_ARGUMENTS
+        }
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
             raise UnsupportedCall(f"arguments the graphs do not take: {', '.join(unknown)}")

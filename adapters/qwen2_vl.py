@@ -84,6 +84,7 @@ from layergraph.staging import Staging
 from layergraph_adapters.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.fused_norm import fused_norms
+from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
@@ -492,7 +493,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
     # ---- packing -----------------------------------------------------------------------------
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
-        fixed = dict(kwargs)
+        fixed = {name: value for name, value in kwargs.items() if name not in TEXT_ONLY_ARGUMENTS}
         pixels = fixed.pop("hidden_states", args[0] if args else None)
         grid = fixed.pop("grid_thw", args[1] if len(args) > 1 else None)
         if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor):

@@ -53,7 +53,7 @@ from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters import naflex
 from layergraph_adapters.grid_positions import GridPositions
-from layergraph_adapters.tower_specs import TOWER_PATHS
+from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
 from layergraph_adapters.versions import require_transformers
 
 _MODELING = "transformers.models.siglip2.modeling_siglip2"
@@ -230,7 +230,11 @@ class Siglip2Plan(CapturePlan, Packing):
         if len(args) > len(_INPUTS):
             raise UnsupportedCall("arguments past spatial_shapes were passed by position")
         given = dict(zip(_INPUTS, args))
-        options = {name: value for name, value in kwargs.items() if name not in _INPUTS}
+        options = {
+            name: value
+            for name, value in kwargs.items()
+            if name not in _INPUTS and name not in TEXT_ONLY_ARGUMENTS
+        }
         if set(given) & set(kwargs):
             raise UnsupportedCall("an input was passed both by position and by keyword")
         unknown = sorted(set(options) - _OPTIONS)

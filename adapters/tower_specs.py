@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from layergraph_adapters.hf_vision import VisionTowerPlan
 
 __all__ = [
+    "TEXT_ONLY_ARGUMENTS",
     "TOWER_PATHS",
     "ImageSizes",
     "TowerExample",
@@ -62,6 +63,14 @@ with ``interpolate_pos_encoding=True`` (``"interpolate"``), or any (``"any"``)."
 Inputs = Callable[[Any, int, tuple[int, int], torch.dtype, torch.device], dict[str, Any]]
 """``inputs(config, batch, (height, width), dtype, device)``: the keyword arguments of one
 call of a tower on ``batch`` random images of that size."""
+
+
+TEXT_ONLY_ARGUMENTS = frozenset({"use_cache", "output_router_logits"})
+"""Keyword arguments a VLM passes on to its vision tower with the rest of its own that no
+tower's computation reads (``generate()`` passes ``use_cache``, a mixture-of-experts VLM
+``output_router_logits``): a packed adapter leaves them out of a call's signature and its
+graph's arguments, so that ``generate()`` replays the graphs ``get_image_features()``
+captured."""
 
 
 def pair(value: int | Any) -> tuple[int, int]:

@@ -16,7 +16,9 @@ weights, in bf16; nothing is downloaded. For each tower:
   (medians of many calls, each waited for, CUDA events): the tower eager; layergraph's eager
   path (``wrap(..., lazy=False)``, every call served eagerly: what a call the policy sends to
   eager costs, which must be the tower's own); layergraph's ``wrap`` with
-  ``attention="triton"`` and with its defaults (the budget and attention backends each chose);
+  ``attention="triton"`` and with its defaults (the budget and attention backends each chose),
+  planning budgets from the first call (``observe_calls=0``: the stream measures the calls
+  observed before a plan);
   a hand-written graph of the tower at that exact shape (``torch.cuda.graph`` around its
   forward given precomputed boundaries, positions and windows, attention through
   layergraph's Triton varlen kernel; Pixtral's own forward, given the image sizes on the
@@ -182,7 +184,7 @@ def per_image(
             row["layergraph_eager_error"] = relative_error(features(call()), want)
         eager_path.unwrap()
         for column, attention in variants(settings).items():
-            graphed = wrap(model, settings, attention, kit)
+            graphed = wrap(model, settings, attention, kit, observe_calls=0)
             for row, (pixels, grid), want in zip(rows, inputs, wants):
                 call = functools.partial(kit.call, graphed, pixels, grid)
                 row[f"{column}_ms"] = waited(call, settings)

@@ -267,9 +267,11 @@ def check_generate_reads_the_graphs(model: torch.nn.Module) -> None:
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
         graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0)
         assert relative_error(graphed(**inputs).logits, logits) <= TOLERANCE
+        captures = graphed.stats.captures
         assert torch.equal(graphed.generate(**inputs, max_new_tokens=4, do_sample=False), tokens)
     assert graphed.adapter.name == "qwen2_vl"
     assert graphed.stats.replays == 2  # the forward's and generate's prefill
+    assert graphed.stats.captures == captures  # generate's use_cache needs no graph of its own
     assert graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
 
