@@ -26,9 +26,11 @@ Sections:
   layergraph's ``wrap`` with its defaults and with ``attention="triton"`` (the real patches packed
   per token budget); a hand-written graph of the tower's own forward at that padded shape
   (``torch.cuda.graph``, new pixels, masks and grids copied in: transformers 5.24 resizes the
-  position table on the device from ``spatial_shapes``), and each one's error against the same
-  weights in float32, eager, over the real patches of ``last_hidden_state`` and ``pooler_output``
-  (where the tower has a pooling head);
+  position table on the device from ``spatial_shapes``; up to 5.23, whose resize reads the grids
+  on the host, which no capture allows, each call resizes it outside the graph, by the tower's own
+  resize, into a buffer the graph reads), and each one's error against the same weights in
+  float32, eager, over the real patches of ``last_hidden_state`` and ``pooler_output`` (where the
+  tower has a pooling head);
 - **stream**: seeded requests of 1 to 8 images at 256 or 1024 patches (1 to 3 photos for LFM2-VL's
   towers), each waited for: the total of eager, of layergraph (its first pass, which captures, and a
   second) and of hand-written graphs, one per padded shape (captures not counted); layergraph's
@@ -36,10 +38,11 @@ Sections:
 
 ``--tiny`` runs a four-layer tower of the same kind in float32 (LFM2-VL's processor with 4-pixel
 patches, 32-pixel tiles and photos a sixteenth of the size), on the GPU if there is one, else on the
-CPU, where layergraph's graphs are simulated (its Triton column runs ``sdpa_varlen``) and the
-hand-written "graph" runs the forward eagerly, so that every code path runs without a GPU. A
-hand-written graph that cannot be captured is reported with its error, not timed. The console gets
-the rows; ``--json`` every number.
+CPU, where layergraph's graphs and the hand-written ones are simulated (layergraph's Triton column
+runs ``sdpa_varlen``; a simulated capture refuses what a CUDA graph capture refuses, such as a
+tensor read on the host), so that every code path runs without a GPU. A hand-written graph that
+cannot be captured is reported with its error, not timed. The console gets the rows; ``--json``
+every number.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from typing import Any
 
 import torch
 import transformers
+from packaging.specifiers import SpecifierSet
 from torch import nn
 from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
 from transformers.models.siglip2.image_processing_siglip2 import (
@@ -247,18 +251,94 @@ def host_checks_off() -> Iterator[None]:
             os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
 
 
+RESIZES_ON_HOST = "<5.24"
+"""The transformers releases whose ``Siglip2VisionEmbeddings.resize_positional_embeddings`` reads
+``spatial_shapes`` on the host (``.tolist()``, then an ``F.interpolate`` per image at those sizes),
+which a CUDA graph capture refuses; from 5.24 it resizes on the device from ``spatial_shapes``."""
+
+
+def resizes_on_host() -> bool:
+    """Whether the installed transformers resizes the position table from grids read on the host
+    (:data:`RESIZES_ON_HOST`)."""
+    return SpecifierSet(RESIZES_ON_HOST).contains(transformers.__version__, prereleases=True)
+
+
+def resized_positions(model: nn.Module, spatial_shapes: torch.Tensor, length: int) -> torch.Tensor:
+    """The position embeddings the tower's forward adds to its patches for ``spatial_shapes``
+    padded to ``length`` patches, made by its own ``resize_positional_embeddings`` as its forward
+    makes them."""
+    embeddings = model.embeddings
+    side = embeddings.position_embedding_size
+    table = embeddings.position_embedding.weight.reshape(side, side, -1)
+    resize = type(embeddings).resize_positional_embeddings
+    return resize(table, spatial_shapes, max_length=length)
+
+
+@contextlib.contextmanager
+def positions_from(model: nn.Module, positions: torch.Tensor) -> Iterator[None]:
+    """Within, the tower's embeddings take their resized position embeddings from ``positions``
+    instead of resizing the table; the rest of the tower's forward runs as it is."""
+    embeddings = model.embeddings
+
+    def given(table: torch.Tensor, spatial_shapes: torch.Tensor, max_length: int) -> torch.Tensor:
+        return positions
+
+    embeddings.resize_positional_embeddings = given
+    try:
+        yield
+    finally:
+        del embeddings.resize_positional_embeddings
+
+
+def simulated_plain_graph(
+    model: nn.Module, *, warmup_runs: int = 3, **kwargs: torch.Tensor
+) -> Callable[..., Any]:
+    """:func:`~layergraph.reference.plain_graph` on the CPU, through
+    :class:`~layergraph.testing.SimulatedGraphs`: static inputs, a capture that refuses what a
+    CUDA graph capture refuses (a tensor read on the host, ...), and replays that copy new inputs
+    in, rerun the forward and write its answer into the captured output."""
+    backend = SimulatedGraphs()
+    static = {name: value.clone() for name, value in kwargs.items()}
+    graph, output = backend.capture(lambda: model(**static), backend.new_pool(), warmup_runs)
+
+    def run(**new: torch.Tensor) -> Any:
+        for name, value in new.items():
+            static[name].copy_(value)
+        backend.replay(graph)
+        return output
+
+    return run
+
+
 def hand_graph(
     model: nn.Module, inputs: dict[str, torch.Tensor]
 ) -> tuple[Callable[..., Any] | None, str | None]:
-    """The tower's own forward at the padded shape of ``inputs``, captured by hand (on the
-    CPU, the forward itself), or ``None`` and why the capture failed."""
-    if inputs["pixel_values"].device.type != "cuda":
-        return model, None
+    """The tower's own forward at the padded shape of ``inputs``, captured by hand
+    (:func:`~layergraph.reference.plain_graph`; on the CPU :func:`simulated_plain_graph`), or
+    ``None`` and why the capture failed.
+
+    Where transformers resizes the position table from grids read on the host
+    (:func:`resizes_on_host`), the graph takes the resized position embeddings from a buffer
+    instead, and each call writes them there first, by the tower's own resize of its grids
+    (read on the host once), outside the graph: every other part of the forward is replayed."""
+    capture = plain_graph if inputs["pixel_values"].device.type == "cuda" else simulated_plain_graph
     try:
         with host_checks_off():
-            return plain_graph(model, **inputs), None
+            if not resizes_on_host():
+                return capture(model, **inputs), None
+            length = inputs["pixel_values"].shape[1]
+            positions = resized_positions(model, inputs["spatial_shapes"].cpu(), length)
+            with positions_from(model, positions):
+                graph = capture(model, **inputs)
     except Exception as failure:  # a forward that cannot be captured: reported, not fatal
         return None, f"{type(failure).__name__}: {failure}"
+
+    def run(**new: torch.Tensor) -> Any:
+        positions.copy_(resized_positions(model, new["spatial_shapes"].cpu(), length))
+        with positions_from(model, positions):
+            return graph(**new)
+
+    return run, None
 
 
 def waited(fn: Callable[[], Any], settings: Settings) -> float:
@@ -415,6 +495,16 @@ def hand_graphs(
     }
 
 
+def tower_model(settings: Settings) -> nn.Module:
+    """The tower of ``settings``, with random weights seeded by ``settings.seed``, in
+    ``settings.dtype`` on ``settings.device``, for inference."""
+    torch.manual_seed(settings.seed)
+    config = transformers.Siglip2VisionConfig(**settings.tower.config)
+    with torch.device(settings.device):
+        model = transformers.Siglip2VisionModel(config)
+    return model.to(settings.dtype).eval()
+
+
 def rounded(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` with its floats to four significant digits, for the console."""
     return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in record.items()}
@@ -440,11 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         tower=TOWERS[args.tower](args.tiny),
     )
-    torch.manual_seed(settings.seed)
-    config = transformers.Siglip2VisionConfig(**settings.tower.config)
-    with torch.device(settings.device):
-        model = transformers.Siglip2VisionModel(config)
-    model = model.to(settings.dtype).eval()
+    model = tower_model(settings)
     started = time.perf_counter()
     rows = calls(model, settings)
     for row in rows:
@@ -456,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "graphs": "simulated" if settings.simulated else "cuda",
         "dtype": str(settings.dtype),
-        "config": config.to_dict(),
+        "config": model.config.to_dict(),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -8,12 +8,19 @@ reference is float32 rounding (about 1e-7; 1e-5 allowed), and in the stream each
 layergraph and of the hand-written graphs equals eager's within 1e-5. The stream has 20
 requests, given twice (the first pass and the second): layergraph observes the first 32 calls
 before choosing budgets.
+
+The hand-written graphs are simulated on the CPU by captures that refuse a tensor read on the
+host, as a CUDA graph capture does: the tower's own forward reads its grids on the host with
+transformers up to 5.23 (``resize_positional_embeddings``), and not from 5.24, and the
+hand-written graph, which resizes the position table outside the graph exactly where the
+forward reads the host, captures with either and answers as eager for new grids at its shape.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +78,53 @@ def test_the_so400m_tower_asks_for_a_gpu_without_one(bench: Any, capsys: Any) ->
         bench.main([])
     message = "the siglip2-so400m tower needs a CUDA GPU; --tiny runs anywhere"
     assert message in capsys.readouterr().err
+
+
+def tiny_tower(bench: Any) -> tuple[Any, Any]:
+    """The tiny SigLIP2 so400m-like tower on the CPU in float32, and its settings."""
+    settings = bench.Settings(
+        device=bench.torch.device("cpu"),
+        dtype=bench.torch.float32,
+        seconds=0.01,
+        requests=1,
+        seed=0,
+        tower=bench.TOWERS["siglip2-so400m"](True),
+    )
+    return bench.tower_model(settings), settings
+
+
+def test_the_tower_reads_its_grids_on_the_host_where_the_hand_graph_resizes_outside(
+    bench: Any,
+) -> None:
+    from layergraph.graphs import GraphCaptureError
+    from layergraph.testing import CaptureUnsafeOperation
+
+    model, settings = tiny_tower(bench)
+    batch = bench.naflex_call(model, 2, 16, random.Random(0), settings)
+    with bench.torch.inference_mode(), bench.host_checks_off():
+        if not bench.resizes_on_host():
+            bench.simulated_plain_graph(model, **batch)
+            return
+        with pytest.raises(GraphCaptureError) as refused:
+            bench.simulated_plain_graph(model, **batch)
+    cause = refused.value.__cause__
+    assert isinstance(cause, CaptureUnsafeOperation) and "Tensor.tolist" in str(cause)
+    assert "resize_positional_embeddings" in str(refused.value)
+
+
+def test_the_hand_graph_captures_and_answers_as_eager_for_new_grids_at_its_shape(
+    bench: Any,
+) -> None:
+    model, settings = tiny_tower(bench)
+    rng = random.Random(1)
+    batches = [bench.naflex_call(model, 4, 16, rng, settings) for _ in range(6)]
+    grids = {tuple(map(tuple, batch["spatial_shapes"].tolist())) for batch in batches}
+    assert len(grids) > 1
+    torch = bench.torch
+    with torch.inference_mode():
+        by_hand, failure = bench.hand_graph(model, batches[0])
+        assert failure is None and by_hand is not None
+        for batch in batches[::-1]:
+            want = bench.answer(model(**batch), batch)
+            got = bench.answer(by_hand(**batch), batch)
+            assert all(torch.equal(part, expected) for part, expected in zip(got, want))
