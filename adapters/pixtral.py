@@ -180,7 +180,7 @@ class PixtralAdapter(Adapter):
         return PixtralPlan(tower, self, context)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class PixtralBuffers:
     """One budget's buffers, written in place before every replay.
 
@@ -201,6 +201,9 @@ class PixtralBuffers:
     hidden: tuple[int, ...]
     """The indices of ``hidden_states`` the graph returns besides the last hidden state."""
     staging: Staging
+    loaded: tuple[tuple[int, int], ...] | None = None
+    """The grids whose metadata the buffers hold (``None`` before the first load): a call of
+    the same grids writes only its patches."""
 
 
 _current: contextvars.ContextVar[PixtralBuffers | None] = contextvars.ContextVar(
@@ -506,16 +509,19 @@ class PixtralPlan(CapturePlan, Packing):
 
     def load(self, buffers: PixtralBuffers, call: PackedCall) -> None:
         images: _Images = call.parts
-        tokens = call.size
-        fields = buffers.staging.host()
-        fields["position_ids"][:tokens] = images.positions
-        fields["position_ids"][tokens:] = 0
-        fields["cu_seqlens"].copy_(images.cu_seqlens)
-        buffers.staging.send()
-        staged = buffers.staging.device["cu_seqlens"]
-        buffers.metadata.cu_seqlens.copy_(staged)
-        if buffers.metadata.seq_lens is not None:
-            torch.sub(staged[1:], staged[:-1], out=buffers.metadata.seq_lens)
+        grids = tuple(images.grids)
+        if buffers.loaded != grids:
+            tokens = call.size
+            fields = buffers.staging.host()
+            fields["position_ids"][:tokens] = images.positions
+            fields["position_ids"][tokens:] = 0
+            fields["cu_seqlens"].copy_(images.cu_seqlens)
+            buffers.staging.send()
+            staged = buffers.staging.device["cu_seqlens"]
+            buffers.metadata.cu_seqlens.copy_(staged)
+            if buffers.metadata.seq_lens is not None:
+                torch.sub(staged[1:], staged[:-1], out=buffers.metadata.seq_lens)
+            buffers.loaded = grids
         self._load_patches(buffers.pixels, images)
 
     def _load_patches(self, rows: torch.Tensor, images: _Images) -> None:

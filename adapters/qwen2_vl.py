@@ -58,6 +58,7 @@ import contextvars
 import functools
 import itertools
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -196,6 +197,9 @@ _PRECOMPUTED = (
 _MIN_FRAME_SLOTS = 8
 """Frames (images, or frames of videos) a graph holds at least; more round up to a power of
 two. Part of a graph's signature: the Triton kernel's grid grows with it."""
+_HOST_CALLS_KEPT = 32
+"""Calls' grids whose host metadata a plan keeps (the most recent): a stream of images of a few
+sizes computes each size's once."""
 
 
 def tower_kind(module: nn.Module) -> _TowerKind | None:
@@ -295,7 +299,7 @@ class _WindowBuffers:
     """The windowed layers' backend, chosen apart from the full-attention layers'."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class PackedBuffers:
     """One budget's buffers: the tower's inputs, its precomputed arguments, the attention
     metadata over them and the backend's workspace. Written in place before every replay.
@@ -329,6 +333,9 @@ class PackedBuffers:
     fixed: dict[str, Any]
     """The call's other arguments (part of the signature)."""
     staging: Staging
+    loaded: tuple[tuple[int, int, int], ...] | None = None
+    """The grids whose metadata the buffers hold (``None`` before the first load): a call of
+    the same grids writes only its pixels."""
 
 
 def _grid_beside_pixels(
@@ -384,12 +391,12 @@ class _CallParts:
     """``grid_thw`` on the host."""
     grids: tuple[tuple[int, int, int], ...]
     fixed: dict[str, Any]
-    compute: Callable[[torch.Tensor], _HostCall]
+    compute: Callable[[tuple[tuple[int, int, int], ...], torch.Tensor], _HostCall]
 
     @functools.cached_property
     def host(self) -> _HostCall:
         """The call's metadata on the host, computed once."""
-        return self.compute(self.grid)
+        return self.compute(self.grids, self.grid)
 
 
 class Qwen2VLPlan(CapturePlan, Packing):
@@ -438,6 +445,8 @@ class Qwen2VLPlan(CapturePlan, Packing):
         self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
         self.attention = adapter.attention
         self._registry = context.registry
+        self._host_calls: OrderedDict[tuple[tuple[int, int, int], ...], _HostCall] = OrderedDict()
+        """The metadata of the last calls' grids, the most recent last."""
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's full-attention layers and, for a tower with
         windows, its windowed layers (``attention="auto"`` times them apart)."""
@@ -554,7 +563,19 @@ class Qwen2VLPlan(CapturePlan, Packing):
                     f"of the spatial merge size {merge}"
                 )
 
-    def _host_call(self, grid: torch.Tensor) -> _HostCall:
+    def _host_call(self, grids: tuple[tuple[int, int, int], ...], grid: torch.Tensor) -> _HostCall:
+        """The metadata of a call of ``grids`` (``grid`` on the host): the last
+        :data:`_HOST_CALLS_KEPT` grids' are kept, so that images of sizes that recur cost no
+        host work but their loading."""
+        host = self._host_calls.pop(grids, None)
+        if host is None:
+            host = self._compute_host_call(grid)
+            if len(self._host_calls) >= _HOST_CALLS_KEPT:
+                self._host_calls.popitem(last=False)
+        self._host_calls[grids] = host
+        return host
+
+    def _compute_host_call(self, grid: torch.Tensor) -> _HostCall:
         """The call's boundaries, positions and windows, by transformers' own functions, from
         ``grid_thw`` on the host."""
         from transformers.vision_utils import (
@@ -697,7 +718,16 @@ class Qwen2VLPlan(CapturePlan, Packing):
         return min(merged, -(-merged // self.window_side) + frames)
 
     def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
-        pixels, host = call.parts.pixels, call.parts.host
+        pixels, tokens = call.parts.pixels, call.size
+        if buffers.loaded != call.parts.grids:
+            self._load_metadata(buffers, call)
+        buffers.pixels[:tokens].copy_(pixels)
+        buffers.pixels[tokens:].zero_()
+
+    def _load_metadata(self, buffers: PackedBuffers, call: PackedCall) -> None:
+        """Write the metadata of ``call``'s grids into ``buffers``, through their staging
+        buffer in one transfer."""
+        host = call.parts.host
         tokens, merged = call.size, call.size // self.budget_unit
         staging = buffers.staging
         fields = staging.host()
@@ -721,8 +751,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
         _copy_boundaries(buffers.full, staging.device["cu_seqlens"])
         if window is not None:
             _copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
-        buffers.pixels[:tokens].copy_(pixels)
-        buffers.pixels[tokens:].zero_()
+        buffers.loaded = call.parts.grids
 
     def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs = {

@@ -55,6 +55,10 @@ eager calls could only come out faster than a first one slowed by half, which is
 _OBSERVING = "observing the traffic before choosing token budgets"
 """Why a packed plan's first calls run eagerly (:class:`~layergraph.budgets.BudgetPlanner`)."""
 
+_NEAR = 1.25
+"""An eager call observed with at least ``1 / _NEAR`` and at most ``_NEAR`` times a call's
+tokens stands for that call's eager time when a graph serving it is measured."""
+
 
 class StaleOutputWarning(UserWarning):
     """A replay overwrote outputs of an earlier replay that the caller still held."""
@@ -212,6 +216,9 @@ class GraphRunner:
         self._warmed: set[Any] = set()
         """Call signatures of a packed plan captured since the model last changed: the lazy
         initialisation of their kernels has run, so their next captures warm up once."""
+        self._observed_ms: dict[Any, list[tuple[int, float]]] = {}
+        """The eager calls timed while the planner observed, by call signature: (tokens,
+        milliseconds) each."""
         if plan.packing is not None and options.measured:
             packing = plan.packing
             observed = options.observe_calls
@@ -269,6 +276,7 @@ class GraphRunner:
             self._stats.invalidations += 1
         self._entries.clear()
         self._warmed.clear()
+        self._observed_ms.clear()
         self._pool = None
 
     def _drop_graphs(self) -> None:
@@ -441,7 +449,7 @@ class GraphRunner:
         planner = self._planner
         if planner is not None and planner.observing and call.size <= planner.largest:
             planner.observe(call.size)
-            return self._run_eagerly(_OBSERVING, call.args, call.kwargs, batch=call.size)
+            return self._observe_eagerly(call)
         budget = self._budget_for(call.size)
         if budget is None:
             return self._serve_split(call)
@@ -480,6 +488,28 @@ class GraphRunner:
             return self._run_eagerly(reason, call.args, call.kwargs, batch=call.size)
         entry = self._entries.get((cheapest.key.batch, call.signature))
         return self._replay(entry, call, fresh, count=True)
+
+    def _observe_eagerly(self, call: PackedCall) -> Any:
+        """Serve a call the planner observes eagerly, timed (waited for, as the measurements
+        of a capture are): a graph serving calls of about its size later is measured against
+        this time instead of an eager call of its own (:meth:`_observed_eager_ms`)."""
+        self._count_eager(_OBSERVING, call.size)
+        with self._hooks.adopting():
+            output, eager_ms = self.backend.time_eager(
+                lambda: self.plan.region(*call.args, **call.kwargs), call.size
+            )
+        self._observed_ms.setdefault(call.signature, []).append((call.size, eager_ms))
+        return output
+
+    def _observed_eager_ms(self, call: PackedCall) -> float | None:
+        """The fastest eager call observed with ``call``'s signature and about its tokens
+        (within :data:`_NEAR`), or ``None`` if none was."""
+        times = [
+            ms
+            for size, ms in self._observed_ms.get(call.signature, ())
+            if call.size / _NEAR <= size <= call.size * _NEAR
+        ]
+        return min(times, default=None)
 
     def _capture_ahead(self, call: PackedCall, budget: int) -> None:
         """In a fresh pool, capture every budget of the plan for ``call``'s signature, largest
@@ -817,10 +847,12 @@ class GraphRunner:
         """The fastest of a few replays of the budget's graph with the outputs cloned, and of
         one to a few eager calls of ``call`` itself (the plan's region unbound: the model's own
         forward; more only while the replay is not :data:`_DECISIVE` times faster), each waited
-        for. A measured replay pays what a call served by the graph pays on the host too: the
-        call is read again (:meth:`~layergraph.packing.Packing.pack`) and loaded, so a plan
-        whose per-call metadata is costly to compute keeps a graph only if it still beats the
-        model's own eager call."""
+        for; no eager call where the fastest eager call observed of about ``call``'s tokens
+        (:meth:`_observed_eager_ms`) was already that many times slower than the replay, which
+        then stands for it. A measured replay pays what a call served by the graph pays on the
+        host too: the call is read again (:meth:`~layergraph.packing.Packing.pack`) and loaded,
+        so a plan whose per-call metadata is costly to compute keeps a graph only if it still
+        beats the model's own eager call."""
         packing = self.plan.packing
 
         def replay() -> None:
@@ -831,6 +863,9 @@ class GraphRunner:
                     leaf.clone()
 
         graph_ms = min(self.backend.time_replay(replay, call.size) for _ in range(_MEASURED_RUNS))
+        observed_ms = self._observed_eager_ms(call)
+        if observed_ms is not None and graph_ms * _DECISIVE <= observed_ms:
+            return Costs(observed_ms, graph_ms)
         eager_ms = float("inf")
         with self._hooks.adopting():
             for _ in range(_MEASURED_RUNS):

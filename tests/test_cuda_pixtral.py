@@ -94,11 +94,11 @@ def test_mistral3_image_features_read_the_graphs() -> None:
     call = inputs([(512, 768), (256, 256)])
     with torch.inference_mode():
         want = model.get_image_features(**call).pooler_output
-        graphed = layergraph.wrap(model, batch_sizes=[4096])
+        graphed = layergraph.wrap(model, batch_sizes=[2304])  # 1944 + 324 patches of 14
         got = model.get_image_features(**call).pooler_output
     assert graphed.adapter.name == "pixtral"
     assert [t.shape for t in got] == [t.shape for t in want]
     for part, expected in zip(got, want):
         assert relative_error(part, expected) <= TOLERANCE
-    assert graphed.stats.replays == 1
+    assert graphed.stats.replays == 1, graphed.stats
     graphed.unwrap()

@@ -21,6 +21,7 @@ from packaging.specifiers import SpecifierSet
 import layergraph
 from layergraph import AdapterMismatch
 from layergraph.attention import AttentionMetadata, SdpaMaskedAttention, build_metadata
+from layergraph.staging import Staging
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 from layergraph_adapters.versions import PIXTRAL_CHECKED, UNCHECKED_VARIABLE
@@ -231,6 +232,22 @@ def test_equal_token_totals_with_other_grids_read_their_own_boundaries_and_posit
     assert graphed.stats.graphs == 1
     assert graphed.stats.replays == 5
     assert graphed.stats.served == {(54, "padded to 64"): 5}
+
+
+@pytest.mark.usefixtures("registry")
+def test_a_call_of_the_grids_the_buffers_hold_sends_only_its_patches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sends: list[None] = []
+    send = Staging.send
+    monkeypatch.setattr(Staging, "send", lambda staging: sends.append(None) or send(staging))
+    model = tower()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[64])
+    first, second = [(6, 10), (14, 4), (10, 10)], [(10, 6), (4, 14), (10, 10)]
+    for sizes in (first, first, first, second, second, first):
+        check(graphed, model, sizes)  # new random pixels each call
+    assert graphed.stats.replays == 6 and graphed.stats.graphs == 1
+    assert len(sends) == 3  # the capture's (first), then second, then first again
 
 
 @pytest.mark.parametrize("selected", [True, -1, -2, 0, [0, -1], [1, 2], 7])

@@ -328,6 +328,42 @@ def test_a_budget_slower_than_eager_sends_its_calls_to_a_larger_one_measured_fas
     assert stats.eager_total == 2  # the calls observed
 
 
+class CountedEagerCalls(SimulatedGraphs):
+    """Simulated graphs that note the tokens of every eager call they time."""
+
+    def __init__(self, **costs: Any) -> None:
+        super().__init__(**costs)
+        self.timed: list[int] = []
+
+    def time_eager(self, fn: Any, rows: int) -> tuple[Any, float]:
+        self.timed.append(rows)
+        return super().time_eager(fn, rows)
+
+
+@pytest.mark.usefixtures("registry")
+def test_a_graph_decisively_faster_than_the_eager_calls_observed_times_none_of_its_own() -> None:
+    model = tower()
+    backend = CountedEagerCalls(
+        eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 8.0 if tokens < 50 else 1.0
+    )
+    graphed = layergraph.wrap(
+        model, observe_calls=2, adapter="qwen2_vl", backend=backend, budget_step=32
+    )
+    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens, observed
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens, observed: budgets 32 and 128
+    assert backend.timed == [100, 28]
+    # 100 tokens again: budget 128's replay (1 ms) is ten times faster than the 10 ms observed
+    check(graphed, model, [(1, 6, 6), (1, 8, 8)])
+    assert backend.timed == [100, 28]
+    # 28 tokens: budget 32's replay (8 ms) is not 1.5 times faster than 10 ms: eager is timed
+    check(graphed, model, [(1, 6, 4), (1, 2, 2)])
+    assert backend.timed[:2] == [100, 28] and set(backend.timed[2:]) == {28}
+    costs = graphed.stats.costs
+    assert (costs[128].eager_ms, costs[128].graph_ms) == (10.0, 1.0)
+    assert (costs[32].eager_ms, costs[32].graph_ms) == (10.0, 8.0)
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 2
+
+
 VISION_QWEN3 = dict(
     depth=4,
     hidden_size=32,
