@@ -155,7 +155,7 @@ class PixtralAdapter(Adapter):
     name = "pixtral"
 
     def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 64
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 16
     ) -> None:
         if budget_step < 1 or max_tokens % budget_step:
             raise ValueError(

@@ -253,7 +253,7 @@ class Qwen2VLAdapter(Adapter):
         self,
         attention: str = "auto",
         max_tokens: int = 16384,
-        budget_step: int = 64,
+        budget_step: int = 16,
         align_mlp: bool | str = "auto",
         fuse_norm: bool | str = "auto",
     ) -> None:

@@ -17,8 +17,9 @@ weights, in bf16; nothing is downloaded. For each tower:
   path (``wrap(..., lazy=False)``, every call served eagerly: what a call the policy sends to
   eager costs, which must be the tower's own); layergraph's ``wrap`` with
   ``attention="triton"`` and with its defaults (the budget and attention backends each chose),
-  planning budgets from the first call (``observe_calls=0``: the stream measures the calls
-  observed before a plan);
+  each size wrapped afresh and planning budgets from its first call (``observe_calls=0``: the
+  stream measures the calls observed before a plan), as a server whose images come at that
+  size serves them;
   a hand-written graph of the tower at that exact shape (``torch.cuda.graph`` around its
   forward given precomputed boundaries, positions and windows, attention through
   layergraph's Triton varlen kernel; Pixtral's own forward, given the image sizes on the
@@ -184,18 +185,18 @@ def per_image(
             row["layergraph_eager_error"] = relative_error(features(call()), want)
         eager_path.unwrap()
         for column, attention in variants(settings).items():
-            graphed = wrap(model, settings, attention, kit, observe_calls=0)
+            budgets[column] = []
             for row, (pixels, grid), want in zip(rows, inputs, wants):
+                graphed = wrap(model, settings, attention, kit, observe_calls=0)
                 call = functools.partial(kit.call, graphed, pixels, grid)
                 row[f"{column}_ms"] = waited(call, settings)
                 row[f"{column}_error"] = relative_error(features(call()), want)
-            budgets[column] = served(rows, column, graphed)
-            for row in rows:
+                budgets[column] += served([row], column, graphed)
                 row[f"{column}_attention"] = graphed.plan.attention_by_budget.get(
                     next(iter(row[f"{column}_budgets"]), 0), "-"
                 )
-            graphed.release()
-            graphed.unwrap()
+                graphed.release()
+                graphed.unwrap()
     return rows, budgets
 
 
@@ -308,11 +309,13 @@ def largest_alone(
     model: nn.Module, settings: Settings, budgets: list[int], kit: ModuleType
 ) -> float | None:
     """The pool of the largest budget held, captured alone in a fresh wrapper given that budget
-    (MiB): one image of exactly that many patches, 16 high."""
+    (MiB): one image of exactly that many patches, 16 high (8 where that leaves an odd width,
+    which a merge of 2x2 patches cannot take)."""
     if not budgets:
         return None
     generator = torch.Generator().manual_seed(settings.seed + 2)
-    pixels, grid = kit.pixels_for(model, [(1, 16, budgets[-1] // 16)], generator)
+    height = 16 if budgets[-1] % 32 == 0 else 8
+    pixels, grid = kit.pixels_for(model, [(1, height, budgets[-1] // height)], generator)
     graphed = wrap(model, settings, "auto", kit, batch_sizes=budgets[-1:])
     with torch.inference_mode():
         kit.call(graphed, pixels, grid)

@@ -24,9 +24,9 @@ Sections:
 - **calls**: batches of 1 to 8 images at 256 and 1024 patches (1 to 4 photos for LFM2-VL's towers),
   waited latency (medians of many calls, each waited for, CUDA events): the tower eager;
   layergraph's ``wrap`` with its defaults and with ``attention="triton"`` (the real patches packed
-  per token budget, planned from the first call: ``observe_calls=0``); a hand-written graph of
-  the tower's own forward at that padded shape
-  (``torch.cuda.graph``, new pixels, masks and grids copied in: transformers 5.24 resizes the
+  per token budget; each row wrapped afresh, planned from its first call: ``observe_calls=0``);
+  a hand-written graph of the tower's own forward at that padded shape (``torch.cuda.graph``,
+  new pixels, masks and grids copied in: transformers 5.24 resizes the
   position table on the device from ``spatial_shapes``; up to 5.23, whose resize reads the grids
   on the host, which no capture allows, each call resizes it outside the graph, by the tower's own
   resize, into a buffer the graph reads), and each one's error against the same weights in
@@ -407,15 +407,15 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
         for column, attention in (("layergraph", "auto"), ("layergraph_triton", "triton")):
             if attention == "triton" and settings.simulated:
                 attention = "sdpa_varlen"
-            graphed = wrap(model, settings, attention, observe_calls=0)
             for row, batch, want in zip(rows, inputs, wants):
+                graphed = wrap(model, settings, attention, observe_calls=0)
                 row[f"{column}_ms"] = waited(lambda g=graphed, b=batch: g(**b), settings)
                 row[f"{column}_error"] = error(answer(graphed(**batch), batch), want)
                 row[f"{column}_served"] = sorted(
                     way for tokens, way in graphed.stats.served if tokens == row["tokens"]
                 )
-            graphed.release()
-            graphed.unwrap()
+                graphed.release()
+                graphed.unwrap()
     return rows
 
 

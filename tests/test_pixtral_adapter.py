@@ -529,7 +529,7 @@ def test_options_the_adapter_cannot_serve_are_refused_at_wrap() -> None:
     model = tower()
     with pytest.raises(ValueError, match="attention='sdpa': choose one of sdpa_varlen"):
         layergraph.wrap(model, adapter="pixtral", attention="sdpa", backend=SimulatedGraphs())
-    with pytest.raises(ValueError, match="max_tokens 1000 must be a multiple of budget_step 64"):
+    with pytest.raises(ValueError, match="max_tokens 1000 must be a multiple of budget_step 16"):
         layergraph.wrap(model, adapter="pixtral", max_tokens=1000, backend=SimulatedGraphs())
     with pytest.raises(AdapterMismatch, match="the pixtral adapter serves transformers'"):
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="pixtral", backend=SimulatedGraphs())
