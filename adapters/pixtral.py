@@ -32,7 +32,13 @@ VLMs ask their tower for the hidden state they read (``output_hidden_states`` se
 index ``vision_feature_layer``, -1 for Pixtral-12B and Mistral 3; with transformers 5.17, which
 selects no hidden state by index, ``True``): the graphs return the hidden states a call selects
 (an index, a list of them, or ``True``), part of the graph's signature, at their indices of
-``hidden_states`` as the tower does, in the output class the tower's forward returns. Calls
+``hidden_states`` as the tower does, in the output class the tower's forward returns. Where the
+tower is wrapped inside a VLM whose configuration names the hidden states it reads
+(``vision_feature_layer``), or is given them (``feature_layers``), and the transformers release
+takes any true ``output_hidden_states`` for all of them (5.17), a call asking for all of them
+gets a graph that keeps those alone: the others are computed on demand, by the tower's own
+forward, the first time one is read (a graph keeping the tower's every hidden state would hold
+and copy 25 of them per call, and each budget's in the shared pool). Calls
 served eagerly (attention weights asked for, ``pixel_values`` as a list, other arguments, a list
 of hidden states with transformers 5.17, above every budget, ...) run the tower's own forward
 with its own attention.
@@ -74,6 +80,7 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
 from layergraph.staging import Staging
+from layergraph_adapters.feature_outputs import with_rest_on_demand
 from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.versions import PIXTRAL_CHECKED, require_transformers
 
@@ -150,12 +157,20 @@ class PixtralAdapter(Adapter):
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
     (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    ``feature_layers`` (an index into ``hidden_states``, or a list of them): the hidden states
+    read, which a call asking for every hidden state on a release that takes any true
+    ``output_hidden_states`` for all of them (5.17) gets from its graph, the others computed on
+    demand; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
     """
 
     name = "pixtral"
 
     def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 16
+        self,
+        attention: str = "auto",
+        max_tokens: int = 16384,
+        budget_step: int = 16,
+        feature_layers: int | list[int] | None = None,
     ) -> None:
         if budget_step < 1 or max_tokens % budget_step:
             raise ValueError(
@@ -164,6 +179,7 @@ class PixtralAdapter(Adapter):
         self.attention = attention
         self.max_tokens = max_tokens
         self.budget_step = budget_step
+        self.feature_layers = feature_layers
 
     def recognizes(self, model: nn.Module) -> bool:
         return "transformers" in sys.modules and find_pixtral_tower(model) is not None
@@ -177,7 +193,27 @@ class PixtralAdapter(Adapter):
                 f"Mistral 3, Mistral Large 4 and LightOnOCR models holding one; got "
                 f"{type(model).__module__}.{type(model).__name__}"
             )
-        return PixtralPlan(tower, self, context)
+        layers = self.feature_layers
+        if layers is None and tower is not model:
+            layers = getattr(getattr(model, "config", None), "vision_feature_layer", None)
+        return PixtralPlan(tower, self, context, feature_layers=_kept_states(layers, tower))
+
+
+def _kept_states(layers: int | list[int] | None, tower: nn.Module) -> tuple[int, ...] | None:
+    """The indices of ``hidden_states`` a graph keeps for ``layers`` (an index or a list of
+    them), the last always among them, or ``None`` for ``None``; a ``ValueError`` names an index
+    the tower's hidden states do not have."""
+    if layers is None:
+        return None
+    count = len(tower.transformer.layers) + 1
+    indices = [layers] if isinstance(layers, int) else list(layers)
+    wrong = [i for i in indices if not isinstance(i, int) or not -count <= i < count]
+    if wrong:
+        raise ValueError(
+            f"feature_layers {layers!r}: hidden_states has {count} entries (the embeddings and "
+            f"each of {count - 1} layers)"
+        )
+    return tuple(sorted({i % count for i in indices} | {count - 1}))
 
 
 @dataclass(eq=False)
@@ -253,7 +289,13 @@ class PixtralPlan(CapturePlan, Packing):
     boundaries; the plan is its own :class:`~layergraph.packing.Packing`. Eager calls run the
     tower's own forward."""
 
-    def __init__(self, tower: nn.Module, adapter: PixtralAdapter, context: PlanContext) -> None:
+    def __init__(
+        self,
+        tower: nn.Module,
+        adapter: PixtralAdapter,
+        context: PlanContext,
+        feature_layers: tuple[int, ...] | None = None,
+    ) -> None:
         from transformers.utils import output_capturing
 
         self.owner = tower
@@ -264,6 +306,11 @@ class PixtralPlan(CapturePlan, Packing):
         self._selects_by_index = hasattr(output_capturing, "selected_hidden_states")
         """Whether transformers selects hidden states by index (``output_hidden_states=-2``
         returns that one alone, 5.24) or takes any true value for all of them (5.17)."""
+        self.feature_layers = feature_layers
+        """The indices of the hidden states read (the adapter's ``feature_layers``, or the
+        VLM's ``vision_feature_layer``, with the last), or ``None``: where transformers takes
+        any true ``output_hidden_states`` for all of them, a call asking for them gets these
+        alone from its graph, the others on demand."""
         self._forward = own_forward(tower)
         self._attentions = [layer.attention for layer in tower.transformer.layers]
         self.depth = len(self._attentions)
@@ -325,13 +372,37 @@ class PixtralPlan(CapturePlan, Packing):
         return self.owner
 
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
-        changes.set_forward(self.owner, serve, "forward routed to the graphs")
+        changes.set_forward(self.owner, self._tower_forward(serve), "forward routed to the graphs")
         for module in self._attentions:
             changes.set_forward(
                 module,
                 _routed_attention(module),
                 "q, k and v of the packed images handed to the attention backend",
             )
+
+    def _tower_forward(self, serve: Callable[..., Any]) -> Callable[..., Any]:
+        """The tower's forward while wrapped: ``serve``, and the hidden states a call's graph
+        left out (:meth:`_reads_fewer`) computed on demand by the tower's own forward."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = serve(*args, **kwargs)
+            if not self._reads_fewer(kwargs):
+                return out
+            return with_rest_on_demand(out, lambda: self._forward(*args, **kwargs))
+
+        return forward
+
+    def _reads_fewer(self, options: dict[str, Any]) -> bool:
+        """Whether a call of these keyword arguments asks for every hidden state where the VLM
+        reads :attr:`feature_layers` alone (transformers takes any true ``output_hidden_states``
+        for all of them), in an output that can compute the rest on demand (``return_dict``)."""
+        if self.feature_layers is None or self._selects_by_index:
+            return False
+        config = self.owner.config
+        if not options.get("output_hidden_states", config.output_hidden_states):
+            return False
+        return_dict = options.get("return_dict")
+        return bool(getattr(config, "return_dict", True) if return_dict is None else return_dict)
 
     # ---- packing -----------------------------------------------------------------------------
 
@@ -399,6 +470,8 @@ class PixtralPlan(CapturePlan, Packing):
     ) -> PackedCall:
         config = self.owner.config
         selected = self._selected(options.get("output_hidden_states", config.output_hidden_states))
+        if self._reads_fewer(options):
+            selected = self.feature_layers
         return_dict = options.get("return_dict")
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
@@ -558,11 +631,17 @@ class PixtralPlan(CapturePlan, Packing):
 
     def join(self, parts: Sequence[Any]) -> Any:
         """The outputs of consecutive pieces of a split call as one: the tower's sequences
-        (``[1, patches, width]``) concatenated along the patches."""
+        (``[1, patches, width]``) concatenated along the patches; a hidden state that a piece's
+        graph left out (:attr:`PixtralPlan.feature_layers`) is left out of the whole, where an
+        eager piece has it."""
         flat = [pytree.tree_flatten(part) for part in parts]
         columns = zip(*(leaves for leaves, _ in flat))
         joined = [
-            torch.cat(column, dim=1) if isinstance(column[0], torch.Tensor) else column[0]
+            torch.cat(column, dim=1)
+            if all(isinstance(leaf, torch.Tensor) for leaf in column)
+            else None
+            if any(leaf is None for leaf in column)
+            else column[0]
             for column in columns
         ]
         return pytree.tree_unflatten(joined, flat[0][1])

@@ -50,7 +50,8 @@ without a GPU. The console gets tables; ``--json`` gets every
 number. The tower definitions, their inputs and the hand-written graphs are in
 ``qwen_towers.py`` and ``pixtral_towers.py`` beside it. What a VLM reads is compared: the
 Qwen and GLM towers' merged features, Pixtral's last hidden state (asked for as Mistral 3
-asks).
+asks, the adapter given the layer Mistral 3 reads, ``feature_layers=-1``, as wrapping the VLM
+sets it).
 """
 
 from __future__ import annotations
@@ -132,9 +133,9 @@ def towers(tiny: bool) -> list[Tower]:
 def wrap(
     model: nn.Module, settings: Settings, attention: str, kit: ModuleType, **options: Any
 ) -> Any:
-    """layergraph's wrapper of ``model`` by its ``kit``'s adapter (simulated graphs without a
-    GPU)."""
-    options.update(adapter=kit.ADAPTER, attention=attention)
+    """layergraph's wrapper of ``model`` by its ``kit``'s adapter, with the kit's
+    ``WRAP_OPTIONS`` where it has them (simulated graphs without a GPU)."""
+    options.update(getattr(kit, "WRAP_OPTIONS", {}), adapter=kit.ADAPTER, attention=attention)
     if settings.simulated:
         options["backend"] = SimulatedGraphs()
     return layergraph.wrap(model, **options)

@@ -23,6 +23,9 @@ from layergraph_adapters.versions import PIXTRAL_CHECKED
 
 ADAPTER = "pixtral"
 """The layergraph adapter that serves these towers."""
+WRAP_OPTIONS = {"feature_layers": -1}
+"""The adapter's options: the hidden state Mistral 3 reads (its ``vision_feature_layer``), which
+wrapping the VLM sets by itself."""
 
 
 def towers(tiny: bool) -> list[Tower]:

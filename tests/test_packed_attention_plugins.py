@@ -128,8 +128,8 @@ def test_packed_metadata_that_cannot_hold_a_budgets_calls_is_refused_naming_the_
     assert "attention metadata from an attention_metadata hook cannot hold calls of up to" in str(
         refusal.value
     )
-    # The first capture is the top budget: 64 tokens with a quarter more room, in 64-token steps.
-    assert "max_seqlen must be an int of at least 128" in str(refusal.value)
+    # The first capture is the top budget: 64 tokens with a quarter more room, in 16-token steps.
+    assert "max_seqlen must be an int of at least 80" in str(refusal.value)
 
 
 def test_metadata_holds_a_sequence_layouts_boundaries_and_room_for_a_packed_layouts() -> None:

@@ -483,6 +483,80 @@ def test_a_vlms_image_features_read_the_graphs(family: str) -> None:
     assert all("forward" not in module.__dict__ for module in model.modules())
 
 
+@pytest.mark.parametrize(("family", "read"), [("mistral3", -1), ("llava", -2)])
+@pytest.mark.usefixtures("registry")
+def test_a_vlms_graph_keeps_the_hidden_states_it_reads_and_computes_others_on_demand(
+    family: str, read: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = vlm(family)
+    model.config.vision_feature_layer = read
+    tower = model.model.vision_tower
+    inputs = call([(8, 12), (4, 4), (12, 4)])
+    with torch.inference_mode():
+        want = tower(**inputs, output_hidden_states=True)
+        features = model.model.get_image_features(**inputs).pooler_output
+        graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), budget_step=32)
+        got = model.model.get_image_features(**inputs).pooler_output
+        for part, expected in zip(got, features):
+            assert relative_error(part, expected) <= TOLERANCE
+        # The VLM's call (True with transformers 5.17, its index with 5.24) keeps the last
+        # hidden state and the one read.
+        (entry,) = graphed._runner._entries._graphs.values()
+        assert len(entry.output_leaves) == (1 if read == -1 else 2)
+        tower(**inputs, output_hidden_states=True)  # with 5.24, a graph of every hidden state
+        reruns: list[None] = []
+        forward = graphed.plan._forward
+        monkeypatch.setattr(
+            graphed.plan, "_forward", lambda *a, **k: reruns.append(None) or forward(*a, **k)
+        )
+        out = tower(**inputs, output_hidden_states=True)
+        assert isinstance(out, type(want))
+        assert relative_error(out.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+        assert relative_error(out.hidden_states[read], want.hidden_states[read]) <= TOLERANCE
+        assert reruns == []
+        # Every hidden state read: those the graph left out come from one eager forward.
+        assert len(out.hidden_states) == len(want.hidden_states)
+        for have, expected in zip(out.hidden_states, want.hidden_states):
+            assert relative_error(have, expected) <= TOLERANCE
+        assert len(reruns) == (0 if SELECTS_BY_INDEX else 1)
+    assert graphed.stats.eager_total == 0
+
+
+@pytest.mark.usefixtures("registry")
+def test_a_tower_given_its_feature_layers_keeps_those_alone_for_a_call_asking_for_all() -> None:
+    model = tower()
+    inputs = call([(8, 12), (4, 4)])
+    with torch.inference_mode():
+        want = model(**inputs, output_hidden_states=True)
+        graphed = layergraph.wrap(
+            model, adapter="pixtral", feature_layers=-2, batch_sizes=[64], backend=SimulatedGraphs()
+        )
+        out = graphed(**inputs, output_hidden_states=True)
+    (entry,) = graphed._runner._entries._graphs.values()
+    # The last hidden state, and the hidden states kept besides it: with 5.24, True asks for
+    # every one by itself.
+    kept = 2 if not SELECTS_BY_INDEX else len(want.hidden_states)
+    assert len(entry.output_leaves) == kept
+    for have, expected in zip(out.hidden_states, want.hidden_states, strict=True):
+        assert relative_error(have, expected) <= TOLERANCE
+
+
+@pytest.mark.usefixtures("registry")
+def test_a_vlms_call_split_around_an_image_above_every_budget_joins_what_it_reads() -> None:
+    model = vlm("mistral3")
+    model.config.vision_feature_layer = -2
+    tower = model.model.vision_tower
+    inputs = call([(18, 16), (4, 6), (2, 2)])  # the first image above every budget
+    with torch.inference_mode():
+        want = tower(**inputs, output_hidden_states=True)
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), batch_sizes=[32, 64])
+        out = tower(**inputs, output_hidden_states=True)
+        assert graphed.stats.served[(79, "split into 2 calls, 1 eager")] == 1
+        assert relative_error(out.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+        for have, expected in zip(out.hidden_states, want.hidden_states, strict=True):
+            assert relative_error(have, expected) <= TOLERANCE
+
+
 @pytest.mark.usefixtures("registry")
 def test_mistral3_generate_reads_the_graphs() -> None:
     model = vlm("mistral3")
@@ -533,6 +607,8 @@ def test_options_the_adapter_cannot_serve_are_refused_at_wrap() -> None:
         layergraph.wrap(model, adapter="pixtral", max_tokens=1000, backend=SimulatedGraphs())
     with pytest.raises(AdapterMismatch, match="the pixtral adapter serves transformers'"):
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="pixtral", backend=SimulatedGraphs())
+    with pytest.raises(ValueError, match=r"feature_layers \[-1, 9\]: hidden_states has 4 entries"):
+        layergraph.wrap(model, adapter="pixtral", feature_layers=[-1, 9], backend=SimulatedGraphs())
     assert "forward" not in model.__dict__
 
 

@@ -5,8 +5,9 @@ budget's graph measured slower, above every budget, training mode) must give exa
 unwrapped tower's answer (``torch.equal``: the same computation, not an approximation of it),
 hand nothing to the adapter's attention backend and compute none of the host metadata a graph
 needs. A graph's measured cost must include the host work a call of its grids pays: reading
-the call and loading its metadata, computed once per grids and kept. A call holding an image above every budget is split around it: that image runs
-eagerly, the rest from graphs, and the joined answer equals the tower's within 1e-4.
+the call and loading its metadata, computed once per grids and kept. A call holding an image
+above every budget is split around it: that image runs eagerly, the rest from graphs, and the
+joined answer equals the tower's within 1e-4.
 """
 
 from __future__ import annotations
