@@ -48,6 +48,7 @@ PACKED_RUNS = (
     "2026-12-01-h200-lfm2-vl-1.6b-naflex.json",
     "2026-12-01-h200-packed-towers-steady.json",
     "2026-12-01-h200-lfm2-vl-1.6b-hand-graph.json",
+    "2026-12-01-h200-pixtral-feature-layers.json",
 )
 """H200 runs of the packed benchmarks in ``docs/results``, oldest first: each tower's ratios
 come from the newest run that measured it."""
