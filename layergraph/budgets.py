@@ -30,7 +30,9 @@ padding any ``cap`` budgets under the same top would have, plus ``REPLAN_GAIN + 
 of their tokens, plus ``CAPTURE_COST`` times the tokens of the budgets of that least plan it
 does not hold: an amount that does not grow with the traffic, so that, as calls come, the
 plan's padding approaches the least, while a stream that has not yet run long enough to repay
-a capture keeps the graphs it has. Each search takes ``cap * distinct totals ** 2 / 2`` steps.
+a capture keeps the graphs it has. Each search takes about ``cap * d * log2(d)`` steps for
+``d`` distinct totals (rounded to the step: at most ``largest / step``, 1024 for the packed
+adapters), and runs in the call that triggers it: 15 ms for 842 totals on a slow CPU.
 
 This module holds the decision only: it knows token counts, never graphs or tensors, so all
 of it runs and is tested on the CPU. The runner drops the graphs of budgets a new plan leaves
@@ -42,7 +44,7 @@ first need them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 __all__ = [
     "CAPTURE_COST",
@@ -146,16 +148,7 @@ def best_budgets(
     choice = [[0] * (n + 1) for _ in range(levels + 1)]
     least[0][0] = 0
     for k in range(1, levels + 1):
-        previous, row, chosen = least[k - 1], least[k], choice[k]
-        for j in range(k, n + 1):
-            best, where = infinite, 0
-            for i in range(k - 1, j):
-                if previous[i] == infinite:
-                    continue
-                cost = previous[i] + group(i, j - 1)
-                if cost < best:
-                    best, where = cost, i
-            row[j], chosen[j] = best, where
+        _fill_level(least[k - 1], least[k], choice[k], k, n, group)
     floor = min(least[k][n] for k in range(1, levels + 1))
     allowed = floor + GRAPH_WORTH * tokens[n]
     count = next(k for k in range(1, levels + 1) if least[k][n] <= allowed)
@@ -164,6 +157,41 @@ def best_budgets(
         budgets.append(values[j - 1])
         j = choice[k][j]
     return tuple(sorted(budgets)), least[count][n]
+
+
+def _fill_level(
+    previous: list[float],
+    row: list[float],
+    chosen: list[int],
+    k: int,
+    n: int,
+    group: Callable[[int, int], float],
+) -> None:
+    """``row[j]`` for ``j`` from ``k`` to ``n``: the least price of the first ``j`` values with
+    ``k`` budgets, ``previous[i] + group(i, j - 1)`` at its best ``i`` (``chosen[j]``, the
+    smallest of the best).
+
+    A group's price is its padding (its budget times its calls, less their tokens) plus a
+    capture cost that depends on its budget alone, so ``group`` satisfies the quadrangle
+    inequality (for ``a <= b <= c <= d``, ``group(a, c) + group(b, d)`` exceeds ``group(a, d)
+    + group(b, c)`` by the calls of ``a`` to ``b - 1`` times ``budget(c) - budget(d) <= 0``):
+    the best ``i`` does not decrease as ``j`` grows. Divide and conquer over ``j`` then finds
+    every row's best in ``n log n`` group prices instead of ``n ** 2``: a search over 842
+    totals took 165 ms the quadratic way on a slow CPU, 15 ms this way."""
+    stack = [(k, n, k - 1, n - 1)]
+    while stack:
+        low, high, first, last = stack.pop()
+        if low > high:
+            continue
+        j = (low + high) // 2
+        best, where = float("inf"), first
+        for i in range(first, min(j - 1, last) + 1):
+            cost = previous[i] + group(i, j - 1)
+            if cost < best:
+                best, where = cost, i
+        row[j], chosen[j] = best, where
+        stack.append((low, j - 1, first, where))
+        stack.append((j + 1, high, where, last))
 
 
 class BudgetPlanner:

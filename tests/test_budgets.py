@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -163,3 +163,36 @@ def test_budgets_need_a_step_dividing_the_largest_and_a_cap() -> None:
         best_budgets(Counter(), 8, 64)
     with pytest.raises(ValueError, match="above every total"):
         best_budgets(Counter([100]), 8, 64, top=64)
+
+
+def test_a_search_over_many_totals_prices_n_log_n_groups_not_n_squared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long stream of mixed requests can see a thousand distinct totals (16384 tokens in
+    16-token steps); a search runs in the call that triggers it, so it must stay cheap."""
+    from layergraph import budgets
+
+    evaluations: list[int] = []
+    fill = budgets._fill_level
+
+    def counted(
+        previous: list[float],
+        row: list[float],
+        chosen: list[int],
+        k: int,
+        n: int,
+        group: Callable[[int, int], float],
+    ) -> None:
+        def priced(first: int, last: int) -> float:
+            evaluations.append(1)
+            return group(first, last)
+
+        fill(previous, row, chosen, k, n, priced)
+
+    monkeypatch.setattr(budgets, "_fill_level", counted)
+    rng = random.Random(0)
+    totals = Counter({16 * rng.randrange(1, 1024): rng.randint(1, 4) for _ in range(2000)})
+    values = len(totals)
+    assert values > 800
+    best_budgets(totals, 8, 16)
+    assert len(evaluations) < 8 * values * 12  # the quadratic way: 8 * values**2 / 2
