@@ -16,12 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["with_rest_on_demand"]
+__all__ = ["feature_indices", "with_rest_on_demand"]
 
 _REST = "_layergraph_rest"
+
+
+def feature_indices(wanted: int | Sequence[int], depth: int) -> tuple[int, ...]:
+    """The indices into a tower's ``hidden_states`` (0: embeddings, ``i``: after layer ``i``
+    of ``depth``) that ``wanted`` names (an index or a list of them, negative ones from the
+    end), sorted and without repeats; a ``ValueError`` names an index out of range."""
+    indices = [wanted] if isinstance(wanted, int) else list(wanted)
+    count = depth + 1
+    if not indices or any(not -count <= i < count for i in indices):
+        raise ValueError(
+            f"feature_layers {wanted!r}: hidden_states has {count} entries (embeddings and "
+            f"{depth} layers), so indices must lie in [{-count}, {count - 1}]"
+        )
+    return tuple(sorted({i % count for i in indices}))
 
 
 class _Rest:

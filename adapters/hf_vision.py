@@ -36,7 +36,7 @@ from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
 from layergraph_adapters.automatic import build_with_automatic_options
-from layergraph_adapters.feature_outputs import with_rest_on_demand
+from layergraph_adapters.feature_outputs import feature_indices, with_rest_on_demand
 from layergraph_adapters.fused_norm import fused_norms
 from layergraph_adapters.fused_qkv import FusedQKV
 from layergraph_adapters.gelu_epilogue import gelu_epilogues
@@ -246,15 +246,7 @@ class VisionTowerPlan(CapturePlan):
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:
             return None
-        indices = [wanted] if isinstance(wanted, int) else list(wanted)
-        count = self.depth + 1
-        bad = [i for i in indices if not -count <= i < count]
-        if bad or not indices:
-            raise ValueError(
-                f"feature_layers {wanted!r}: hidden_states has {count} entries (embeddings and "
-                f"{self.depth} layers), so indices must lie in [{-count}, {count - 1}]"
-            )
-        held = tuple(sorted({i % count for i in indices}))
+        held = feature_indices(wanted, self.depth)
         return None if held[-1] == self.depth else held
 
     def attention_modules(self) -> list[nn.Module]:

@@ -80,7 +80,7 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing
 from layergraph.staging import Staging
-from layergraph_adapters.feature_outputs import with_rest_on_demand
+from layergraph_adapters.feature_outputs import feature_indices, with_rest_on_demand
 from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.versions import PIXTRAL_CHECKED, require_transformers
 
@@ -205,15 +205,8 @@ def _kept_states(layers: int | list[int] | None, tower: nn.Module) -> tuple[int,
     the tower's hidden states do not have."""
     if layers is None:
         return None
-    count = len(tower.transformer.layers) + 1
-    indices = [layers] if isinstance(layers, int) else list(layers)
-    wrong = [i for i in indices if not isinstance(i, int) or not -count <= i < count]
-    if wrong:
-        raise ValueError(
-            f"feature_layers {layers!r}: hidden_states has {count} entries (the embeddings and "
-            f"each of {count - 1} layers)"
-        )
-    return tuple(sorted({i % count for i in indices} | {count - 1}))
+    depth = len(tower.transformer.layers)
+    return tuple(sorted({*feature_indices(layers, depth), depth}))
 
 
 @dataclass(eq=False)
@@ -636,15 +629,15 @@ class PixtralPlan(CapturePlan, Packing):
         eager piece has it."""
         flat = [pytree.tree_flatten(part) for part in parts]
         columns = zip(*(leaves for leaves, _ in flat))
-        joined = [
-            torch.cat(column, dim=1)
-            if all(isinstance(leaf, torch.Tensor) for leaf in column)
-            else None
-            if any(leaf is None for leaf in column)
-            else column[0]
-            for column in columns
-        ]
-        return pytree.tree_unflatten(joined, flat[0][1])
+        return pytree.tree_unflatten([_joined(column) for column in columns], flat[0][1])
+
+
+def _joined(column: Sequence[Any]) -> Any:
+    """One leaf of a split call's pieces joined: tensors concatenated along the patches,
+    ``None`` where a piece has none (a hidden state its graph left out), else the first."""
+    if all(isinstance(leaf, torch.Tensor) for leaf in column):
+        return torch.cat(column, dim=1)
+    return None if any(leaf is None for leaf in column) else column[0]
 
 
 def _routed_attention(module: nn.Module) -> Callable[..., Any]:

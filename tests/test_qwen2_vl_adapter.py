@@ -306,17 +306,24 @@ def test_the_vlm_image_features_go_through_the_graphs(kind: str) -> None:
     assert "forward" not in model.model.visual.__dict__
 
 
+def wrapped_after_two_observed_calls(model: torch.nn.Module, backend: SimulatedGraphs) -> Any:
+    """``model`` wrapped with budgets learnt from two observed calls, of 100 and 28 tokens:
+    budgets 32 and 128 planned, none captured yet."""
+    graphed = layergraph.wrap(
+        model, observe_calls=2, adapter="qwen2_vl", backend=backend, budget_step=32
+    )
+    check(graphed, model, [(1, 8, 8), (1, 6, 6)])
+    check(graphed, model, [(1, 4, 6), (1, 2, 2)])
+    return graphed
+
+
 @pytest.mark.usefixtures("registry")
 def test_a_budget_slower_than_eager_sends_its_calls_to_a_larger_one_measured_faster() -> None:
     model = tower()
     backend = SimulatedGraphs(
         eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 20.0 if tokens < 50 else 1.0
     )
-    graphed = layergraph.wrap(
-        model, observe_calls=2, adapter="qwen2_vl", backend=backend, budget_step=32
-    )
-    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens, observed
-    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens, observed: budgets 32 and 128
+    graphed = wrapped_after_two_observed_calls(model, backend)
     check(graphed, model, [(1, 6, 6), (1, 8, 8)])  # both captured; 128 faster than eager
     check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 32 measured slower than eager, dropped
     check(graphed, model, [(1, 6, 4), (1, 2, 2)])  # 28 tokens again, other windows
@@ -346,11 +353,7 @@ def test_a_graph_decisively_faster_than_the_eager_calls_observed_times_none_of_i
     backend = CountedEagerCalls(
         eager_ms=lambda tokens: 10.0, replay_ms=lambda tokens: 8.0 if tokens < 50 else 1.0
     )
-    graphed = layergraph.wrap(
-        model, observe_calls=2, adapter="qwen2_vl", backend=backend, budget_step=32
-    )
-    check(graphed, model, [(1, 8, 8), (1, 6, 6)])  # 100 tokens, observed
-    check(graphed, model, [(1, 4, 6), (1, 2, 2)])  # 28 tokens, observed: budgets 32 and 128
+    graphed = wrapped_after_two_observed_calls(model, backend)
     assert backend.timed == [100, 28]
     # 100 tokens again: budget 128's replay (1 ms) is ten times faster than the 10 ms observed
     check(graphed, model, [(1, 6, 6), (1, 8, 8)])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -219,10 +220,12 @@ def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
     assert graphed.stats.graphs == 1 and graphed.stats.replays == 2
 
 
-@pytest.mark.parametrize("name", sorted(VLMS))
-@pytest.mark.usefixtures("registry")
-def test_the_vlm_image_and_video_features_go_through_the_graphs(name: str) -> None:
-    model = vlm(name)
+def check_features_read_the_graphs(
+    model: torch.nn.Module, assert_same: Callable[[Any, Any, list[tuple[int, int, int]]], None]
+) -> None:
+    """A Qwen-like VLM's ``get_image_features()`` and ``get_video_features()`` through the
+    graphs, ``assert_same(got, want, grids)`` against the unwrapped model's, each replayed from
+    a graph; ``unwrap()`` gives the tower and its attention their own forwards back."""
     adapter = qwen2_vl.Qwen2VLAdapter()
     assert adapter.recognizes(model) and adapter.recognizes(model.model)
     graphed = layergraph.wrap(
@@ -239,15 +242,24 @@ def test_the_vlm_image_and_video_features_go_through_the_graphs(name: str) -> No
             got = features(pixels, grid)
             with graphed.original():
                 want = features(pixels, grid)
-        assert [t.shape for t in got.pooler_output] == [t.shape for t in want.pooler_output]
-        for part, expected in zip(got.pooler_output, want.pooler_output):
-            assert relative_error(part, expected) <= TOLERANCE, method
-        assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+        assert_same(got, want, grids)
     assert graphed.stats.replays == 2
     assert graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
     assert "forward" not in model.model.visual.__dict__
     assert all("forward" not in block.attn.__dict__ for block in model.model.visual.blocks)
+
+
+@pytest.mark.parametrize("name", sorted(VLMS))
+@pytest.mark.usefixtures("registry")
+def test_the_vlm_image_and_video_features_go_through_the_graphs(name: str) -> None:
+    def assert_same(got: Any, want: Any, grids: list[tuple[int, int, int]]) -> None:
+        assert [t.shape for t in got.pooler_output] == [t.shape for t in want.pooler_output]
+        for part, expected in zip(got.pooler_output, want.pooler_output):
+            assert relative_error(part, expected) <= TOLERANCE, grids
+        assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+
+    check_features_read_the_graphs(vlm(name), assert_same)
 
 
 def check_generate_reads_the_graphs(model: torch.nn.Module) -> None:

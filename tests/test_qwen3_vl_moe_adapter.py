@@ -42,6 +42,7 @@ from test_qwen3_5_adapter import (  # noqa: E402
     ENTRIES,
     TOKENS,
     call,
+    check_features_read_the_graphs,
     check_generate_reads_the_graphs,
     sharpen,
 )
@@ -158,30 +159,11 @@ def test_the_tower_and_its_deepstack_features_are_served_by_few_budgets() -> Non
 
 @pytest.mark.usefixtures("registry")
 def test_the_vlms_image_and_video_features_go_through_the_graphs() -> None:
-    model = vlm()
-    adapter = qwen2_vl.Qwen2VLAdapter()
-    assert adapter.recognizes(model) and adapter.recognizes(model.model)
-    graphed = layergraph.wrap(
-        model, adapter="auto", backend=SimulatedGraphs(), observe_calls=0, budget_step=32
-    )
-    assert graphed.adapter.name == "qwen2_vl"
-    for method, grids in (
-        ("get_image_features", [(1, 4, 6), (1, 2, 2), (1, 6, 4)]),
-        ("get_video_features", [(2, 4, 4), (4, 2, 2)]),
-    ):
-        pixels, grid = call(grids)
-        features = getattr(model, method)
-        with torch.inference_mode():
-            got = features(pixels, grid)
-            with graphed.original():
-                want = features(pixels, grid)
+    def assert_same(got: Any, want: Any, grids: list[tuple[int, int, int]]) -> None:
         assert len(got.pooler_output) == len(grids)
         assert_equal_answers(got, want)
-    assert graphed.stats.replays == 2
-    assert graphed.stats.eager_total == 0
-    assert graphed.unwrap() is model
-    assert "forward" not in model.model.visual.__dict__
-    assert all("forward" not in block.attn.__dict__ for block in model.model.visual.blocks)
+
+    check_features_read_the_graphs(vlm(), assert_same)
 
 
 @pytest.mark.usefixtures("registry")
