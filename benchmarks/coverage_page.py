@@ -49,6 +49,9 @@ PACKED_RUNS = (
     "2026-12-01-h200-packed-towers-steady.json",
     "2026-12-01-h200-lfm2-vl-1.6b-hand-graph.json",
     "2026-12-01-h200-pixtral-feature-layers.json",
+    "2026-12-02-h200-packed-towers-glm-4.1v.json",
+    "2026-12-02-h200-lfm2-vl-1.6b-dense-mask.json",
+    "2026-12-02-h200-siglip2-so400m-dense-mask.json",
 )
 """H200 runs of the packed benchmarks in ``docs/results``, oldest first: each tower's ratios
 come from the newest run that measured it."""
