@@ -121,19 +121,26 @@ def allocate(
         tokens=torch.arange(budget, dtype=torch.int32, device=device),
         backend=backend,
         workspace=workspace,
-        mask=torch.zeros(1, 1, budget, budget, dtype=dtype, device=device) if dense else None,
+        mask=torch.empty(1, 1, budget, budget, dtype=dtype, device=device) if dense else None,
     )
 
 
-def block_mask(cu_seqlens: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def block_mask(
+    cu_seqlens: torch.Tensor,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The additive ``[1, 1, tokens, tokens]`` mask under which each token attends to its own
-    image only: 0 within an image, ``-inf`` across. Tokens past the last boundary (a budget's
-    padding) attend to each other, so that every row attends to something. Built on the
-    device from ``cu_seqlens``, with no host synchronisation, so a graph can capture it."""
+    image only: 0 within an image, ``-inf`` across, written into ``out`` where given (a
+    budget's buffer, in place) else into a new tensor. Tokens past the last boundary (a
+    budget's padding) attend to each other, so that every row attends to something. Built on
+    the device from ``cu_seqlens``, with no host synchronisation, so a graph can capture it."""
     image = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-    same = image[:, None] == image[None, :]
-    blocked = torch.zeros(same.shape, dtype=dtype, device=same.device)
-    return blocked.masked_fill_(~same, float("-inf"))[None, None]
+    apart = image[:, None] != image[None, :]
+    if out is None:
+        out = torch.empty(1, 1, *apart.shape, dtype=dtype, device=apart.device)
+    return out.zero_().masked_fill_(apart, float("-inf"))
 
 
 def host_boundaries(counts: list[int], slots: int) -> torch.Tensor:
@@ -161,9 +168,7 @@ def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tens
     :func:`bound` around the call.
     """
     if buffers.mask is not None:
-        buffers.mask.copy_(
-            block_mask(buffers.metadata.cu_seqlens, buffers.tokens, buffers.mask.dtype)
-        )
+        block_mask(buffers.metadata.cu_seqlens, buffers.tokens, buffers.mask.dtype, buffers.mask)
     hidden = tower.embeddings.patch_embedding(buffers.pixels) + buffers.positions
     hidden = tower.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
     hidden = tower.post_layernorm(hidden)

@@ -68,11 +68,11 @@ from layergraph_adapters.versions import require_transformers
 _MODELING = "transformers.models.siglip2.modeling_siglip2"
 _INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 _OPTIONS = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
+"""Keyword arguments a graph serves besides the inputs (the first two when not asked for)."""
 DENSE_LIMIT = 4096
 """The largest budget (tokens) whose attention may run over the whole budget at once under a
 block-diagonal mask (its ``[budget, budget]`` mask is 32 MiB in bf16 at this size), where
 ``attention="auto"`` measured that faster than the varlen backend for the budget's first call."""
-"""Keyword arguments a graph serves besides the inputs (the first two when not asked for)."""
 _MIN_IMAGE_SLOTS = 8
 """Images a graph holds at least; more round up to a power of two. Part of a graph's
 signature: the Triton kernel's grid and the pooling head grow with it."""
