@@ -21,6 +21,7 @@ from .runner import DEFAULT_BATCH_SIZES, RunnerOptions
 from .sequential import SequentialAdapter
 from .stats import GraphStats
 from .validation import GraphMismatchError
+from .version import __version__
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -40,10 +41,9 @@ __all__ = [
     "ShapeKey",
     "UnknownAdapterError",
     "WholeForward",
+    "__version__",
     "hookimpl",
     "list_adapters",
     "unwrap",
     "wrap",
 ]
-
-__version__ = "0.1.0"

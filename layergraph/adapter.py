@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -28,11 +28,13 @@ from .ledger import ChangeLedger
 from .packing import Packing
 
 if TYPE_CHECKING:
-    from .plugins import AdapterRegistry
+    from .attention.backends import AttentionBackend
+    from .attention.layout import AttentionMetadata, PackedLayout, SequenceLayout
 
 __all__ = [
     "Adapter",
     "AdapterMismatch",
+    "AttentionRegistry",
     "CapturePlan",
     "ExampleModel",
     "PlanContext",
@@ -180,14 +182,42 @@ class WholeForward(CapturePlan):
         return self.owner(*args, **kwargs)
 
 
+class AttentionRegistry(Protocol):
+    """What a plan may ask of the plugin registry it is made with: the attention backends
+    plugins registered, and the metadata their hooks build. The registry
+    (:class:`~layergraph.plugins.AdapterRegistry`) is one; a test may pass its own."""
+
+    def attention_backend(self, name: str) -> AttentionBackend:
+        """The backend registered as ``name``; a clear error if there is none."""
+        ...
+
+    def attention_backend_names(self) -> tuple[str, ...]:
+        """The names of the registered backends, in the order they were registered."""
+        ...
+
+    def attention_backends(self) -> tuple[AttentionBackend, ...]:
+        """The registered backends, in the order they were registered."""
+        ...
+
+    def attention_metadata(
+        self,
+        backend: str | AttentionBackend,
+        layout: SequenceLayout | PackedLayout,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """The metadata for ``backend`` and ``layout``: the first plugin's, else the
+        backend's own."""
+        ...
+
+
 @dataclass(frozen=True)
 class PlanContext:
     """What :meth:`Adapter.plan` is given besides the model."""
 
-    registry: AdapterRegistry
-    """The plugin registry the model is wrapped with: attention backends
-    (:meth:`~layergraph.plugins.AdapterRegistry.attention_backend`) and their metadata
-    (:meth:`~layergraph.plugins.AdapterRegistry.attention_metadata`)."""
+    registry: AttentionRegistry
+    """The attention backends of the plugin registry the model is wrapped with
+    (:meth:`~AttentionRegistry.attention_backend`) and their metadata
+    (:meth:`~AttentionRegistry.attention_metadata`)."""
 
     compiled: bool = False
     """Whether the region or its layers will be compiled with ``torch.compile``

@@ -24,7 +24,6 @@ from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch.utils import _pytree as pytree
 
 from .guards import HeldOutputs
@@ -57,15 +56,16 @@ class GraphEntry:
 
     key: ShapeKey
     graph: Any
-    static_inputs: tuple[torch.Tensor, ...]
+    buffers: Any
+    """The packing's buffers the graph reads (inputs, attention metadata, workspaces), kept
+    alive with it (:meth:`~layergraph.packing.Packing.allocate`)."""
     output_leaves: tuple[Any, ...]
+    """The graph's output buffers, flattened."""
     output_spec: pytree.TreeSpec
     not_per_row: str | None = field(default=None, repr=False)
     """Why the outputs are not one row per input (``"output 0 is 0-d"``), or ``None`` when
     every tensor output has one row per input row. Such a graph serves only calls of exactly
     its batch: padding or splitting would change what is computed over the batch."""
-    state: Any = field(default=None, repr=False)
-    """The plan's per-key buffers (attention metadata, workspaces), kept alive with the graph."""
     addresses: tuple[int, ...] = field(default=(), repr=False)
     """Data pointers of every buffer the graph reads or writes, as captured (debug checks)."""
     costs: Costs | None = None
@@ -265,3 +265,7 @@ class GraphCache:
 
     def __iter__(self) -> Iterator[GraphEntry]:
         return iter(list(self._graphs.values()))
+
+    def items(self) -> list[tuple[Hashable, GraphEntry]]:
+        """Every graph held, with its lookup, least recently used first; uses not counted."""
+        return list(self._graphs.items())

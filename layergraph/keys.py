@@ -117,6 +117,15 @@ class CallInputs:
         in one bucket replay the same graph."""
 
     @property
+    def size(self) -> int:
+        """The call's rows (:attr:`batch`): its size in the unit batch graphs are keyed by."""
+        return self.batch
+
+    def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's own ``(args, kwargs)``."""
+        return self.rebuild(self.tensors)
+
+    @property
     def sample_specs(self) -> tuple[TensorSpec, ...]:
         """The per-sample shape and dtype of each batched tensor, in argument order."""
         return tuple(p for p in self.signature[2] if isinstance(p, TensorSpec))

@@ -20,7 +20,7 @@ from .guards import NoticeMoves
 from .keys import ShapeKey
 from .ledger import ChangeLedger
 from .plugins import get_registry
-from .runner import GraphRunner, RunnerOptions
+from .runner import GraphInfo, GraphRunner, RunnerOptions
 from .stats import GraphStats
 from .warm_start import Measurements, load_warm_start, read_measurements, save_warm_start
 
@@ -378,6 +378,14 @@ class GraphedModule(nn.Module):
     def keys(self) -> list[ShapeKey]:
         """The shape keys of the graphs held now."""
         return self._runner.keys
+
+    @property
+    def graphs(self) -> tuple[GraphInfo, ...]:
+        """The graphs held now, least recently used first: each one's key, the buffers it
+        reads (inputs, attention metadata, workspaces), its output buffers, what was measured
+        and whether it was validated (:class:`~layergraph.runner.GraphInfo`). A snapshot, for
+        inspection: replay through the wrapper."""
+        return self._runner.graphs()
 
     def release(self) -> None:
         """Drop every graph and the shared pool; later calls capture again.

@@ -15,15 +15,43 @@ model (the plan's :class:`Packing` does).
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["PackedCall", "Packing", "split_ranges"]
+__all__ = ["Call", "PackedCall", "Packing", "buffer_tensors", "split_ranges"]
+
+
+class Call(Protocol):
+    """What the engine reads of any call it serves: a :class:`PackedCall`, or a
+    :class:`~layergraph.keys.CallInputs` (a batch, packed by rows)."""
+
+    @property
+    def size(self) -> int:
+        """The call's size in the unit keys count: rows of a batch, tokens of a packed call."""
+
+    @property
+    def batch(self) -> int:
+        """The same as :attr:`size`, as statistics show it."""
+
+    @property
+    def signature(self) -> Hashable:
+        """What fixes a graph besides its size."""
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The inputs whose device and dtype must be the model's for a graph to serve."""
+
+    def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's own ``(args, kwargs)``, as an eager call takes them."""
+
+
+CallT = TypeVar("CallT", bound=Call)
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +79,10 @@ class PackedCall:
     def batch(self) -> int:
         """The call's size in the unit budgets count (tokens), as statistics show it."""
         return self.size
+
+    def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's own ``(args, kwargs)``."""
+        return self.args, self.kwargs
 
     def argument(self, name: str, position: int | None = None, default: Any = None) -> Any:
         """The value of argument ``name`` (keyword, or ``position`` among positional ones)."""
@@ -80,8 +112,12 @@ def split_ranges(sizes: Sequence[int], budget: int) -> list[range]:
     return ranges
 
 
-class Packing(ABC):
+class Packing(ABC, Generic[CallT]):
     """How a plan's calls are packed into token budgets, loaded into buffers and cut back out.
+
+    The engine serves every plan through one: a packed plan's own (``CapturePlan.packing``),
+    or, for a plan whose calls are batches, :class:`~layergraph.rows.RowPacking`, whose calls
+    are :class:`~layergraph.keys.CallInputs` and whose budgets are batch sizes.
 
     Workflow, driven by the runner: :meth:`pack` reads a call on the host; the runner picks a
     budget of at least its :attr:`PackedCall.size` tokens (multiples of :attr:`budget_step`, at
@@ -102,25 +138,29 @@ class Packing(ABC):
     """Every learnt budget is a multiple of this many tokens (and of :attr:`budget_unit`)."""
     largest_budget: int = 1 << 14
     """The largest budget learnt (``batch_sizes="auto"``); larger calls are split."""
+    later_warmup_runs: int | None = 1
+    """Warm-up runs before capturing a budget for a call signature already captured since the
+    model last changed (its kernels' lazy initialisation has run); ``None``: every capture
+    warms up ``warmup_runs`` times."""
 
     @abstractmethod
-    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
+    def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallT:
         """Read a call; raise :class:`~layergraph.keys.UnsupportedCall` (the reason it runs
         eagerly) for one a graph cannot take."""
 
     @abstractmethod
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+    def split(self, call: CallT, budget: int) -> list[CallT]:
         """The call cut, in order, into calls whose joined outputs are the call's: each of at
         most ``budget`` tokens, except an indivisible part (an image) larger than that, which
         is a call of its own (the runner runs it eagerly)."""
 
     @abstractmethod
-    def allocate(self, budget: int, call: PackedCall) -> Any:
+    def allocate(self, budget: int, call: CallT) -> Any:
         """The buffers of a graph of ``budget`` tokens for calls like ``call`` (same
         signature): inputs and metadata. Their addresses never change afterwards."""
 
     @abstractmethod
-    def load(self, buffers: Any, call: PackedCall) -> None:
+    def load(self, buffers: Any, call: CallT) -> None:
         """Write ``call`` into ``buffers`` in place, padding past its real tokens."""
 
     @abstractmethod
@@ -128,8 +168,36 @@ class Packing(ABC):
         """The region's ``(args, kwargs)`` that read ``buffers``."""
 
     @abstractmethod
-    def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
+    def cut(self, output: Any, call: CallT, budget: int) -> Any:
         """``output`` of a graph of ``budget`` tokens with only ``call``'s rows (views)."""
+
+    def cut_leaves(
+        self, leaves: Sequence[Any], spec: pytree.TreeSpec, call: CallT, budget: int
+    ) -> tuple[list[Any], pytree.TreeSpec]:
+        """:meth:`cut` on an output given as its pytree leaves and structure, returned the
+        same way. Override it where the rows can be cut from the leaves directly."""
+        whole = pytree.tree_unflatten(list(leaves), spec)
+        return pytree.tree_flatten(self.cut(whole, call, budget))
+
+    def plan_state(self, buffers: Any) -> Any:
+        """What the plan's :meth:`~layergraph.adapter.CapturePlan.bound` is given around the
+        warm-up and capture of a graph with ``buffers``: the buffers themselves."""
+        return buffers
+
+    def measured_arguments(self, buffers: Any, call: CallT) -> tuple[tuple[Any, ...], dict]:
+        """The ``(args, kwargs)`` of the eager call a new graph is measured against: the call
+        itself (the plan's region unbound, which is the model's own forward)."""
+        return call.arguments()
+
+    def measured_size(self, call: CallT, budget: int) -> int:
+        """The size a new graph's measurement is of (the rows the backend's timing is told):
+        the call's own, as the eager call :meth:`measured_arguments` makes is."""
+        return call.size
+
+    def output_problem(self, leaves: Sequence[Any], budget: int) -> str | None:
+        """Why a graph's outputs may not be cut or joined across calls of other sizes, or
+        ``None`` if they may (every packing's outputs may; batches' may not always)."""
+        return None
 
     def join(self, parts: Sequence[Any]) -> Any:
         """The outputs of consecutive pieces of a split call as one output: tensors
@@ -141,3 +209,15 @@ class Packing(ABC):
             for column in columns
         ]
         return pytree.tree_unflatten(joined, flat[0][1])
+
+
+def buffer_tensors(buffers: Any) -> list[torch.Tensor]:
+    """The tensors inside a graph's buffers or a plan's per-key state (dataclasses, tuples,
+    lists, dicts and tensors, nested), whose addresses the graph baked in."""
+    found: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(buffers):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += buffer_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found

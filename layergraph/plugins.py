@@ -36,6 +36,7 @@ from .attention.layout import (
     SequenceLayout,
     check_packed_metadata,
 )
+from .version import __version__
 
 __all__ = [
     "DISABLE_ENV",
@@ -112,7 +113,7 @@ class AdapterRegistry:
         self._failures: dict[str, AdapterInfo] = {}
         self._plugin_adapters: dict[str, list[str]] = {}
         self._plugin_backends: dict[str, list[str]] = {}
-        self.add_plugin(builtin_backends, "layergraph.attention", _OWN_DISTRIBUTION, _own_version())
+        self.add_plugin(builtin_backends, "layergraph.attention", _OWN_DISTRIBUTION, __version__)
 
     def load_entry_points(self, disable: str | None = None) -> None:
         """Load every plugin of the entry-point group, skipping those ``disable`` names."""
@@ -480,13 +481,6 @@ def _callable_without_arguments(factory: AdapterFactory) -> bool:
 
 def _type_name(model: torch.nn.Module) -> str:
     return f"{type(model).__module__}.{type(model).__name__}"
-
-
-def _own_version() -> str:
-    """This distribution's version, read when a registry is made (the package is loaded then)."""
-    from . import __version__
-
-    return __version__
 
 
 def _is_disabled(setting: str | None, entry_point: str, distribution: str) -> bool:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from .policy import Costs
+from .version import __version__
 from .warn import warn
 
 __all__ = [
@@ -76,8 +77,6 @@ class Measurements:
 
 def warm_start_origin() -> dict[str, str]:
     """What artifacts made in this process depend on: the device and the versions."""
-    from . import __version__
-
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,

@@ -119,13 +119,13 @@ def test_static_buffers_keep_their_addresses_across_replays() -> None:
     with torch.inference_mode():
         a = graphed(images(2, torch.float16))
         address = a.data_ptr()
-        (entry,) = graphed._runner._entries
-        input_address = entry.static_inputs[0].data_ptr()
+        (entry,) = graphed.graphs
+        input_address = entry.buffers.inputs[0].data_ptr()
         for _ in range(3):
             x = images(2, torch.float16)
             out = graphed(x)
             assert out.data_ptr() == address
-            assert entry.static_inputs[0].data_ptr() == input_address
+            assert entry.buffers.inputs[0].data_ptr() == input_address
             assert relative_error(out, model(x)) <= DEFAULT_TOLERANCE[torch.float16]
 
 

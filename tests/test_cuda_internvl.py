@@ -88,10 +88,10 @@ def test_captured_buffers_keep_their_addresses(internvit_300m: torch.nn.Module) 
     try:
         with torch.inference_mode():
             graphed(pixel_values=tiles(2))
-            (entry,) = graphed._runner._entries
-            state = entry.state
+            (entry,) = graphed.graphs
+            state = entry.buffers.state
             addresses = (
-                entry.static_inputs[0].data_ptr(),
+                entry.buffers.inputs[0].data_ptr(),
                 state.workspace.data_ptr(),
                 state.metadata.cu_seqlens.data_ptr(),
                 state.metadata.seq_lens.data_ptr(),
@@ -102,7 +102,7 @@ def test_captured_buffers_keep_their_addresses(internvit_300m: torch.nn.Module) 
                 eager = graphed.plan.region(pixel_values=x).last_hidden_state
                 assert relative_error(got, eager) <= DEFAULT_TOLERANCE[torch.bfloat16]
                 assert (
-                    entry.static_inputs[0].data_ptr(),
+                    entry.buffers.inputs[0].data_ptr(),
                     state.workspace.data_ptr(),
                     state.metadata.cu_seqlens.data_ptr(),
                     state.metadata.seq_lens.data_ptr(),

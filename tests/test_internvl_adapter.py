@@ -140,9 +140,9 @@ def test_workspace_is_sized_per_key_from_the_model(triton_interpreter: None) -> 
     )
     with torch.inference_mode():
         graphed(pixel_values=tiles(2))
-    (entry,) = graphed._runner._entries
-    assert entry.state.workspace.shape == (2 * TOKENS, 2, 64)
-    assert entry.state.workspace.dtype == torch.float32
+    (entry,) = graphed.graphs
+    assert entry.buffers.state.workspace.shape == (2 * TOKENS, 2, 64)
+    assert entry.buffers.state.workspace.dtype == torch.float32
 
 
 def test_missing_head_count_is_a_clear_error() -> None:
@@ -173,8 +173,8 @@ def test_metadata_hook_override_is_used(monkeypatch: pytest.MonkeyPatch) -> None
     with torch.inference_mode():
         graphed(pixel_values=tiles(2))
     assert set(calls) == {("sdpa", SequenceLayout.uniform(2, TOKENS))}  # graph, eager calls
-    (entry,) = graphed._runner._entries
-    assert entry.state.metadata == AttentionMetadata(max_seqlen=TOKENS)
+    (entry,) = graphed.graphs
+    assert entry.buffers.state.metadata == AttentionMetadata(max_seqlen=TOKENS)
 
 
 def test_attention_weights_run_eagerly_with_the_reason() -> None:

@@ -501,8 +501,8 @@ def test_a_vlms_graph_keeps_the_hidden_states_it_reads_and_computes_others_on_de
             assert relative_error(part, expected) <= TOLERANCE
         # The VLM's call (True with transformers 5.17, its index with 5.24) keeps the last
         # hidden state and the one read.
-        (entry,) = graphed._runner._entries._graphs.values()
-        assert len(entry.output_leaves) == (1 if read == -1 else 2)
+        (entry,) = graphed.graphs
+        assert len(entry.outputs) == (1 if read == -1 else 2)
         tower(**inputs, output_hidden_states=True)  # with 5.24, a graph of every hidden state
         reruns: list[None] = []
         forward = graphed.plan._forward
@@ -532,11 +532,11 @@ def test_a_tower_given_its_feature_layers_keeps_those_alone_for_a_call_asking_fo
             model, adapter="pixtral", feature_layers=-2, batch_sizes=[64], backend=SimulatedGraphs()
         )
         out = graphed(**inputs, output_hidden_states=True)
-    (entry,) = graphed._runner._entries._graphs.values()
+    (entry,) = graphed.graphs
     # The last hidden state, and the hidden states kept besides it: with 5.24, True asks for
     # every one by itself.
     kept = 2 if not SELECTS_BY_INDEX else len(want.hidden_states)
-    assert len(entry.output_leaves) == kept
+    assert len(entry.outputs) == kept
     for have, expected in zip(out.hidden_states, want.hidden_states, strict=True):
         assert relative_error(have, expected) <= TOLERANCE
 

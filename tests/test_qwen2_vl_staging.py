@@ -123,8 +123,8 @@ def test_a_replayed_call_with_its_grid_on_the_host_does_not_synchronise() -> Non
             pixels = torch.randn(96, 3 * 2 * 14 * 14, device="cuda")
             with torch.inference_mode():
                 graphed(pixels, grid_thw=torch.tensor(grids))
-        entry: Any = next(iter(graphed._runner._entries))
-        assert all(host.is_pinned() for host in entry.state.staging._hosts)
+        entry: Any = graphed.graphs[0]
+        assert all(host.is_pinned() for host in entry.buffers.staging._hosts)
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.inference_mode():

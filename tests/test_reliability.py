@@ -409,8 +409,8 @@ def test_debug_mode_notices_a_moved_buffer() -> None:
     model = stack()
     graphed = wrap(model, batch_sizes=[2], debug=True)
     check(graphed, model, 2)
-    (entry,) = graphed._runner._entries
-    entry.static_inputs[0].set_(torch.zeros(2, 8))
+    (entry,) = graphed.graphs
+    entry.buffers.inputs[0].set_(torch.zeros(2, 8))
     with torch.no_grad(), pytest.raises(RuntimeError, match="no longer have their captured"):
         graphed(torch.randn(2, 8))
 
@@ -421,14 +421,15 @@ def test_moves_are_noticed_where_they_happen_and_the_rest_in_debug_mode() -> Non
     model = stack()
     graphed = wrap(model, batch_sizes=[2])
     check(graphed, model, 2)
-    watch = graphed._runner._watch
     with unittest.mock.patch.object(
         layergraph.guards, "addresses", side_effect=AssertionError("read")
     ):
         check(graphed, model, 2)  # nothing moved: no address is read
     model.half().float()
     check(graphed, model, 2)
-    assert graphed.stats.invalidations == 1 and watch.tensors[0].dtype == torch.float32
+    assert graphed.stats.invalidations == 1
+    check(graphed, model, 2)  # the moved tensors are watched now: nothing moved since
+    assert graphed.stats.invalidations == 1 and graphed.stats.captures == 2
     debugged = wrap(stack(), batch_sizes=[2], debug=True)
     check(debugged, debugged.module, 2)
     weight = debugged.module[0].weight

@@ -70,10 +70,10 @@ def _worker(rank: int, init_file: str, case: str) -> None:
             )
             got = graphed(pixel_values=x).last_hidden_state
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-        (entry,) = graphed._runner._entries
+        (entry,) = graphed.graphs
         heads_per_rank = 4 // WORLD  # 3 heads are padded to 4
-        assert entry.state.workspace.shape == (4 * TOKENS, heads_per_rank, 32)
-        assert entry.state.metadata.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
+        assert entry.buffers.state.workspace.shape == (4 * TOKENS, heads_per_rank, 32)
+        assert entry.buffers.state.metadata.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
         assert graphed.plan.heads == heads_per_rank
         graphed.unwrap()
         dist.barrier()  # no rank tears down its connections while another still uses them

@@ -19,6 +19,7 @@ from ..plugins import get_registry
 from ..reference import compiled_reduce_overhead, plain_graph
 from ..timing import median_ms, waited_ms
 from ..validation import first_tensor, relative_error
+from ..version import __version__
 from .report import BenchReport, BenchRow
 
 __all__ = ["run_benchmark"]
@@ -247,7 +248,5 @@ def _versions() -> dict[str, str]:
         module = sys.modules.get(name)
         if module is not None:
             versions[name] = getattr(module, "__version__", "?")
-    from .. import __version__
-
     versions["layergraph"] = __version__
     return versions
