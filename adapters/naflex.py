@@ -8,11 +8,10 @@ from a budget's buffers (:class:`NaflexBuffers`), with shapes fixed by the budge
 - the patch embedding of the packed patches, plus their position embeddings, which the plan
   writes into the buffers before the replay (:mod:`layergraph_adapters.grid_positions`);
 - the encoder's layers, whose attention modules hand q, k and v to a backend that reads the
-  boundaries from the buffers when it runs (:func:`routed_attention`), or, where the plan
-  measured it faster for a budget, attend over the whole budget at once through
-  ``scaled_dot_product_attention`` with a block-diagonal mask that the graph builds from the
-  boundaries once per replay (:func:`block_mask`): the kernel transformers' own forward gets
-  (cuDNN's on an H200), where the varlen kernels pad a head dim such as 72;
+  boundaries from the buffers when it runs (:func:`routed_attention`), the backend prepared
+  once per replay first (the dense backend, where the plan measured it faster for a budget,
+  writes its block-diagonal mask of the boundaries then:
+  :class:`~layergraph.attention.DenseMaskedAttention`);
 - the final norm, and the attention-pooling head per image (:func:`pool`): the head's one
   probe attends to its image's tokens only.
 
@@ -37,7 +36,6 @@ from layergraph.attention import AttentionBackend, AttentionMetadata, SequenceLa
 __all__ = [
     "NaflexBuffers",
     "allocate",
-    "block_mask",
     "bound",
     "host_boundaries",
     "load_boundaries",
@@ -68,10 +66,6 @@ class NaflexBuffers:
     """``0 .. budget - 1`` (int32): each token's place in the sequence."""
     backend: AttentionBackend
     workspace: torch.Tensor | None
-    mask: torch.Tensor | None = None
-    """``[1, 1, budget, budget]``, where attention runs over the whole budget at once: each
-    replay writes the block-diagonal additive mask of the call's boundaries into it first
-    (:func:`block_mask`); ``None`` where ``backend`` attends."""
 
 
 _current: contextvars.ContextVar[NaflexBuffers | None] = contextvars.ContextVar(
@@ -99,13 +93,10 @@ def allocate(
     metadata: AttentionMetadata,
     heads: int,
     head_dim: int,
-    *,
-    dense: bool = False,
 ) -> NaflexBuffers:
     """The buffers of a graph of ``budget`` tokens in at most ``slots`` images, for patches
     like ``pixels`` (``[..., features]``) and positions like the tower's ``table``, attending
-    through ``backend`` with ``metadata``, or with ``dense`` over the whole budget with a
-    block-diagonal mask (the boundaries still come from ``metadata``)."""
+    through ``backend`` with ``metadata``."""
     dtype, device = pixels.dtype, pixels.device
     workspace = (
         torch.zeros(budget, heads, head_dim, dtype=dtype, device=device)
@@ -121,26 +112,7 @@ def allocate(
         tokens=torch.arange(budget, dtype=torch.int32, device=device),
         backend=backend,
         workspace=workspace,
-        mask=torch.empty(1, 1, budget, budget, dtype=dtype, device=device) if dense else None,
     )
-
-
-def block_mask(
-    cu_seqlens: torch.Tensor,
-    tokens: torch.Tensor,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The additive ``[1, 1, tokens, tokens]`` mask under which each token attends to its own
-    image only: 0 within an image, ``-inf`` across, written into ``out`` where given (a
-    budget's buffer, in place) else into a new tensor. Tokens past the last boundary (a
-    budget's padding) attend to each other, so that every row attends to something. Built on
-    the device from ``cu_seqlens``, with no host synchronisation, so a graph can capture it."""
-    image = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-    apart = image[:, None] != image[None, :]
-    if out is None:
-        out = torch.empty(1, 1, *apart.shape, dtype=dtype, device=apart.device)
-    return out.zero_().masked_fill_(apart, float("-inf"))
 
 
 def host_boundaries(counts: list[int], slots: int) -> torch.Tensor:
@@ -167,9 +139,8 @@ def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tens
     Attention runs through :func:`routed_attention`, which reads the buffers bound by
     :func:`bound` around the call.
     """
-    if buffers.mask is not None:
-        block_mask(buffers.metadata.cu_seqlens, buffers.tokens, buffers.mask.dtype, buffers.mask)
     hidden = tower.embeddings.patch_embedding(buffers.pixels) + buffers.positions
+    buffers.backend.prepare(buffers.metadata, hidden)
     hidden = tower.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
     hidden = tower.post_layernorm(hidden)
     pooled = pool(tower.head, hidden, buffers) if tower.use_head else None
@@ -210,8 +181,7 @@ def pool(head: nn.Module, hidden: torch.Tensor, buffers: NaflexBuffers) -> torch
 
 def routed_attention(module: nn.Module) -> Callable[..., Any]:
     """A forward for one ``Siglip2Attention`` that hands q, k and v of the packed tokens to the
-    bound buffers' backend, which reads the image boundaries from them, or attends over the
-    whole budget under the buffers' block-diagonal mask where they hold one.
+    bound buffers' backend, which reads the image boundaries from them.
 
     Outside bound buffers (eager calls) the module's own forward runs.
     """
@@ -228,13 +198,6 @@ def routed_attention(module: nn.Module) -> Callable[..., Any]:
             projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
             for projection in (module.q_proj, module.k_proj, module.v_proj)
         )
-        if buffers.mask is not None:
-            dense = F.scaled_dot_product_attention(
-                *(t.transpose(0, 1)[None] for t in (q, k, v)),
-                attn_mask=buffers.mask,
-                scale=module.scale,
-            )
-            return module.out_proj(dense[0].transpose(0, 1).reshape(tokens, -1)), None
         out = buffers.backend(
             q,
             k,

@@ -17,10 +17,10 @@ tower's table resized to each grid by the tower's own function, kept per grid:
 attention metadata the ``attention_metadata`` hook built for the budget (a
 :class:`~layergraph.attention.PackedLayout`); inside the graph attention runs per image through
 a backend that reads the boundaries when it runs (``sdpa_varlen`` off the GPU, ``triton`` or
-``fa3`` on it) or, with ``attention="auto"``, where a budget of at most :data:`DENSE_LIMIT`
-tokens measured it faster, over the whole budget under a block-diagonal mask built in the
-graph from the boundaries (the kernel the tower's own forward gets: cuDNN's on an H200, where
-the varlen kernels pad SigLIP2's head dim of 72); the pooling head attends per image
+``fa3`` on it) or, with ``attention="auto"``, where a budget of at most 4096 tokens measured
+it faster, over the whole budget under a block-diagonal mask built in the graph from the
+boundaries (``sdpa_dense_masked``: the kernel the tower's own forward gets, cuDNN's on an
+H200, where the varlen kernels pad SigLIP2's head dim of 72); the pooling head attends per image
 (:mod:`layergraph_adapters.naflex`). ``graphed.plan.attention_by_budget`` says which ran.
 The outputs are scattered back into the tower's layout.
 
@@ -42,24 +42,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
 from layergraph.adapter import own_forward
 from layergraph.attention import (
-    AttentionBackend,
     PackedLayout,
-    SequenceLayout,
-    choose_backend,
+    choose_packed_backend,
     packed_backends,
     packed_timer,
-    padded_offsets,
 )
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
-from layergraph.timing import captured_ms
 from layergraph_adapters import naflex
 from layergraph_adapters.grid_positions import GridPositions
 from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
@@ -69,10 +64,6 @@ _MODELING = "transformers.models.siglip2.modeling_siglip2"
 _INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 _OPTIONS = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
 """Keyword arguments a graph serves besides the inputs (the first two when not asked for)."""
-DENSE_LIMIT = 4096
-"""The largest budget (tokens) whose attention may run over the whole budget at once under a
-block-diagonal mask (its ``[budget, budget]`` mask is 32 MiB in bf16 at this size), where
-``attention="auto"`` measured that faster than the varlen backend for the budget's first call."""
 _MIN_IMAGE_SLOTS = 8
 """Images a graph holds at least; more round up to a power of two. Part of a graph's
 signature: the Triton kernel's grid and the pooling head grow with it."""
@@ -182,11 +173,13 @@ class Siglip2Plan(CapturePlan, Packing):
         self.head_dim = self._attentions[0].head_dim
         config = tower.config
         self.features = config.num_channels * config.patch_size**2
-        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
+        self._backends = packed_backends(
+            context.registry.attention_backends(), adapter.attention, dense=True
+        )
         self.attention = adapter.attention
         self.attention_by_budget: dict[int, str] = {}
-        """How each budget's graph attends: a backend's name, or ``sdpa_dense_masked`` (the
-        whole budget at once under a block-diagonal mask, where measured faster)."""
+        """Which backend serves each budget's attention (``sdpa_dense_masked``: the whole
+        budget at once under a block-diagonal mask, where measured faster)."""
         self._registry = context.registry
 
     # ---- what the runner asks ----------------------------------------------------------------
@@ -336,55 +329,28 @@ class Siglip2Plan(CapturePlan, Packing):
     def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:
         images: _Images = call.parts
         pixels = images.pixels
-        backend = choose_backend(
+        layout = PackedLayout(budget, images.slots, budget)
+        backend = choose_packed_backend(
             self.attention,
             pixels.device,
             pixels.dtype,
-            self.heads,
             self.head_dim,
-            SequenceLayout((budget,)),
+            layout,
+            tuple(images.counts),
             backends=self._backends,
+            timer=packed_timer(pixels.device, pixels.dtype, self.heads, self.head_dim),
         )
-        table = self.owner.embeddings.position_embedding.weight
-        layout = PackedLayout(budget, images.slots, budget)
-        metadata = self._registry.attention_metadata(backend, layout, pixels.device)
-        dense = self.attention == "auto" and self._dense_is_faster(backend, layout, images)
-        self.attention_by_budget[budget] = "sdpa_dense_masked" if dense else backend.name
+        self.attention_by_budget[budget] = backend.name
         return naflex.allocate(
             budget,
             images.slots,
             pixels,
-            table,
+            self.owner.embeddings.position_embedding.weight,
             backend,
-            metadata,
+            self._registry.attention_metadata(backend, layout, pixels.device),
             self.heads,
             self.head_dim,
-            dense=dense,
         )
-
-    def _dense_is_faster(
-        self, backend: AttentionBackend, layout: PackedLayout, images: _Images
-    ) -> bool:
-        """Whether attention over the whole budget under a block-diagonal mask is faster than
-        ``backend`` for the images of the budget's first call, both timed inside a CUDA graph;
-        only on a GPU and for budgets of at most :data:`DENSE_LIMIT` tokens."""
-        device, dtype = images.pixels.device, images.pixels.dtype
-        timer = packed_timer(device, dtype, self.heads, self.head_dim)
-        if timer is None or layout.tokens > DENSE_LIMIT:
-            return False
-        lengths = tuple(images.counts)
-        q, k, v = torch.randn(
-            3, 1, self.heads, layout.tokens, self.head_dim, device=device, dtype=dtype
-        ).unbind(0)
-        boundaries = padded_offsets(lengths, layout.slots).to(device)
-        tokens = torch.arange(layout.tokens, dtype=torch.int32, device=device)
-        mask = naflex.block_mask(boundaries, tokens, dtype)
-
-        def dense() -> None:
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-        dense_ms = captured_ms(dense, device=device, warmup=1, calls=5, replays=3)
-        return dense_ms < timer(backend, layout, lengths)
 
     def load(self, buffers: naflex.NaflexBuffers, call: PackedCall) -> None:
         images: _Images = call.parts

@@ -20,8 +20,10 @@ import layergraph
 from layergraph import AdapterMismatch
 from layergraph.attention import (
     AttentionMetadata,
+    DenseMaskedAttention,
     PackedLayout,
     SdpaMaskedAttention,
+    block_mask,
     build_metadata,
 )
 from layergraph.testing import SimulatedGraphs
@@ -180,32 +182,29 @@ def test_equal_token_totals_with_other_grids_read_their_own_boundaries_and_posit
 
 
 @pytest.mark.usefixtures("registry")
-def test_budgets_measured_faster_dense_attend_under_the_block_mask_of_each_call(
+def test_the_dense_backend_attends_under_the_block_mask_of_each_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where a budget's attention over all its tokens under a block-diagonal mask was measured
-    faster (on a GPU; here by decree), the graph builds the mask of each call's boundaries:
-    other packings of the same budget, and its padding, stay apart."""
-    decided = []
-
-    def faster(plan: Any, backend: Any, layout: Any, images: Any) -> bool:
-        decided.append(layout.tokens)
-        return True
-
-    monkeypatch.setattr(siglip2.Siglip2Plan, "_dense_is_faster", faster)
+    """The dense backend (on a GPU only; here allowed by decree) attends over the whole budget
+    under the block mask its prepare writes from each call's boundaries: other packings of the
+    same budget, and its padding, stay apart."""
+    monkeypatch.setattr(DenseMaskedAttention, "unavailable_reason", lambda *args: None)
     model = tower()
-    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), batch_sizes=[64])
+    graphed = layergraph.wrap(
+        model,
+        observe_calls=0,
+        backend=SimulatedGraphs(),
+        batch_sizes=[64],
+        attention="sdpa_dense_masked",
+    )
     for grids in ([(3, 5), (7, 2), (5, 5)], [(6, 9)], [(5, 5), (1, 15), (14, 1)], [(2, 2)]):
         check(graphed, model, grids)
-    assert decided == [64]
     assert graphed.plan.attention_by_budget == {64: "sdpa_dense_masked"}
     assert graphed.stats.replays == 4
 
 
 def test_the_block_mask_keeps_each_image_and_the_padding_apart() -> None:
-    mask = naflex.block_mask(
-        torch.tensor([0, 2, 5, 5], dtype=torch.int32), torch.arange(7), torch.float32
-    )
+    mask = block_mask(torch.tensor([0, 2, 5, 5], dtype=torch.int32), torch.arange(7), torch.float32)
     image = torch.tensor([0, 0, 1, 1, 1, 2, 2])  # tokens 5 and 6 are padding
     assert mask.shape == (1, 1, 7, 7)
     assert torch.equal(mask[0, 0] == 0, image[:, None] == image[None, :])
@@ -213,7 +212,7 @@ def test_the_block_mask_keeps_each_image_and_the_padding_apart() -> None:
 
 
 @pytest.mark.usefixtures("registry")
-def test_the_dense_path_is_chosen_only_by_auto_and_only_on_a_gpu() -> None:
+def test_the_dense_backend_runs_only_on_a_gpu_and_auto_takes_it_only_where_timed() -> None:
     model = tower()
     for attention in ("auto", "sdpa_varlen"):
         graphed = layergraph.wrap(
@@ -222,6 +221,15 @@ def test_the_dense_path_is_chosen_only_by_auto_and_only_on_a_gpu() -> None:
         check(graphed, model, [(6, 9)])
         assert graphed.plan.attention_by_budget == {64: "sdpa_varlen"}
         graphed.unwrap()
+    graphed = layergraph.wrap(
+        model,
+        observe_calls=0,
+        backend=SimulatedGraphs(),
+        batch_sizes=[64],
+        attention="sdpa_dense_masked",
+    )
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="runs on a GPU"):
+        graphed(**call([(6, 9)]))
 
 
 @pytest.mark.usefixtures("registry")

@@ -12,11 +12,13 @@ adapters use it.
 
 from .backends import (
     AttentionBackend,
+    DenseMaskedAttention,
     Fa3Attention,
     PackedTimer,
     SdpaAttention,
     SdpaMaskedAttention,
     TritonVarlenAttention,
+    block_mask,
     choose_backend,
     choose_packed_backend,
     packed_backends,
@@ -34,6 +36,7 @@ from .layout import (
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "DenseMaskedAttention",
     "Fa3Attention",
     "PackedLayout",
     "PackedTimer",
@@ -41,6 +44,7 @@ __all__ = [
     "SdpaMaskedAttention",
     "SequenceLayout",
     "TritonVarlenAttention",
+    "block_mask",
     "build_metadata",
     "check_packed_metadata",
     "choose_backend",

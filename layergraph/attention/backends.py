@@ -35,11 +35,13 @@ from .layout import (
 
 __all__ = [
     "AttentionBackend",
+    "DenseMaskedAttention",
     "Fa3Attention",
     "PackedTimer",
     "SdpaAttention",
     "SdpaMaskedAttention",
     "TritonVarlenAttention",
+    "block_mask",
     "choose_backend",
     "choose_packed_backend",
     "packed_timer",
@@ -63,6 +65,16 @@ class AttentionBackend(ABC):
     """Whether the kernel reads where sequences start from the metadata's tensors when it
     runs, trusting ``max_seqlen`` as a bound only: then one graph serves every packing of a
     token budget, the metadata written in place before each replay (packed plans)."""
+    largest_room: ClassVar[int | None] = None
+    """The most tokens a packed graph's room may hold for this backend (one whose memory grows
+    with the square of the room's tokens sets it); ``None``: no limit."""
+
+    def prepare(self, metadata: AttentionMetadata, hidden: torch.Tensor) -> None:
+        """Work every attention layer of one forward shares, done once before them, inside
+        the graph: a packed plan calls it at the start of its packed forward, with the
+        forward's ``[tokens, ...]`` hidden states (their count, dtype and device). Nothing by
+        default."""
+        return
 
     @abstractmethod
     def unavailable_reason(
@@ -176,6 +188,81 @@ class SdpaMaskedAttention(AttentionBackend):
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
         )
         return out.transpose(0, 1)
+
+
+class DenseMaskedAttention(AttentionBackend):
+    """``scaled_dot_product_attention`` over a packed graph's whole room at once, under a
+    block-diagonal additive mask that :meth:`prepare` writes from ``cu_seqlens`` once per
+    forward, inside the graph: the dense kernel a tower's own per-image forward gets (cuDNN's
+    on an H200), where the varlen kernels pad a head dim such as 72 or 80 to the next they
+    have. Its work grows with the square of the room, so packed plans offer it only up to
+    :attr:`largest_room` tokens, and ``auto`` takes it only where timed faster. Tokens past
+    ``cu_seqlens[-1]`` (a packed call's padding) attend to each other. GPU only.
+    Metadata: ``cu_seqlens``, and the mask in ``scratch["mask"]``.
+    """
+
+    name = "sdpa_dense_masked"
+    reads_boundaries = True
+    largest_room = 4096
+
+    def unavailable_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, layout: SequenceLayout
+    ) -> str | None:
+        if device.type != "cuda":
+            return "sdpa_dense_masked runs on a GPU (off it, sdpa_varlen computes the same)"
+        return None
+
+    def default_metadata(
+        self, layout: SequenceLayout | PackedLayout, device: torch.device
+    ) -> AttentionMetadata:
+        return build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
+
+    def prepare(self, metadata: AttentionMetadata, hidden: torch.Tensor) -> None:
+        """Write the block mask of ``metadata``'s boundaries over ``hidden``'s tokens into
+        ``metadata.scratch["mask"]``, made on the first call (a graph's warm-up)."""
+        tokens = hidden.shape[0]
+        mask = metadata.scratch.get("mask")
+        if mask is None or mask.shape[-1] != tokens or mask.dtype != hidden.dtype:
+            mask = torch.empty(1, 1, tokens, tokens, dtype=hidden.dtype, device=hidden.device)
+            metadata.scratch["mask"] = mask
+        place = torch.arange(tokens, dtype=metadata.cu_seqlens.dtype, device=hidden.device)
+        block_mask(metadata.cu_seqlens, place, mask.dtype, out=mask)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: SequenceLayout,
+        metadata: AttentionMetadata,
+        workspace: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            *(t.transpose(0, 1)[None] for t in (q, k, v)),
+            attn_mask=metadata.scratch["mask"],
+            scale=scale,
+        )
+        return out[0].transpose(0, 1)
+
+
+def block_mask(
+    cu_seqlens: torch.Tensor,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The additive ``[1, 1, tokens, tokens]`` mask under which each token attends to its own
+    sequence only: 0 within one, ``-inf`` across, written into ``out`` where given (in place)
+    else into a new tensor. Tokens past the last boundary (a budget's padding) attend to each
+    other, so that every row attends to something. Built on the device from ``cu_seqlens``,
+    with no host synchronisation, so a graph can capture it."""
+    sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+    apart = sequence[:, None] != sequence[None, :]
+    if out is None:
+        out = torch.empty(1, 1, *apart.shape, dtype=dtype, device=apart.device)
+    return out.zero_().masked_fill_(apart, float("-inf"))
 
 
 class TritonVarlenAttention(AttentionBackend):
@@ -372,12 +459,16 @@ PackedTimer = Callable[[AttentionBackend, PackedLayout, tuple[int, ...]], float]
 
 
 def packed_backends(
-    registered: Iterable[AttentionBackend], attention: str
+    registered: Iterable[AttentionBackend], attention: str, dense: bool = False
 ) -> tuple[AttentionBackend, ...]:
     """The backends a packed plan may use: the masked SDPA, which reads ``cu_seqlens`` on the
-    device, then every registered backend that reads boundaries at run time. Raises
-    ``ValueError`` when ``attention`` names none of them and is not ``"auto"``."""
-    candidates = (SdpaMaskedAttention(), *(b for b in registered if b.reads_boundaries))
+    device, with ``dense`` the whole room under one block-diagonal mask on a GPU
+    (:class:`DenseMaskedAttention`, offered where the plan
+    calls its backends' :meth:`~AttentionBackend.prepare`), then every registered backend that
+    reads boundaries at run time. Raises ``ValueError`` when ``attention`` names none of them
+    and is not ``"auto"``."""
+    offered = (SdpaMaskedAttention(), *((DenseMaskedAttention(),) if dense else ()))
+    candidates = (*offered, *(b for b in registered if b.reads_boundaries))
     names = (*(b.name for b in candidates), "auto")
     if attention not in names:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")
@@ -421,7 +512,8 @@ def choose_packed_backend(
             raise RuntimeError(f"attention backend {name!r} cannot run: {reason}")
         return backend
     reasons = {
-        backend: backend.unavailable_reason(device, dtype, head_dim, sequences)
+        backend: _room_reason(backend, layout)
+        or backend.unavailable_reason(device, dtype, head_dim, sequences)
         for backend in candidates
     }
     usable = [backend for backend, reason in reasons.items() if reason is None]
@@ -431,6 +523,13 @@ def choose_packed_backend(
     if timer is None or len(usable) == 1:
         return usable[0]
     return min(usable, key=lambda backend: timer(backend, layout, lengths))
+
+
+def _room_reason(backend: AttentionBackend, layout: PackedLayout) -> str | None:
+    """Why ``backend`` cannot serve a graph of ``layout``'s room, or ``None``."""
+    if backend.largest_room is not None and layout.tokens > backend.largest_room:
+        return f"a room of {layout.tokens} tokens is above its {backend.largest_room}"
+    return None
 
 
 def packed_timer(
@@ -463,6 +562,7 @@ def _time_packed_ms(
         metadata.seq_lens.copy_(offsets.diff())
     workspace = torch.empty_like(q) if backend.needs_workspace else None
     sequences = SequenceLayout((layout.tokens,))
+    backend.prepare(metadata, q)
 
     def run() -> None:
         backend(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,7 +97,10 @@ class AttentionMetadata:
 
     - ``cu_seqlens``: int32 ``[B + 1]``, the offsets 0, len0, len0 + len1, ..., total;
     - ``seq_lens``: int32 ``[B]``, each sequence's length;
-    - ``max_seqlen``: the longest length, a Python int baked into a captured graph.
+    - ``max_seqlen``: the longest length, a Python int baked into a captured graph;
+    - ``scratch``: buffers a backend keeps with the metadata, made by its
+      :meth:`~layergraph.attention.AttentionBackend.prepare` on first use (a graph's warm-up),
+      so that they keep their address in the graph (the dense backend's block mask).
 
     A backend that needs none of the tensors gets ``None`` for them.
     """
@@ -105,6 +108,7 @@ class AttentionMetadata:
     max_seqlen: int
     cu_seqlens: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 def build_metadata(
