@@ -8,7 +8,7 @@ from a budget's buffers (:class:`NaflexBuffers`), with shapes fixed by the budge
 - the patch embedding of the packed patches, plus their position embeddings, which the plan
   writes into the buffers before the replay (:mod:`layergraph_adapters.grid_positions`);
 - the encoder's layers, whose attention modules hand q, k and v to a backend that reads the
-  boundaries from the buffers when it runs (:func:`routed_attention`), the backend prepared
+  boundaries from the buffers when it runs (the plan's routed attention), the backend prepared
   once per replay first (the dense backend, where the plan measured it faster for a budget,
   writes its block-diagonal mask of the boundaries then:
   :class:`~layergraph.attention.DenseMaskedAttention`);
@@ -21,9 +21,6 @@ outputs (the plan does), or run any eager call (those run the tower's own forwar
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,18 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layergraph.attention import AttentionBackend, AttentionMetadata, SequenceLayout
+from layergraph.attention import AttentionBackend, AttentionMetadata
+from layergraph_adapters.packed_tower import workspace
 
-__all__ = [
-    "NaflexBuffers",
-    "allocate",
-    "bound",
-    "host_boundaries",
-    "load_boundaries",
-    "packed_forward",
-    "pool",
-    "routed_attention",
-]
+__all__ = ["NaflexBuffers", "allocate", "packed_forward", "pool"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,22 +57,6 @@ class NaflexBuffers:
     workspace: torch.Tensor | None
 
 
-_current: contextvars.ContextVar[NaflexBuffers | None] = contextvars.ContextVar(
-    "layergraph_naflex_buffers", default=None
-)
-
-
-@contextlib.contextmanager
-def bound(buffers: NaflexBuffers | None) -> Iterator[None]:
-    """Context in which the routed attention modules read ``buffers`` (a graph's warm-up and
-    capture); outside it they run their own forward."""
-    token = _current.set(buffers)
-    try:
-        yield
-    finally:
-        _current.reset(token)
-
-
 def allocate(
     budget: int,
     slots: int,
@@ -98,11 +71,6 @@ def allocate(
     like ``pixels`` (``[..., features]``) and positions like the tower's ``table``, attending
     through ``backend`` with ``metadata``."""
     dtype, device = pixels.dtype, pixels.device
-    workspace = (
-        torch.zeros(budget, heads, head_dim, dtype=dtype, device=device)
-        if backend.needs_workspace
-        else None
-    )
     return NaflexBuffers(
         budget=budget,
         slots=slots,
@@ -111,33 +79,16 @@ def allocate(
         metadata=metadata,
         tokens=torch.arange(budget, dtype=torch.int32, device=device),
         backend=backend,
-        workspace=workspace,
+        workspace=workspace(budget, heads, head_dim, pixels, backend),
     )
-
-
-def host_boundaries(counts: list[int], slots: int) -> torch.Tensor:
-    """The ``cu_seqlens`` of images of ``counts`` tokens in ``slots`` slots, on the host: the
-    slots past the images empty."""
-    cu_seqlens = torch.zeros(slots + 1, dtype=torch.int32)
-    cu_seqlens[1 : len(counts) + 1] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
-    cu_seqlens[len(counts) + 1 :] = cu_seqlens[len(counts)]
-    return cu_seqlens
-
-
-def load_boundaries(buffers: NaflexBuffers, cu_seqlens: torch.Tensor) -> None:
-    """Write a call's :func:`host_boundaries` into the budget's metadata in place."""
-    metadata = buffers.metadata
-    metadata.cu_seqlens.copy_(cu_seqlens)
-    if metadata.seq_lens is not None:
-        metadata.seq_lens.copy_(cu_seqlens.diff())
 
 
 def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tensor, Any]:
     """The tower over the budget's packed tokens: ``[budget, width]`` hidden states after the
     final norm, and ``[slots, width]`` pooled features (``None`` for a tower without a head).
 
-    Attention runs through :func:`routed_attention`, which reads the buffers bound by
-    :func:`bound` around the call.
+    Attention runs through the plan's routed attention modules, which read the buffers bound
+    around the call; the backend is prepared first, once (the dense backend writes its mask).
     """
     hidden = tower.embeddings.patch_embedding(buffers.pixels) + buffers.positions
     buffers.backend.prepare(buffers.metadata, hidden)
@@ -177,36 +128,3 @@ def pool(head: nn.Module, hidden: torch.Tensor, buffers: NaflexBuffers) -> torch
     )
     out = attention.out_proj(out.transpose(0, 1).reshape(buffers.slots, width))
     return out + head.mlp(head.layernorm(out))
-
-
-def routed_attention(module: nn.Module) -> Callable[..., Any]:
-    """A forward for one ``Siglip2Attention`` that hands q, k and v of the packed tokens to the
-    bound buffers' backend, which reads the image boundaries from them.
-
-    Outside bound buffers (eager calls) the module's own forward runs.
-    """
-    original = type(module).forward.__get__(module)
-
-    def forward(
-        hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
-    ) -> tuple[torch.Tensor, None]:
-        buffers = _current.get()
-        if buffers is None:
-            return original(hidden_states, attention_mask, **kwargs)
-        tokens = hidden_states.shape[0]
-        q, k, v = (
-            projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
-            for projection in (module.q_proj, module.k_proj, module.v_proj)
-        )
-        out = buffers.backend(
-            q,
-            k,
-            v,
-            layout=SequenceLayout((buffers.budget,)),
-            metadata=buffers.metadata,
-            workspace=buffers.workspace,
-            scale=module.scale,
-        )
-        return module.out_proj(out.reshape(tokens, -1)), None
-
-    return forward

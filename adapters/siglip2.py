@@ -35,97 +35,39 @@ states, pass other arguments, or whose mask does not mark each image's first
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
-from layergraph.adapter import own_forward
-from layergraph.attention import (
-    PackedLayout,
-    choose_packed_backend,
-    packed_backends,
-    packed_timer,
-)
+from layergraph import hookimpl
 from layergraph.keys import UnsupportedCall
-from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing, split_ranges
+from layergraph.packing import PackedCall
 from layergraph_adapters import naflex
 from layergraph_adapters.grid_positions import GridPositions
+from layergraph_adapters.packed_tower import (
+    PackedFamily,
+    PackedTowerAdapter,
+    PackedTowerPlan,
+    copy_boundaries,
+    host_boundaries,
+    image_slots,
+    read_inputs,
+)
 from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
-from layergraph_adapters.versions import require_transformers
+from layergraph_adapters.versions import TRANSFORMERS_CHECKED
 
-_MODELING = "transformers.models.siglip2.modeling_siglip2"
-_INPUTS = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
-_OPTIONS = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
-"""Keyword arguments a graph serves besides the inputs (the first two when not asked for)."""
-_MIN_IMAGE_SLOTS = 8
-"""Images a graph holds at least; more round up to a power of two. Part of a graph's
-signature: the Triton kernel's grid and the pooling head grow with it."""
-
-
-def tower_class() -> type | None:
-    """``Siglip2VisionModel``, if its modeling module is imported (an instance cannot exist
-    otherwise); never imports it."""
-    modeling = sys.modules.get(_MODELING)
-    return None if modeling is None else modeling.Siglip2VisionModel
-
-
-def find_siglip2_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` or its ``vision_model`` / ``vision_tower`` / ``model.vision_tower``, if a
-    ``Siglip2VisionModel``."""
-    cls = tower_class()
-    if cls is None:
-        return None
-    for path in ("", *TOWER_PATHS):
-        candidate: Any = model
-        for name in filter(None, path.split(".")):
-            candidate = getattr(candidate, name, None)
-        if isinstance(candidate, cls):
-            return candidate
-    return None
-
-
-class Siglip2Adapter(Adapter):
-    """Graphs a SigLIP2 NaFlex vision tower, alone or inside a larger model, per token budget.
-
-    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
-    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
-    (larger calls are split by images), and the most position-embedding rows kept for the grids
-    seen last; ``budget_step``: learnt budgets are multiples of it.
-    """
-
-    name = "siglip2"
-
-    def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 256
-    ) -> None:
-        if budget_step < 1 or max_tokens % budget_step:
-            raise ValueError(
-                f"max_tokens {max_tokens} must be a multiple of budget_step {budget_step}"
-            )
-        self.attention = attention
-        self.max_tokens = max_tokens
-        self.budget_step = budget_step
-
-    def recognizes(self, model: nn.Module) -> bool:
-        return "transformers" in sys.modules and find_siglip2_tower(model) is not None
-
-    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        require_transformers(self.name)
-        tower = find_siglip2_tower(model)
-        if tower is None:
-            raise AdapterMismatch(
-                f"the siglip2 adapter serves transformers' Siglip2VisionModel and models "
-                f"holding one as vision_model or vision_tower; got "
-                f"{type(model).__module__}.{type(model).__name__}"
-            )
-        return Siglip2Plan(tower, self, context)
+FAMILY = PackedFamily(
+    module="transformers.models.siglip2.modeling_siglip2",
+    name="Siglip2VisionModel",
+    holders={"*": TOWER_PATHS},
+    layers="encoder.layers",
+    attention="self_attn",
+    checked=TRANSFORMERS_CHECKED,
+)
+"""SigLIP2's tower, held as ``vision_model`` or ``vision_tower`` by any model."""
 
 
 @dataclass(eq=False)
@@ -140,6 +82,8 @@ class _Images:
     cu_seqlens: torch.Tensor
     """The images' boundaries in the call's slots, on the host."""
     return_dict: bool
+    options: dict[str, Any]
+    """The call's arguments besides the inputs, for the pieces of a split call."""
     _index: torch.Tensor | None = field(default=None, repr=False)
 
     def index(self, device: torch.device) -> torch.Tensor:
@@ -154,35 +98,22 @@ class _Images:
         return self._index
 
 
-class Siglip2Plan(CapturePlan, Packing):
-    """The tower per token budget (:mod:`layergraph_adapters.naflex`), the plan being its own
-    :class:`~layergraph.packing.Packing`; eager calls run the tower's own forward."""
+class Siglip2Plan(PackedTowerPlan):
+    """The tower per token budget (:mod:`layergraph_adapters.naflex`); eager calls run the
+    tower's own forward, its padding zeroed."""
 
-    def __init__(self, tower: nn.Module, adapter: Siglip2Adapter, context: PlanContext) -> None:
+    inputs = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+    options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
+    dense = True
+
+    def __init__(self, tower: nn.Module, adapter: Siglip2Adapter, *args: Any) -> None:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        self.owner = tower
-        self.packing = self
-        self.budget_step = adapter.budget_step
-        self.largest_budget = adapter.max_tokens
+        super().__init__(tower, adapter, *args)
         self._output_type = BaseModelOutputWithPooling
-        self._forward = own_forward(tower)
         self._positions = GridPositions(tower.embeddings, rows=adapter.max_tokens)
-        self._attentions = [layer.self_attn for layer in tower.encoder.layers]
-        self.heads = self._attentions[0].num_heads
-        self.head_dim = self._attentions[0].head_dim
         config = tower.config
         self.features = config.num_channels * config.patch_size**2
-        self._backends = packed_backends(
-            context.registry.attention_backends(), adapter.attention, dense=True
-        )
-        self.attention = adapter.attention
-        self.attention_by_budget: dict[int, str] = {}
-        """Which backend serves each budget's attention (``sdpa_dense_masked``: the whole
-        budget at once under a block-diagonal mask, where measured faster)."""
-        self._registry = context.registry
-
-    # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], naflex.NaflexBuffers):
@@ -191,7 +122,7 @@ class Siglip2Plan(CapturePlan, Packing):
 
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The tower's own forward, with ``last_hidden_state`` zero where the mask is."""
-        out = self._forward(*args, **kwargs)
+        out = self.own(*args, **kwargs)
         mask = kwargs.get("pixel_attention_mask", args[1] if len(args) > 1 else None)
         hidden = out[0]
         if not isinstance(mask, torch.Tensor) or hidden.shape[:2] != mask.shape:
@@ -202,55 +133,29 @@ class Siglip2Plan(CapturePlan, Packing):
         out.last_hidden_state = zeroed
         return out
 
-    def sequence_of(self, call: PackedCall) -> Hashable:
-        return f"up to {call.parts.slots} images"
-
-    def eager_reason(self, call: PackedCall) -> str | None:
-        if call.argument("output_attentions"):
-            return "attention weights were asked for (output_attentions=True)"
-        if call.argument("output_hidden_states"):
-            return "hidden states were asked for (output_hidden_states=True)"
-        return None
-
-    @contextlib.contextmanager
-    def bound(self, state: naflex.NaflexBuffers | None) -> Iterator[None]:
-        with naflex.bound(state):
-            yield
-
-    def layers(self) -> list[nn.Module]:
-        return list(self.owner.encoder.layers)
-
-    @property
-    def capture_module(self) -> nn.Module:
-        return self.owner
-
-    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
-        changes.set_forward(self.owner, serve, "forward routed to the graphs")
-        for module in self._attentions:
-            changes.set_forward(
-                module,
-                naflex.routed_attention(module),
-                "q, k and v of the packed images handed to the attention backend",
-            )
+    def attend_packed(
+        self,
+        module: nn.Module,
+        buffers: Any,
+        hidden_states: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        tokens = hidden_states.shape[0]
+        q, k, v = (
+            projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
+            for projection in (module.q_proj, module.k_proj, module.v_proj)
+        )
+        out = self.attend(buffers, q, k, v, module.scale)
+        return module.out_proj(out.reshape(tokens, -1)), None
 
     # ---- packing -----------------------------------------------------------------------------
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
-        if len(args) > len(_INPUTS):
-            raise UnsupportedCall("arguments past spatial_shapes were passed by position")
-        given = dict(zip(_INPUTS, args))
-        options = {
-            name: value
-            for name, value in kwargs.items()
-            if name not in _INPUTS and name not in TEXT_ONLY_ARGUMENTS
-        }
-        if set(given) & set(kwargs):
-            raise UnsupportedCall("an input was passed both by position and by keyword")
-        unknown = sorted(set(options) - _OPTIONS)
-        if unknown:
-            raise UnsupportedCall(f"arguments the graphs do not take: {', '.join(unknown)}")
-        given.update((name, kwargs[name]) for name in _INPUTS if name in kwargs)
-        pixels, mask, shapes = (given.get(name) for name in _INPUTS)
+        given, options = read_inputs(
+            args, kwargs, self.inputs, self.options, ignored=TEXT_ONLY_ARGUMENTS
+        )
+        pixels, mask, shapes = (given.get(name) for name in self.inputs)
         if not all(isinstance(t, torch.Tensor) for t in (pixels, mask, shapes)):
             raise UnsupportedCall(
                 "the graphs need pixel_values, pixel_attention_mask and spatial_shapes as tensors"
@@ -260,7 +165,7 @@ class Siglip2Plan(CapturePlan, Packing):
         return_dict = options.get("return_dict")
         if return_dict is None:
             return_dict = getattr(self.owner.config, "return_dict", True)
-        return self._call(args, kwargs, pixels, mask, grids, bool(return_dict))
+        return self._call(args, kwargs, pixels, mask, grids, bool(return_dict), options)
 
     def _check_shapes(self, pixels: torch.Tensor, mask: torch.Tensor, shapes: torch.Tensor) -> None:
         """Raise :class:`~layergraph.keys.UnsupportedCall` unless the inputs are a padded batch
@@ -287,16 +192,18 @@ class Siglip2Plan(CapturePlan, Packing):
         mask: torch.Tensor,
         grids: list[tuple[int, int]],
         return_dict: bool,
+        options: dict[str, Any],
     ) -> PackedCall:
         counts = [height * width for height, width in grids]
-        slots = max(_MIN_IMAGE_SLOTS, 1 << (len(grids) - 1).bit_length())
+        slots = image_slots(len(grids))
         images = _Images(
             pixels=pixels,
             grids=grids,
             counts=counts,
             slots=slots,
-            cu_seqlens=naflex.host_boundaries(counts, slots),
+            cu_seqlens=host_boundaries(counts, slots),
             return_dict=return_dict,
+            options=options,
         )
         return PackedCall(
             args=args,
@@ -307,47 +214,35 @@ class Siglip2Plan(CapturePlan, Packing):
             parts=images,
         )
 
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
-        images: _Images = call.parts
-        options = {name: value for name, value in call.kwargs.items() if name not in _INPUTS}
-        inputs = [call.argument(name, position) for position, name in enumerate(_INPUTS)]
-        pieces = []
-        for piece in split_ranges(images.counts, budget):
-            sliced = [tensor[piece.start : piece.stop] for tensor in inputs]
-            pieces.append(
-                self._call(
-                    (),
-                    {**options, **dict(zip(_INPUTS, sliced))},
-                    sliced[0],
-                    sliced[1],
-                    images.grids[piece.start : piece.stop],
-                    images.return_dict,
-                )
-            )
-        return pieces
+    def piece(self, call: PackedCall, images: range) -> PackedCall:
+        parts: _Images = call.parts
+        sliced = [
+            call.argument(name, position)[images.start : images.stop]
+            for position, name in enumerate(self.inputs)
+        ]
+        return self._call(
+            (),
+            {**parts.options, **dict(zip(self.inputs, sliced))},
+            sliced[0],
+            sliced[1],
+            parts.grids[images.start : images.stop],
+            parts.return_dict,
+            parts.options,
+        )
 
     def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:
         images: _Images = call.parts
-        pixels = images.pixels
-        layout = PackedLayout(budget, images.slots, budget)
-        backend = choose_packed_backend(
-            self.attention,
-            pixels.device,
-            pixels.dtype,
-            self.head_dim,
-            layout,
-            tuple(images.counts),
-            backends=self._backends,
-            timer=packed_timer(pixels.device, pixels.dtype, self.heads, self.head_dim),
+        backend, metadata = self.choose_attention(
+            budget, images.slots, budget, images.counts, images.pixels
         )
         self.attention_by_budget[budget] = backend.name
         return naflex.allocate(
             budget,
             images.slots,
-            pixels,
+            images.pixels,
             self.owner.embeddings.position_embedding.weight,
             backend,
-            self._registry.attention_metadata(backend, layout, pixels.device),
+            metadata,
             self.heads,
             self.head_dim,
         )
@@ -360,10 +255,7 @@ class Siglip2Plan(CapturePlan, Packing):
         buffers.pixels[tokens:].zero_()
         torch.cat(self._positions(images.grids), out=buffers.positions[:tokens])
         buffers.positions[tokens:].zero_()
-        naflex.load_boundaries(buffers, images.cu_seqlens)
-
-    def arguments(self, buffers: naflex.NaflexBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (buffers,), {}
+        copy_boundaries(buffers.metadata, images.cu_seqlens)
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
         hidden, pooled = output
@@ -376,6 +268,27 @@ class Siglip2Plan(CapturePlan, Packing):
             pooler_output=None if pooled is None else pooled[:batch],
         )
         return result if images.return_dict else result.to_tuple()
+
+
+class Siglip2Adapter(PackedTowerAdapter):
+    """Graphs a SigLIP2 NaFlex vision tower, alone or inside a larger model, per token budget.
+
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, ``sdpa_dense_masked`` (a GPU), a
+    registered backend that reads sequence boundaries at run time, or ``auto``.
+    ``max_tokens``: the largest budget learnt (larger calls are split by images), and the most
+    position-embedding rows kept for the grids seen last; ``budget_step``: learnt budgets are
+    multiples of it.
+    """
+
+    name = "siglip2"
+    families = (FAMILY,)
+    plan_class = Siglip2Plan
+    default_budget_step = 256
+
+    def __init__(
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 256
+    ) -> None:
+        super().__init__(attention, max_tokens, budget_step)
 
 
 def _read_grids(mask: torch.Tensor, shapes: torch.Tensor) -> list[tuple[int, int]]:

@@ -1,0 +1,423 @@
+"""The kit for native-resolution towers: what every packed tower's plan shares.
+
+A native-resolution tower (Qwen2-VL's, Pixtral's, SigLIP2 NaFlex's) packs the patches of many
+images of different sizes into one sequence, and its graphs are captured per token budget
+(:mod:`layergraph.packing`). Its adapter and plan share most of their work with every other
+such tower; this module holds it once:
+
+- :class:`PackedFamily`: a family's facts as data (where its modeling code lives, its tower
+  class, where its VLMs hold the tower, where the layers and their attention modules are, the
+  transformers releases it was checked with), and :func:`find_packed_tower`, the lookup;
+- :class:`PackedTowerAdapter`: the adapter's options (``attention``, ``max_tokens``,
+  ``budget_step``) and its recognition and plan through the family table;
+- :class:`PackedTowerPlan`: a plan that is its own :class:`~layergraph.packing.Packing`, its
+  budget's buffers bound through a context variable of its own (:meth:`~PackedTowerPlan.bound`,
+  :meth:`~PackedTowerPlan.current`), its attention modules routed to the bound buffers' backend
+  (:meth:`~PackedTowerPlan.attend`, the routed-attention template, eager calls running each
+  module's own forward), a call's arguments read (:func:`read_inputs`), split by images
+  (:meth:`~PackedTowerPlan.split` over :meth:`~PackedTowerPlan.piece`), its image slots rounded
+  (:func:`image_slots`), its backend chosen and metadata built per budget
+  (:meth:`~PackedTowerPlan.choose_attention`) with a workspace where the backend writes into
+  one (:func:`workspace`), and a call's boundaries padded on the host
+  (:func:`host_boundaries`) and copied into the metadata (:func:`copy_boundaries`).
+
+What a family writes itself: how a call becomes a :class:`~layergraph.packing.PackedCall`
+(``pack``), its buffers (``allocate``, ``load``, ``arguments``, ``cut``), its packed forward,
+and the part of its attention that is its own (projections, rotary embeddings). The tutorial
+"Writing an adapter" has a section that builds a toy family from this kit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext
+from layergraph.adapter import own_forward
+from layergraph.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PackedLayout,
+    SequenceLayout,
+    choose_packed_backend,
+    packed_backends,
+    packed_timer,
+)
+from layergraph.keys import UnsupportedCall
+from layergraph.ledger import ChangeLedger
+from layergraph.packing import PackedCall, Packing, split_ranges
+
+__all__ = [
+    "MIN_IMAGE_SLOTS",
+    "PackedFamily",
+    "PackedTowerAdapter",
+    "PackedTowerPlan",
+    "copy_boundaries",
+    "find_packed_tower",
+    "host_boundaries",
+    "image_slots",
+    "read_inputs",
+    "workspace",
+]
+
+MIN_IMAGE_SLOTS = 8
+"""Images (or frames) a graph holds at least; more round up to a power of two. Part of a
+graph's signature: the varlen kernels' grids grow with it."""
+
+
+@dataclass(frozen=True)
+class PackedFamily:
+    """One native-resolution tower class, as data."""
+
+    module: str
+    """The modeling module that defines the tower class (never imported here: an instance
+    cannot exist before it is)."""
+    name: str
+    """The tower class's name in :attr:`module`."""
+    holders: dict[str, tuple[str, ...]]
+    """Where models hold the tower, by the modeling module of the holding model's class:
+    attribute paths (``"model.vision_tower"``); ``"*"``: models of any module. A model of
+    another module is not recognised, since its VLM calls the tower its own way; its tower
+    alone is served."""
+    layers: str
+    """The attribute path of the tower's layers (``"encoder.layers"``)."""
+    attention: str
+    """The attribute of each layer that is its attention module (``"self_attn"``)."""
+    checked: str
+    """The transformers releases the tower's forward was checked with (a requirement)."""
+
+    def tower_class(self) -> type | None:
+        """The tower class, if its modeling module is imported; never imports it."""
+        modeling = sys.modules.get(self.module)
+        return None if modeling is None else getattr(modeling, self.name, None)
+
+
+def attribute(root: Any, path: str) -> Any:
+    """``root``'s attribute at a dotted ``path`` (``""``: ``root``), ``None`` where absent."""
+    for name in filter(None, path.split(".")):
+        root = getattr(root, name, None)
+    return root
+
+
+def find_packed_tower(
+    model: nn.Module, families: Iterable[PackedFamily]
+) -> tuple[nn.Module, PackedFamily] | None:
+    """``model`` if it is a tower of one of ``families``, or the tower a model of a holding
+    module holds (:attr:`PackedFamily.holders`), with its family; ``None`` if neither."""
+    for family in families:
+        cls = family.tower_class()
+        if cls is None:
+            continue
+        paths = family.holders.get(type(model).__module__, family.holders.get("*", ()))
+        for path in ("", *paths):
+            candidate = attribute(model, path)
+            if isinstance(candidate, cls):
+                return candidate, family
+    return None
+
+
+class PackedTowerAdapter(Adapter):
+    """An adapter for the towers of :attr:`families`, per token budget.
+
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
+    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
+    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    Subclasses set :attr:`name`, :attr:`families` and :attr:`plan_class` (a
+    :class:`PackedTowerPlan` made from the tower, the adapter, the context and the family).
+    """
+
+    families: ClassVar[tuple[PackedFamily, ...]] = ()
+    plan_class: ClassVar[type[PackedTowerPlan]]
+    default_budget_step: ClassVar[int] = 16
+
+    def __init__(
+        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int | None = None
+    ) -> None:
+        budget_step = self.default_budget_step if budget_step is None else budget_step
+        if budget_step < 1 or max_tokens % budget_step:
+            raise ValueError(
+                f"max_tokens {max_tokens} must be a multiple of budget_step {budget_step}"
+            )
+        self.attention = attention
+        self.max_tokens = max_tokens
+        self.budget_step = budget_step
+
+    def recognizes(self, model: nn.Module) -> bool:
+        return "transformers" in sys.modules and find_packed_tower(model, self.families) is not None
+
+    def find(self, model: nn.Module) -> tuple[nn.Module, PackedFamily]:
+        """The tower ``model`` is or holds, and its family; :class:`AdapterMismatch` names the
+        classes served where there is none."""
+        found = find_packed_tower(model, self.families)
+        if found is None:
+            served = ", ".join(family.name for family in self.families)
+            raise AdapterMismatch(
+                f"the {self.name} adapter serves transformers' {served} and the models that "
+                f"hold one; got {type(model).__module__}.{type(model).__name__}"
+            )
+        return found
+
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        from layergraph_adapters.versions import require_transformers
+
+        tower, family = self.find(model)
+        require_transformers(self.name, family.checked)
+        return self.plan_class(tower, self, context, family)
+
+
+class PackedTowerPlan(CapturePlan, Packing):
+    """A packed tower's plan and packing (see the module's text).
+
+    Eager calls run the tower's own forward (:attr:`own`). A family sets :attr:`inputs` (the
+    forward's tensor inputs, in order), :attr:`options` (the keyword arguments a graph serves
+    besides them), :attr:`dense` (whether its packed forward prepares its backend, so that
+    the dense block-mask backend may serve it) and :attr:`serves_hidden_states` (else a call
+    asking for them runs eagerly), and implements ``pack``, ``allocate``,
+    ``load``, ``cut``, :meth:`piece` and :meth:`attend_packed`.
+    """
+
+    inputs: ClassVar[tuple[str, ...]] = ()
+    options: ClassVar[frozenset[str]] = frozenset()
+    dense: ClassVar[bool] = False
+    serves_hidden_states: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        adapter: PackedTowerAdapter,
+        context: PlanContext,
+        family: PackedFamily,
+    ) -> None:
+        self.owner = tower
+        self.packing = self
+        self.family = family
+        self.budget_step = adapter.budget_step
+        self.largest_budget = adapter.max_tokens
+        self.own = own_forward(tower)
+        """The tower's own forward: what eager calls run."""
+        self._layers = list(attribute(tower, family.layers))
+        self.attentions = [getattr(layer, family.attention) for layer in self._layers]
+        self.heads = self.attentions[0].num_heads
+        self.head_dim = self.attentions[0].head_dim
+        self.attention = adapter.attention
+        self._backends = packed_backends(
+            context.registry.attention_backends(), adapter.attention, dense=self.dense
+        )
+        self._registry = context.registry
+        self.attention_by_budget: dict[int, str] = {}
+        """Which backend serves each budget's attention."""
+        self._current: contextvars.ContextVar[Any] = contextvars.ContextVar(
+            f"layergraph_{family.name}_buffers", default=None
+        )
+
+    # ---- what the runner asks ----------------------------------------------------------------
+
+    def sequence_of(self, call: PackedCall) -> Any:
+        return f"up to {call.parts.slots} images"
+
+    def eager_reason(self, call: PackedCall) -> str | None:
+        if call.argument("output_attentions"):
+            return "attention weights were asked for (output_attentions=True)"
+        if not self.serves_hidden_states and call.argument("output_hidden_states"):
+            return "hidden states were asked for (output_hidden_states=True)"
+        return None
+
+    @contextlib.contextmanager
+    def bound(self, state: Any) -> Iterator[None]:
+        token = self._current.set(state)
+        try:
+            yield
+        finally:
+            self._current.reset(token)
+
+    def current(self) -> Any:
+        """The buffers bound now (a graph's warm-up and capture), or ``None`` (eager calls)."""
+        return self._current.get()
+
+    def layers(self) -> list[nn.Module]:
+        return list(self._layers)
+
+    @property
+    def capture_module(self) -> nn.Module:
+        return self.owner
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        changes.set_forward(self.owner, self.tower_forward(serve), "forward routed to the graphs")
+        for module in self.attentions:
+            changes.set_forward(
+                module,
+                self.routed_attention(module),
+                "q, k and v of the packed images handed to the attention backend",
+            )
+
+    def tower_forward(self, serve: Callable[..., Any]) -> Callable[..., Any]:
+        """The tower's forward while wrapped: ``serve`` (the runner) itself."""
+        return serve
+
+    def routed_attention(self, module: nn.Module) -> Callable[..., Any]:
+        """A forward for one attention module: :meth:`attend_packed` while buffers are bound,
+        the module's own forward otherwise (eager calls)."""
+        original = type(module).forward.__get__(module)
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            buffers = self._current.get()
+            if buffers is None:
+                return original(hidden_states, *args, **kwargs)
+            return self.attend_packed(module, buffers, hidden_states, *args, **kwargs)
+
+        return forward
+
+    def attend_packed(
+        self,
+        module: nn.Module,
+        buffers: Any,
+        hidden_states: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """One attention module's forward over a budget's packed tokens, as the module's own
+        forward returns it; :meth:`attend` runs the backend."""
+        raise NotImplementedError
+
+    @staticmethod
+    def attend(
+        buffers: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``[tokens, heads, head_dim]`` q, k and v through the bound buffers'
+        backend (``buffers.backend``, ``buffers.metadata``, ``buffers.workspace``, over
+        ``buffers.budget`` tokens), or through ``backend`` with ``metadata`` where given (a
+        tower's windowed layers)."""
+        backend = backend or buffers.backend
+        if not backend.takes_strided_inputs:
+            v = v.contiguous()
+        return backend(
+            q,
+            k,
+            v,
+            layout=SequenceLayout((buffers.budget,)),
+            metadata=buffers.metadata if metadata is None else metadata,
+            workspace=buffers.workspace,
+            scale=scale,
+        )
+
+    # ---- packing -----------------------------------------------------------------------------
+
+    def piece(self, call: PackedCall, images: range) -> PackedCall:
+        """The call of ``call``'s images in ``images`` alone (a piece of a split call)."""
+        raise NotImplementedError
+
+    def image_tokens(self, call: PackedCall) -> Sequence[int]:
+        """The tokens of each of the call's images (or frames), in order."""
+        return call.parts.counts
+
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+        return [
+            self.piece(call, images) for images in split_ranges(self.image_tokens(call), budget)
+        ]
+
+    def arguments(self, buffers: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (buffers,), {}
+
+    def choose_attention(
+        self,
+        budget: int,
+        slots: int,
+        longest: int,
+        lengths: Sequence[int],
+        like: torch.Tensor,
+    ) -> tuple[AttentionBackend, AttentionMetadata]:
+        """The backend for one kind of attention of a budget's graph, timed (on a GPU, with
+        ``attention="auto"``) on ``lengths``, the sequences of the budget's first call, in
+        the budget's room of ``slots`` sequences of at most ``longest`` tokens; and its
+        metadata, from the ``attention_metadata`` hook. ``like``: a tensor of the call's
+        device and dtype."""
+        device, dtype = like.device, like.dtype
+        layout = PackedLayout(budget, slots, longest)
+        backend = choose_packed_backend(
+            self.attention,
+            device,
+            dtype,
+            self.head_dim,
+            layout,
+            tuple(length for length in lengths if length > 0),
+            backends=self._backends,
+            timer=packed_timer(device, dtype, self.heads, self.head_dim),
+        )
+        return backend, self._registry.attention_metadata(backend, layout, device)
+
+
+def read_inputs(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    inputs: tuple[str, ...],
+    options: frozenset[str],
+    ignored: Iterable[str] = (),
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A call's ``inputs`` by name (given by position or keyword) and its other keyword
+    arguments, those in ``ignored`` left out; :class:`~layergraph.keys.UnsupportedCall` for an
+    argument past the inputs by position, an input given both ways, or an argument the graphs
+    do not take (not in ``options``)."""
+    if len(args) > len(inputs):
+        raise UnsupportedCall(f"arguments past {inputs[-1]} were passed by position")
+    given = dict(zip(inputs, args))
+    if set(given) & set(kwargs):
+        raise UnsupportedCall("an input was passed both by position and by keyword")
+    skipped = set(ignored)
+    rest = {
+        name: value for name, value in kwargs.items() if name not in inputs and name not in skipped
+    }
+    unknown = sorted(set(rest) - options)
+    if unknown:
+        raise UnsupportedCall(f"arguments the graphs do not take: {', '.join(unknown)}")
+    given.update((name, kwargs[name]) for name in inputs if name in kwargs)
+    return given, rest
+
+
+def image_slots(images: int, minimum: int = MIN_IMAGE_SLOTS) -> int:
+    """The slots a graph holds for a call of ``images`` images: at least ``minimum``, else the
+    next power of two."""
+    return max(minimum, 1 << (images - 1).bit_length())
+
+
+def host_boundaries(counts: Sequence[int], slots: int) -> torch.Tensor:
+    """The ``cu_seqlens`` of sequences of ``counts`` tokens in ``slots`` slots, on the host
+    (int32): the slots past them empty, at the last real token."""
+    offsets = torch.zeros(slots + 1, dtype=torch.int32)
+    offsets[1 : len(counts) + 1] = torch.tensor(list(counts), dtype=torch.int32).cumsum(0)
+    offsets[len(counts) + 1 :] = offsets[len(counts)]
+    return offsets
+
+
+def copy_boundaries(metadata: AttentionMetadata, boundaries: torch.Tensor) -> None:
+    """Copy boundaries (on the device, or the host) into the attention metadata's own tensors
+    (a plugin's hook may have made them), and the sequences' lengths where it has them."""
+    metadata.cu_seqlens.copy_(boundaries)
+    if metadata.seq_lens is None:
+        return
+    if boundaries.device == metadata.seq_lens.device:
+        torch.sub(boundaries[1:], boundaries[:-1], out=metadata.seq_lens)
+    else:
+        metadata.seq_lens.copy_(boundaries.diff())
+
+
+def workspace(
+    budget: int, heads: int, head_dim: int, like: torch.Tensor, *backends: AttentionBackend
+) -> torch.Tensor | None:
+    """The ``[budget, heads, head_dim]`` buffer the backends write into, where any of them
+    needs one (of ``like``'s dtype and device); ``None`` otherwise."""
+    if not any(backend.needs_workspace for backend in backends):
+        return None
+    return torch.zeros(budget, heads, head_dim, dtype=like.dtype, device=like.device)
