@@ -50,13 +50,11 @@ tower itself would cut such images silently short).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import inspect
 import sys
 import typing
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,26 +63,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
-from layergraph.adapter import own_forward
-from layergraph.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PackedLayout,
-    SequenceLayout,
-    choose_packed_backend,
-    packed_backends,
-    packed_timer,
-)
+from layergraph import AdapterMismatch, CapturePlan, PlanContext, hookimpl
+from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
-from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing
+from layergraph.packing import PackedCall
 from layergraph.staging import Staging
 from layergraph_adapters.feature_outputs import feature_indices, with_rest_on_demand
+from layergraph_adapters.packed_tower import (
+    PackedFamily,
+    PackedTowerAdapter,
+    PackedTowerPlan,
+    copy_boundaries,
+    host_boundaries,
+    image_slots,
+    read_inputs,
+    workspace,
+)
 from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.versions import PIXTRAL_CHECKED, require_transformers
 
-_MODELING = "transformers.models.pixtral.modeling_pixtral"
 _HOLDERS: dict[str, tuple[str, ...]] = {
     "transformers.models.llava.modeling_llava": ("vision_tower", "model.vision_tower"),
     "transformers.models.mistral3.modeling_mistral3": ("vision_tower", "model.vision_tower"),
@@ -98,19 +95,6 @@ _HOLDERS: dict[str, tuple[str, ...]] = {
     ),
 }
 """The modeling modules of the VLMs checked with a Pixtral tower, and where they hold it."""
-_INPUTS = ("pixel_values", "image_sizes")
-_OPTIONS = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
-"""Keyword arguments a graph serves besides the inputs (attention weights not asked for)."""
-_MIN_IMAGE_SLOTS = 8
-"""Images a graph holds at least; more round up to a power of two. Part of a graph's
-signature: the Triton kernel's grid grows with it."""
-
-
-def tower_class() -> type | None:
-    """``PixtralVisionModel``, if its modeling module is imported (an instance cannot exist
-    otherwise); never imports it."""
-    modeling = sys.modules.get(_MODELING)
-    return None if modeling is None else modeling.PixtralVisionModel
 
 
 def tower_output_class(tower: nn.Module) -> type:
@@ -132,71 +116,6 @@ def tower_output_class(tower: nn.Module) -> type:
             f"{len(classes)} output classes"
         )
     return classes[0]
-
-
-def find_pixtral_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` if a ``PixtralVisionModel``, or the one a checked VLM holds (:data:`_HOLDERS`).
-
-    Other models holding a Pixtral tower call it their own way and are not checked: they are
-    not recognised, and their tower alone is served."""
-    cls = tower_class()
-    if cls is None:
-        return None
-    for path in ("", *_HOLDERS.get(type(model).__module__, ())):
-        candidate: Any = model
-        for name in filter(None, path.split(".")):
-            candidate = getattr(candidate, name, None)
-        if isinstance(candidate, cls):
-            return candidate
-    return None
-
-
-class PixtralAdapter(Adapter):
-    """Graphs a Pixtral vision tower, alone or inside its VLM, per token budget.
-
-    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
-    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
-    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
-    ``feature_layers`` (an index into ``hidden_states``, or a list of them): the hidden states
-    read, which a call asking for every hidden state on a release that takes any true
-    ``output_hidden_states`` for all of them (5.17) gets from its graph, the others computed on
-    demand; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
-    """
-
-    name = "pixtral"
-
-    def __init__(
-        self,
-        attention: str = "auto",
-        max_tokens: int = 16384,
-        budget_step: int = 16,
-        feature_layers: int | list[int] | None = None,
-    ) -> None:
-        if budget_step < 1 or max_tokens % budget_step:
-            raise ValueError(
-                f"max_tokens {max_tokens} must be a multiple of budget_step {budget_step}"
-            )
-        self.attention = attention
-        self.max_tokens = max_tokens
-        self.budget_step = budget_step
-        self.feature_layers = feature_layers
-
-    def recognizes(self, model: nn.Module) -> bool:
-        return "transformers" in sys.modules and find_pixtral_tower(model) is not None
-
-    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        require_transformers(self.name, PIXTRAL_CHECKED)
-        tower = find_pixtral_tower(model)
-        if tower is None:
-            raise AdapterMismatch(
-                f"the pixtral adapter serves transformers' PixtralVisionModel and the LLaVA, "
-                f"Mistral 3, Mistral Large 4 and LightOnOCR models holding one; got "
-                f"{type(model).__module__}.{type(model).__name__}"
-            )
-        layers = self.feature_layers
-        if layers is None and tower is not model:
-            layers = getattr(getattr(model, "config", None), "vision_feature_layer", None)
-        return PixtralPlan(tower, self, context, feature_layers=_kept_states(layers, tower))
 
 
 def _kept_states(layers: int | list[int] | None, tower: nn.Module) -> tuple[int, ...] | None:
@@ -235,11 +154,6 @@ class PixtralBuffers:
     the same grids writes only its patches."""
 
 
-_current: contextvars.ContextVar[PixtralBuffers | None] = contextvars.ContextVar(
-    "layergraph_pixtral_buffers", default=None
-)
-
-
 @dataclass(eq=False)
 class _Images:
     """What :meth:`PixtralPlan.pack` reads from a call; its host metadata on demand."""
@@ -259,15 +173,16 @@ class _Images:
         """Each real patch's (row, column) in its image, ``[patches, 2]`` (int64, host)."""
         return torch.cat([_grid_positions(rows, columns) for rows, columns in self.grids])
 
+    @property
+    def counts(self) -> list[int]:
+        """Each image's patches."""
+        return [rows * columns for rows, columns in self.grids]
+
     @functools.cached_property
     def cu_seqlens(self) -> torch.Tensor:
         """The images' boundaries in the call's slots (int32, host), the slots past the images
         empty."""
-        counts = torch.tensor([rows * columns for rows, columns in self.grids], dtype=torch.int32)
-        offsets = torch.zeros(self.slots + 1, dtype=torch.int32)
-        offsets[1 : len(self.grids) + 1] = counts.cumsum(0)
-        offsets[len(self.grids) + 1 :] = offsets[len(self.grids)]
-        return offsets
+        return host_boundaries(self.counts, self.slots)
 
 
 def _grid_positions(rows: int, columns: int) -> torch.Tensor:
@@ -277,24 +192,25 @@ def _grid_positions(rows: int, columns: int) -> torch.Tensor:
     return torch.stack([row.flatten(), column.flatten()], dim=-1)
 
 
-class PixtralPlan(CapturePlan, Packing):
+class PixtralPlan(PackedTowerPlan):
     """The tower per token budget, with attention routed to a backend that reads the budget's
-    boundaries; the plan is its own :class:`~layergraph.packing.Packing`. Eager calls run the
-    tower's own forward."""
+    boundaries. Eager calls run the tower's own forward."""
+
+    inputs = ("pixel_values", "image_sizes")
+    options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
+    serves_hidden_states = True
 
     def __init__(
         self,
         tower: nn.Module,
         adapter: PixtralAdapter,
         context: PlanContext,
+        family: PackedFamily,
         feature_layers: tuple[int, ...] | None = None,
     ) -> None:
         from transformers.utils import output_capturing
 
-        self.owner = tower
-        self.packing = self
-        self.budget_step = adapter.budget_step
-        self.largest_budget = adapter.max_tokens
+        super().__init__(tower, adapter, context, family)
         self._output_type = tower_output_class(tower)
         self._selects_by_index = hasattr(output_capturing, "selected_hidden_states")
         """Whether transformers selects hidden states by index (``output_hidden_states=-2``
@@ -304,26 +220,16 @@ class PixtralPlan(CapturePlan, Packing):
         VLM's ``vision_feature_layer``, with the last), or ``None``: where transformers takes
         any true ``output_hidden_states`` for all of them, a call asking for them gets these
         alone from its graph, the others on demand."""
-        self._forward = own_forward(tower)
-        self._attentions = [layer.attention for layer in tower.transformer.layers]
-        self.depth = len(self._attentions)
-        self.heads = self._attentions[0].num_heads
-        self.head_dim = self._attentions[0].head_dim
-        config = tower.config
+        self.depth = len(self.attentions)
         self.patch = tower.patch_size
-        self.channels = config.num_channels
-        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
-        self.attention = adapter.attention
-        self._registry = context.registry
-        self.attention_by_budget: dict[int, str] = {}
-        """Which backend serves each budget's attention."""
+        self.channels = tower.config.num_channels
 
     # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], PixtralBuffers):
             return self._packed_forward(args[0])
-        return self._forward(*args, **kwargs)
+        return self.own(*args, **kwargs)
 
     def _packed_forward(
         self, buffers: PixtralBuffers
@@ -336,44 +242,17 @@ class PixtralPlan(CapturePlan, Packing):
         hidden = tower.ln_pre(hidden)
         rotary = tower.patch_positional_embedding(hidden, buffers.position_ids)
         states = [hidden]
-        for layer in tower.transformer.layers:
+        for layer in self._layers:
             hidden = layer(hidden, None, position_embeddings=rotary)
             states.append(hidden)
         return hidden, tuple(states[index] for index in buffers.hidden)
-
-    def sequence_of(self, call: PackedCall) -> Hashable:
-        return f"up to {call.parts.slots} images"
 
     def eager_reason(self, call: PackedCall) -> str | None:
         if call.argument("output_attentions", default=self.owner.config.output_attentions):
             return "attention weights were asked for (output_attentions=True)"
         return None
 
-    @contextlib.contextmanager
-    def bound(self, state: PixtralBuffers | None) -> Iterator[None]:
-        token = _current.set(state)
-        try:
-            yield
-        finally:
-            _current.reset(token)
-
-    def layers(self) -> list[nn.Module]:
-        return list(self.owner.transformer.layers)
-
-    @property
-    def capture_module(self) -> nn.Module:
-        return self.owner
-
-    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
-        changes.set_forward(self.owner, self._tower_forward(serve), "forward routed to the graphs")
-        for module in self._attentions:
-            changes.set_forward(
-                module,
-                _routed_attention(module),
-                "q, k and v of the packed images handed to the attention backend",
-            )
-
-    def _tower_forward(self, serve: Callable[..., Any]) -> Callable[..., Any]:
+    def tower_forward(self, serve: Callable[..., Any]) -> Callable[..., Any]:
         """The tower's forward while wrapped: ``serve``, and the hidden states a call's graph
         left out (:meth:`_reads_fewer`) computed on demand by the tower's own forward."""
 
@@ -381,7 +260,7 @@ class PixtralPlan(CapturePlan, Packing):
             out = serve(*args, **kwargs)
             if not self._reads_fewer(kwargs):
                 return out
-            return with_rest_on_demand(out, lambda: self._forward(*args, **kwargs))
+            return with_rest_on_demand(out, lambda: self.own(*args, **kwargs))
 
         return forward
 
@@ -400,20 +279,9 @@ class PixtralPlan(CapturePlan, Packing):
     # ---- packing -----------------------------------------------------------------------------
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
-        if len(args) > len(_INPUTS):
-            raise UnsupportedCall("arguments past image_sizes were passed by position")
-        given = dict(zip(_INPUTS, args))
-        if set(given) & set(kwargs):
-            raise UnsupportedCall("an input was passed both by position and by keyword")
-        options = {
-            name: value
-            for name, value in kwargs.items()
-            if name not in _INPUTS and name not in TEXT_ONLY_ARGUMENTS
-        }
-        unknown = sorted(set(options) - _OPTIONS)
-        if unknown:
-            raise UnsupportedCall(f"arguments the graphs do not take: {', '.join(unknown)}")
-        given.update((name, kwargs[name]) for name in _INPUTS if name in kwargs)
+        given, options = read_inputs(
+            args, kwargs, self.inputs, self.options, ignored=TEXT_ONLY_ARGUMENTS
+        )
         pixels = given.get("pixel_values")
         if not isinstance(pixels, torch.Tensor):
             raise UnsupportedCall("the graphs need pixel_values as one tensor of padded images")
@@ -468,7 +336,7 @@ class PixtralPlan(CapturePlan, Packing):
         return_dict = options.get("return_dict")
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
-        slots = max(_MIN_IMAGE_SLOTS, 1 << (len(grids) - 1).bit_length())
+        slots = image_slots(len(grids))
         images = _Images(pixels, grids, slots, selected, bool(return_dict), options)
         return PackedCall(
             args=args,
@@ -500,53 +368,20 @@ class PixtralPlan(CapturePlan, Packing):
         indices = [asked] if isinstance(asked, int) else list(asked)
         return tuple(sorted({i % count for i in indices if -count <= i < count}))
 
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
-        images: _Images = call.parts
-        sizes = torch.tensor(
-            [(rows * self.patch, columns * self.patch) for rows, columns in images.grids]
-        )
-        pieces: list[PackedCall] = []
-        first = tokens = 0  # the piece being made: images first..
-
-        def close(stop: int) -> None:
-            nonlocal first, tokens
-            if stop > first:
-                pixels = images.pixels[first:stop]
-                kwargs = {
-                    **images.options,
-                    "pixel_values": pixels,
-                    "image_sizes": sizes[first:stop],
-                }
-                pieces.append(
-                    self._call((), kwargs, pixels, images.grids[first:stop], images.options)
-                )
-            first, tokens = stop, 0
-
-        for index, (rows, columns) in enumerate(images.grids):
-            count = rows * columns
-            if tokens + count > budget:
-                close(index)
-            tokens += count
-            if count > budget:
-                close(index + 1)
-        close(len(images.grids))
-        return pieces
+    def piece(self, call: PackedCall, images: range) -> PackedCall:
+        parts: _Images = call.parts
+        grids = parts.grids[images.start : images.stop]
+        pixels = parts.pixels[images.start : images.stop]
+        sizes = torch.tensor([(rows * self.patch, columns * self.patch) for rows, columns in grids])
+        kwargs = {**parts.options, "pixel_values": pixels, "image_sizes": sizes}
+        return self._call((), kwargs, pixels, grids, parts.options)
 
     def allocate(self, budget: int, call: PackedCall) -> PixtralBuffers:
         images: _Images = call.parts
-        pixels = images.pixels
-        device, dtype = pixels.device, self.owner.patch_conv.weight.dtype
-        layout = PackedLayout(budget, images.slots, budget)
-        counts = tuple(rows * columns for rows, columns in images.grids)
-        backend = choose_packed_backend(
-            self.attention,
-            device,
-            dtype,
-            self.head_dim,
-            layout,
-            counts,
-            backends=self._backends,
-            timer=packed_timer(device, dtype, self.heads, self.head_dim),
+        device, dtype = images.pixels.device, self.owner.patch_conv.weight.dtype
+        pixels = torch.zeros(budget, self.channels * self.patch**2, dtype=dtype, device=device)
+        backend, metadata = self.choose_attention(
+            budget, images.slots, budget, images.counts, pixels
         )
         self.attention_by_budget[budget] = backend.name
         staging = Staging(
@@ -556,19 +391,13 @@ class PixtralPlan(CapturePlan, Packing):
             },
             device,
         )
-        workspace = (
-            torch.zeros(budget, self.heads, self.head_dim, dtype=dtype, device=device)
-            if backend.needs_workspace
-            else None
-        )
-        features = self.channels * self.patch**2
         return PixtralBuffers(
             budget=budget,
-            pixels=torch.zeros(budget, features, dtype=dtype, device=device),
+            pixels=pixels,
             position_ids=staging.device["position_ids"],
-            metadata=self._registry.attention_metadata(backend, layout, device),
+            metadata=metadata,
             backend=backend,
-            workspace=workspace,
+            workspace=workspace(budget, self.heads, self.head_dim, pixels, backend),
             hidden=tuple(i for i in images.selected or () if i != self.depth),
             staging=staging,
         )
@@ -583,10 +412,7 @@ class PixtralPlan(CapturePlan, Packing):
             fields["position_ids"][tokens:] = 0
             fields["cu_seqlens"].copy_(images.cu_seqlens)
             buffers.staging.send()
-            staged = buffers.staging.device["cu_seqlens"]
-            buffers.metadata.cu_seqlens.copy_(staged)
-            if buffers.metadata.seq_lens is not None:
-                torch.sub(staged[1:], staged[:-1], out=buffers.metadata.seq_lens)
+            copy_boundaries(buffers.metadata, buffers.staging.device["cu_seqlens"])
             buffers.loaded = grids
         self._load_patches(buffers.pixels, images)
 
@@ -601,9 +427,6 @@ class PixtralPlan(CapturePlan, Packing):
             rows[start : start + count].view(height, width, channels, patch, patch).copy_(patches)
             start += count
         rows[start:].zero_()
-
-    def arguments(self, buffers: PixtralBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (buffers,), {}
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
         last, kept = output
@@ -631,6 +454,27 @@ class PixtralPlan(CapturePlan, Packing):
         columns = zip(*(leaves for leaves, _ in flat))
         return pytree.tree_unflatten([_joined(column) for column in columns], flat[0][1])
 
+    def attend_packed(
+        self,
+        module: nn.Module,
+        buffers: PixtralBuffers,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """``PixtralAttention`` over the packed patches: q and k rotated by the tower's module's
+        own ``apply_rotary_pos_emb``, the backend reading the images' boundaries."""
+        rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+        tokens = hidden_states.shape[0]
+        q, k, v = (
+            projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
+            for projection in (module.q_proj, module.k_proj, module.v_proj)
+        )
+        q, k = rotate(q, k, *position_embeddings, unsqueeze_dim=1)
+        out = self.attend(buffers, q, k, v, module.scaling)
+        return module.o_proj(out.reshape(tokens, -1)), None
+
 
 def _joined(column: Sequence[Any]) -> Any:
     """One leaf of a split call's pieces joined: tensors concatenated along the patches,
@@ -640,42 +484,50 @@ def _joined(column: Sequence[Any]) -> Any:
     return None if any(leaf is None for leaf in column) else column[0]
 
 
-def _routed_attention(module: nn.Module) -> Callable[..., Any]:
-    """A forward for one ``PixtralAttention`` that hands q and k, rotated, and v of the packed
-    patches to the bound buffers' backend, which reads the image boundaries from them.
+FAMILY = PackedFamily(
+    module="transformers.models.pixtral.modeling_pixtral",
+    name="PixtralVisionModel",
+    holders=_HOLDERS,
+    layers="transformer.layers",
+    attention="attention",
+    checked=PIXTRAL_CHECKED,
+)
+"""Pixtral's tower, and the VLMs checked with it (:data:`_HOLDERS`)."""
 
-    Outside bound buffers (eager calls) the module's own forward runs.
+
+class PixtralAdapter(PackedTowerAdapter):
+    """Graphs a Pixtral vision tower, alone or inside its VLM, per token budget.
+
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
+    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
+    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    ``feature_layers`` (an index into ``hidden_states``, or a list of them): the hidden states
+    read, which a call asking for every hidden state on a release that takes any true
+    ``output_hidden_states`` for all of them (5.17) gets from its graph, the others computed on
+    demand; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
     """
-    original = type(module).forward.__get__(module)
-    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
 
-    def forward(
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        buffers = _current.get()
-        if buffers is None:
-            return original(hidden_states, attention_mask, position_embeddings, **kwargs)
-        tokens = hidden_states.shape[0]
-        q, k, v = (
-            projection(hidden_states).view(tokens, module.num_heads, module.head_dim)
-            for projection in (module.q_proj, module.k_proj, module.v_proj)
-        )
-        q, k = rotate(q, k, *position_embeddings, unsqueeze_dim=1)
-        out = buffers.backend(
-            q,
-            k,
-            v,
-            layout=SequenceLayout((buffers.budget,)),
-            metadata=buffers.metadata,
-            workspace=buffers.workspace,
-            scale=module.scaling,
-        )
-        return module.o_proj(out.reshape(tokens, -1)), None
+    name = "pixtral"
+    families = (FAMILY,)
+    plan_class = PixtralPlan
 
-    return forward
+    def __init__(
+        self,
+        attention: str = "auto",
+        max_tokens: int = 16384,
+        budget_step: int = 16,
+        feature_layers: int | list[int] | None = None,
+    ) -> None:
+        super().__init__(attention, max_tokens, budget_step)
+        self.feature_layers = feature_layers
+
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        require_transformers(self.name, PIXTRAL_CHECKED)
+        tower, family = self.find(model)
+        layers = self.feature_layers
+        if layers is None and tower is not model:
+            layers = getattr(getattr(model, "config", None), "vision_feature_layer", None)
+        return PixtralPlan(tower, self, context, family, feature_layers=_kept_states(layers, tower))
 
 
 @hookimpl

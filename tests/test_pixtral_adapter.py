@@ -505,9 +505,9 @@ def test_a_vlms_graph_keeps_the_hidden_states_it_reads_and_computes_others_on_de
         assert len(entry.outputs) == (1 if read == -1 else 2)
         tower(**inputs, output_hidden_states=True)  # with 5.24, a graph of every hidden state
         reruns: list[None] = []
-        forward = graphed.plan._forward
+        forward = graphed.plan.own
         monkeypatch.setattr(
-            graphed.plan, "_forward", lambda *a, **k: reruns.append(None) or forward(*a, **k)
+            graphed.plan, "own", lambda *a, **k: reruns.append(None) or forward(*a, **k)
         )
         out = tower(**inputs, output_hidden_states=True)
         assert isinstance(out, type(want))
