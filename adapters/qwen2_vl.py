@@ -53,13 +53,11 @@ index; their VLMs pass a video as one row per frame). GLM-Image's tower
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import itertools
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,24 +65,23 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, hookimpl
-from layergraph.adapter import own_forward
-from layergraph.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PackedLayout,
-    SequenceLayout,
-    choose_packed_backend,
-    packed_backends,
-    packed_timer,
-)
+from layergraph import CapturePlan, PlanContext, hookimpl
+from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
-from layergraph.packing import PackedCall, Packing, split_ranges
+from layergraph.packing import PackedCall
 from layergraph.staging import Staging
 from layergraph_adapters.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.automatic import build_with_automatic_options
 from layergraph_adapters.fused_norm import fused_norms
+from layergraph_adapters.packed_tower import (
+    PackedFamily,
+    PackedTowerAdapter,
+    PackedTowerPlan,
+    copy_boundaries,
+    image_slots,
+    workspace,
+)
 from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.versions import (
     GLM_VISION_CHECKED,
@@ -94,15 +91,20 @@ from layergraph_adapters.versions import (
     require_transformers,
 )
 
+_VLM_PATHS = ("visual", "model.visual")
+"""Where the VLMs of a served tower's modeling module hold it."""
+
 
 @dataclass(frozen=True)
-class _TowerKind:
+class _TowerKind(PackedFamily):
     """A served tower class and what its forward computes from ``grid_thw`` besides frame
     boundaries and rotary positions."""
 
-    module: str
-    name: str
-    windows: bool
+    holders: dict[str, tuple[str, ...]] = None  # type: ignore[assignment]
+    layers: str = "blocks"
+    attention: str = "attn"
+    checked: str = QWEN2_VL_CHECKED
+    windows: bool = False
     """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
     learned_positions: bool = False
     """Whether a learned position table is interpolated to each grid (``interp_indices``,
@@ -116,10 +118,13 @@ class _TowerKind:
     qk_norms: bool = False
     """Whether attention normalises q and k per head (``q_norm``, ``k_norm``) before rotating
     them."""
-    holders: tuple[str, ...] = ()
+    other_holders: tuple[str, ...] = ()
     """Other modeling modules whose VLMs hold this tower at ``visual`` or ``model.visual``."""
-    checked: str = QWEN2_VL_CHECKED
-    """The transformers releases this tower's forward was checked with."""
+
+    def __post_init__(self) -> None:
+        if self.holders is None:
+            modules = (self.module, *self.other_holders)
+            object.__setattr__(self, "holders", dict.fromkeys(modules, _VLM_PATHS))
 
 
 def _glm(package: str, name: str, **fields: Any) -> _TowerKind:
@@ -176,13 +181,12 @@ _TOWERS = (
         "glm4v",
         "Glm4vVisionModel",
         grid_rows=True,
-        holders=("transformers.models.glm46v.modeling_glm46v",),
+        other_holders=("transformers.models.glm46v.modeling_glm46v",),
     ),
     _glm("glm4v_moe", "Glm4vMoeVisionModel", grid_rows=True),
     _glm("glm_ocr", "GlmOcrVisionModel", qk_norms=True),
     _glm("glm5_next", "Glm5NextVisionModel", qk_norms=True),
 )
-_TOWER_PATHS = ("", "visual", "model.visual")
 _PRECOMPUTED = (
     "position_ids",
     "cu_seqlens",
@@ -194,97 +198,9 @@ _PRECOMPUTED = (
     "interp_weights",
 )
 """The tower's arguments that replace what it computes from ``grid_thw``."""
-_MIN_FRAME_SLOTS = 8
-"""Frames (images, or frames of videos) a graph holds at least; more round up to a power of
-two. Part of a graph's signature: the Triton kernel's grid grows with it."""
 _HOST_CALLS_KEPT = 32
 """Calls' grids whose host metadata a plan keeps (the most recent): a stream of images of a few
 sizes computes each size's once."""
-
-
-def tower_kind(module: nn.Module) -> _TowerKind | None:
-    """The kind of ``module`` if it is a served tower (its modeling module already imported:
-    an instance cannot exist otherwise)."""
-    for kind in _TOWERS:
-        modeling = sys.modules.get(kind.module)
-        if modeling is not None and isinstance(module, getattr(modeling, kind.name)):
-            return kind
-    return None
-
-
-def find_tower(model: nn.Module) -> nn.Module | None:
-    """``model`` if a served Qwen, Qwen3.5 or GLM vision tower, or its ``visual`` /
-    ``model.visual`` if ``model`` is one of the VLMs of a served tower's modeling module (or its
-    ``holders``).
-
-    Other VLMs hold the same tower classes (Cosmos3Omni builds a Qwen3-VL tower as its
-    ``visual``) but call it their own way and are not checked: they are not recognised, so
-    ``adapter="auto"`` leaves them to the next adapter; their tower alone is served."""
-    holders = {module for kind in _TOWERS for module in (kind.module, *kind.holders)}
-    holder_is_served = type(model).__module__ in holders
-    for path in _TOWER_PATHS:
-        if path and not holder_is_served:
-            continue
-        candidate: Any = model
-        for name in filter(None, path.split(".")):
-            candidate = getattr(candidate, name, None)
-        if isinstance(candidate, nn.Module) and tower_kind(candidate) is not None:
-            return candidate
-    return None
-
-
-class Qwen2VLAdapter(Adapter):
-    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V,
-    GLM-4.6V, GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
-
-    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
-    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
-    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
-    ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
-    (:mod:`~layergraph_adapters.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
-    and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
-    block's residual add and second norm through one Triton kernel
-    (:mod:`~layergraph_adapters.fused_norm`; ``"auto"``: on a CUDA device).
-    """
-
-    name = "qwen2_vl"
-
-    def __init__(
-        self,
-        attention: str = "auto",
-        max_tokens: int = 16384,
-        budget_step: int = 16,
-        align_mlp: bool | str = "auto",
-        fuse_norm: bool | str = "auto",
-    ) -> None:
-        self.attention = attention
-        self.max_tokens = max_tokens
-        self.budget_step = budget_step
-        self.align_mlp = align_mlp
-        self.fuse_norm = fuse_norm
-
-    def recognizes(self, model: nn.Module) -> bool:
-        return "transformers" in sys.modules and find_tower(model) is not None
-
-    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        tower = find_tower(model)
-        if tower is None:
-            require_transformers(self.name, QWEN2_VL_CHECKED)
-            raise AdapterMismatch(
-                f"the qwen2_vl adapter serves transformers' "
-                f"{', '.join(kind.name for kind in _TOWERS)} and "
-                f"models holding one as visual or model.visual; got "
-                f"{type(model).__module__}.{type(model).__name__}"
-            )
-        kind = tower_kind(tower)
-        assert kind is not None, "find_tower returned a served tower"
-        require_transformers(self.name, kind.checked)
-        return build_with_automatic_options(
-            tower,
-            {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm},
-            functools.partial(Qwen2VLPlan, tower, self, context),
-            context,
-        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -357,11 +273,6 @@ def _grid_beside_pixels(
     return args, {**kwargs, "grid_thw": moved}
 
 
-_current: contextvars.ContextVar[PackedBuffers | None] = contextvars.ContextVar(
-    "layergraph_qwen2_vl_buffers", default=None
-)
-
-
 @dataclass(frozen=True)
 class _HostCall:
     """What a call's ``grid_thw`` gives on the host, padded later to a budget."""
@@ -399,40 +310,34 @@ class _CallParts:
         return self.compute(self.grids, self.grid)
 
 
-class Qwen2VLPlan(CapturePlan, Packing):
+class Qwen2VLPlan(PackedTowerPlan):
     """The tower's whole forward per token budget, with attention routed to a backend that
-    reads the budget's boundaries; the plan is its own :class:`~layergraph.packing.Packing`."""
+    reads the budget's boundaries."""
 
     def __init__(
         self,
         tower: nn.Module,
         adapter: Qwen2VLAdapter,
         context: PlanContext,
+        kind: _TowerKind,
         align_mlp: bool = False,
         fuse_norm: bool = False,
     ) -> None:
-        kind = tower_kind(tower)
-        assert kind is not None, "find_tower returned the tower"
+        super().__init__(tower, adapter, context, kind)
         self.alignments = [AlignedMLP(block.mlp) for block in tower.blocks] if align_mlp else []
         """One :class:`AlignedMLP` per block with ``align_mlp``; empty without."""
         self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm)
         """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
-        self.owner = tower
         self.windows = kind.windows
         self.learned_positions = kind.learned_positions
         self.grid_rows = kind.grid_rows
         self.qk_norms = kind.qk_norms
-        self.packing = self
-        self._forward = own_forward(tower)
-        self._attentions = [block.attn for block in tower.blocks]
         self.budget_unit = tower.spatial_merge_size**2
         if adapter.budget_step % self.budget_unit or adapter.max_tokens % adapter.budget_step:
             raise ValueError(
                 f"budget_step {adapter.budget_step} must be a multiple of the merge unit "
                 f"({self.budget_unit} tokens) and max_tokens {adapter.max_tokens} a multiple of it"
             )
-        self.budget_step = adapter.budget_step
-        self.largest_budget = adapter.max_tokens
         if self.windows:
             self.window_side = max(
                 tower.window_size // tower.spatial_merge_size // tower.patch_size, 1
@@ -440,11 +345,6 @@ class Qwen2VLPlan(CapturePlan, Packing):
             """A window's side in merged tokens."""
             self.window_tokens = self.window_side**2 * self.budget_unit
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
-        self.heads = self._attentions[0].num_heads
-        self.head_dim = self._attentions[0].head_dim
-        self._backends = packed_backends(context.registry.attention_backends(), adapter.attention)
-        self.attention = adapter.attention
-        self._registry = context.registry
         self._host_calls: OrderedDict[tuple[tuple[int, int, int], ...], _HostCall] = OrderedDict()
         """The metadata of the last calls' grids, the most recent last."""
         self.attention_by_budget: dict[int, str] = {}
@@ -456,43 +356,15 @@ class Qwen2VLPlan(CapturePlan, Packing):
     def region(self, *args: Any, **kwargs: Any) -> Any:
         for alignment in self.alignments:
             alignment.refresh()
-        if _current.get() is None:
+        if self.current() is None:
             args, kwargs = _grid_beside_pixels(args, kwargs)
-        return self._forward(*args, **kwargs)
+        return self.own(*args, **kwargs)
 
     def sequence_of(self, call: PackedCall) -> Hashable:
         return f"up to {call.signature[-1]} frames"
 
-    def eager_reason(self, call: PackedCall) -> str | None:
-        if call.argument("output_attentions"):
-            return "attention weights were asked for (output_attentions=True)"
-        if call.argument("output_hidden_states"):
-            return "hidden states were asked for (output_hidden_states=True)"
-        return None
-
-    @contextlib.contextmanager
-    def bound(self, state: PackedBuffers | None) -> Iterator[None]:
-        token = _current.set(state)
-        try:
-            yield
-        finally:
-            _current.reset(token)
-
-    def layers(self) -> list[nn.Module]:
-        return list(self.owner.blocks)
-
-    @property
-    def capture_module(self) -> nn.Module:
-        return self.owner
-
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
-        changes.set_forward(self.owner, serve, "forward routed to the graphs")
-        for module in self._attentions:
-            changes.set_forward(
-                module,
-                _routed_attention(module, self.qk_norms),
-                "q, k and v handed to the attention backend",
-            )
+        super().change_model(changes, serve)
         for alignment in self.alignments:
             changes.apply(alignment)
             changes.apply(AlignedForward(alignment))
@@ -537,8 +409,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             raise UnsupportedCall(
                 f"input hidden_states has {pixels.shape[0]} patches, grid_thw {tokens}"
             )
-        frames = sum(t for t, _, _ in grids)
-        slots = max(_MIN_FRAME_SLOTS, 1 << (frames - 1).bit_length())
+        slots = image_slots(sum(t for t, _, _ in grids))
         signature = (pixels.dtype, pixels.shape[1], frozen, slots)
         return PackedCall(
             args=args,
@@ -609,49 +480,24 @@ class Qwen2VLPlan(CapturePlan, Packing):
             interp_weights=interp_weights,
         )
 
-    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+    def image_tokens(self, call: PackedCall) -> list[int]:
+        return [t * h * w for t, h, w in call.parts.grids]
+
+    def piece(self, call: PackedCall, images: range) -> PackedCall:
         parts = call.parts
+        starts = [0, *itertools.accumulate(self.image_tokens(call))]
         grid = call.argument("grid_thw", position=1)
-        sizes = [t * h * w for t, h, w in parts.grids]
-        starts = [0, *itertools.accumulate(sizes)]
-        return [
-            self.pack(
-                (
-                    parts.pixels[starts[piece.start] : starts[piece.stop]],
-                    grid[piece.start : piece.stop],
-                ),
-                parts.fixed,
-            )
-            for piece in split_ranges(sizes, budget)
-        ]
+        pixels = parts.pixels[starts[images.start] : starts[images.stop]]
+        return self.pack((pixels, grid[images.start : images.stop]), parts.fixed)
 
     def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
         parts = call.parts
         pixels, host, fixed = parts.pixels, parts.host, parts.fixed
         device, slots = pixels.device, call.signature[-1]
         merged = budget // self.budget_unit
-        timer = packed_timer(device, pixels.dtype, self.heads, self.head_dim)
-
-        def attention(
-            slots: int, longest: int, offsets: torch.Tensor
-        ) -> tuple[AttentionBackend, AttentionMetadata]:
-            """The backend for one kind of attention, timed on the call's own sequences in the
-            budget's room, and its metadata from the hook."""
-            layout = PackedLayout(budget, slots, longest)
-            lengths = tuple(length for length in offsets.diff().tolist() if length > 0)
-            backend = choose_packed_backend(
-                self.attention,
-                device,
-                pixels.dtype,
-                self.head_dim,
-                layout,
-                lengths,
-                backends=self._backends,
-                timer=timer,
-            )
-            return backend, self._registry.attention_metadata(backend, layout, device)
-
-        backend, full = attention(slots, budget, host.cu_seqlens)
+        backend, full = self.choose_attention(
+            budget, slots, budget, host.cu_seqlens.diff().tolist(), pixels
+        )
         chosen = f"full: {_described(backend)}"
         fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             "position_ids": (torch.long, (budget, 2)),
@@ -671,8 +517,12 @@ class Qwen2VLPlan(CapturePlan, Packing):
         staged = staging.device
         window = None
         if self.windows:
-            window_backend, window_metadata = attention(
-                window_slots, min(self.window_tokens, budget), host.cu_window_seqlens
+            window_backend, window_metadata = self.choose_attention(
+                budget,
+                window_slots,
+                min(self.window_tokens, budget),
+                host.cu_window_seqlens.diff().tolist(),
+                pixels,
             )
             window = _WindowBuffers(
                 index=staged["window_index"],
@@ -682,11 +532,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             )
             chosen += f", windows: {_described(window_backend)}"
         self.attention_by_budget[budget] = chosen
-        workspace = (
-            torch.zeros(budget, self.heads, self.head_dim, dtype=pixels.dtype, device=device)
-            if backend.needs_workspace or (window is not None and window.backend.needs_workspace)
-            else None
-        )
+        backends = (backend,) if window is None else (backend, window.backend)
         return PackedBuffers(
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
@@ -701,7 +547,7 @@ class Qwen2VLPlan(CapturePlan, Packing):
             interp_indices=staged.get("interp_indices"),
             interp_weights=staged.get("interp_weights"),
             backend=backend,
-            workspace=workspace,
+            workspace=workspace(budget, self.heads, self.head_dim, pixels, *backends),
             fixed=fixed,
             staging=staging,
         )
@@ -748,9 +594,9 @@ class Qwen2VLPlan(CapturePlan, Packing):
             fields["grid_thw"][:entries] = call.parts.grid
             fields["grid_thw"][entries:] = 1
         staging.send()
-        _copy_boundaries(buffers.full, staging.device["cu_seqlens"])
+        copy_boundaries(buffers.full, staging.device["cu_seqlens"])
         if window is not None:
-            _copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
+            copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
         buffers.loaded = call.parts.grids
 
     def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -780,6 +626,73 @@ class Qwen2VLPlan(CapturePlan, Packing):
 
         return pytree.tree_map(real, output)
 
+    def attend_packed(
+        self,
+        module: nn.Module,
+        buffers: PackedBuffers,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """A vision attention module over the packed tokens: q, k and v from its fused
+        projection, q and k normalised (GLM-OCR's, GLM-5-Next's) and rotated by the module's
+        own ``apply_rotary_pos_emb_vision``, handed to the full-attention backend, or to the
+        windowed one where the tower passes the window boundaries."""
+        rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb_vision
+        metadata, backend = buffers.full, buffers.backend
+        if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
+            metadata, backend = buffers.window.metadata, buffers.window.backend
+        tokens = hidden_states.shape[0]
+        q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
+        if self.qk_norms:
+            q, k = module.q_norm(q), module.k_norm(k)
+        q, k = rotate(q, k, *position_embeddings)
+        out = self.attend(buffers, q, k, v, module.scaling, metadata, backend)
+        return module.proj(out.reshape(tokens, -1))
+
+
+class Qwen2VLAdapter(PackedTowerAdapter):
+    """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V,
+    GLM-4.6V, GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
+
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
+    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
+    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
+    (:mod:`~layergraph_adapters.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
+    and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
+    block's residual add and second norm through one Triton kernel
+    (:mod:`~layergraph_adapters.fused_norm`; ``"auto"``: on a CUDA device).
+    """
+
+    name = "qwen2_vl"
+    families = _TOWERS
+    plan_class = Qwen2VLPlan
+
+    def __init__(
+        self,
+        attention: str = "auto",
+        max_tokens: int = 16384,
+        budget_step: int = 16,
+        align_mlp: bool | str = "auto",
+        fuse_norm: bool | str = "auto",
+    ) -> None:
+        super().__init__(attention, max_tokens, budget_step)
+        self.align_mlp = align_mlp
+        self.fuse_norm = fuse_norm
+
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        tower, family = self.find(model)
+        require_transformers(self.name, family.checked)
+        return build_with_automatic_options(
+            tower,
+            {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm},
+            functools.partial(Qwen2VLPlan, tower, self, context, family),
+            context,
+        )
+
 
 def _described(backend: AttentionBackend) -> str:
     """A backend's name, and what runs where that is not the same (``fa3``'s kernel)."""
@@ -793,58 +706,6 @@ def _pad_boundaries(field: torch.Tensor, offsets: torch.Tensor, tokens: int) -> 
     past the real ones are empty (they start and end at the last real token)."""
     field[: offsets.numel()] = offsets
     field[offsets.numel() :] = tokens
-
-
-def _copy_boundaries(metadata: AttentionMetadata, staged: torch.Tensor) -> None:
-    """Copy boundaries already on the device into the attention metadata's own tensors (a
-    plugin's hook may have made them), and the sequences' lengths where it has them."""
-    metadata.cu_seqlens.copy_(staged)
-    if metadata.seq_lens is not None:
-        torch.sub(staged[1:], staged[:-1], out=metadata.seq_lens)
-
-
-def _routed_attention(module: nn.Module, qk_norms: bool) -> Callable[..., Any]:
-    """A forward for one vision attention module that hands q, k and v, rotated (``qk_norms``:
-    after the module's ``q_norm`` and ``k_norm``), to the bound buffers' backend with the
-    metadata of the boundaries it is given (a frame's or a window's).
-
-    Outside bound buffers (eager calls) the module's own forward runs.
-    """
-    original = type(module).forward.__get__(module)
-    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb_vision
-
-    def forward(
-        hidden_states: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        buffers = _current.get()
-        if buffers is None:
-            return original(hidden_states, cu_seqlens, position_embeddings, *args, **kwargs)
-        metadata, backend = buffers.full, buffers.backend
-        if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
-            metadata, backend = buffers.window.metadata, buffers.window.backend
-        tokens = hidden_states.shape[0]
-        q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
-        if qk_norms:
-            q, k = module.q_norm(q), module.k_norm(k)
-        q, k = rotate(q, k, *position_embeddings)
-        if not backend.takes_strided_inputs:
-            v = v.contiguous()
-        out = backend(
-            q,
-            k,
-            v,
-            layout=SequenceLayout((buffers.budget,)),
-            metadata=metadata,
-            workspace=buffers.workspace,
-            scale=module.scaling,
-        )
-        return module.proj(out.reshape(tokens, -1))
-
-    return forward
 
 
 @hookimpl
