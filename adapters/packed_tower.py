@@ -33,7 +33,7 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -90,11 +90,17 @@ class PackedFamily:
     """The attribute path of the tower's layers (``"encoder.layers"``)."""
     attention: str
     """The attribute of each layer that is its attention module (``"self_attn"``)."""
-    checked: str
-    """The transformers releases the tower's forward was checked with (a requirement)."""
+    checked: str | None
+    """The transformers releases the tower's forward was checked with (a requirement), or
+    ``None`` for a tower that is not transformers'."""
+    cls: type | None = field(default=None, compare=False)
+    """The tower class itself, for one defined where :attr:`module` is not importable by name
+    (a notebook, a test); ``None``: looked up by :attr:`module` and :attr:`name`."""
 
     def tower_class(self) -> type | None:
         """The tower class, if its modeling module is imported; never imports it."""
+        if self.cls is not None:
+            return self.cls
         modeling = sys.modules.get(self.module)
         return None if modeling is None else getattr(modeling, self.name, None)
 
@@ -150,7 +156,7 @@ class PackedTowerAdapter(Adapter):
         self.budget_step = budget_step
 
     def recognizes(self, model: nn.Module) -> bool:
-        return "transformers" in sys.modules and find_packed_tower(model, self.families) is not None
+        return find_packed_tower(model, self.families) is not None
 
     def find(self, model: nn.Module) -> tuple[nn.Module, PackedFamily]:
         """The tower ``model`` is or holds, and its family; :class:`AdapterMismatch` names the
@@ -168,7 +174,8 @@ class PackedTowerAdapter(Adapter):
         from layergraph_adapters.versions import require_transformers
 
         tower, family = self.find(model)
-        require_transformers(self.name, family.checked)
+        if family.checked is not None:
+            require_transformers(self.name, family.checked)
         return self.plan_class(tower, self, context, family)
 
 
@@ -195,6 +202,9 @@ class PackedTowerPlan(CapturePlan, Packing):
         context: PlanContext,
         family: PackedFamily,
     ) -> None:
+        """Reads the tower: its layers (:attr:`PackedFamily.layers`), their attention modules
+        (:attr:`PackedFamily.attention`), whose ``num_heads`` and ``head_dim`` size the
+        attention backends' workspaces."""
         self.owner = tower
         self.packing = self
         self.family = family

@@ -414,6 +414,7 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
                 row[f"{column}_served"] = sorted(
                     way for tokens, way in graphed.stats.served if tokens == row["tokens"]
                 )
+                row[f"{column}_attention"] = sorted(set(graphed.plan.attention_by_budget.values()))
                 graphed.release()
                 graphed.unwrap()
     return rows
