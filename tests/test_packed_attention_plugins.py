@@ -167,7 +167,7 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
 ) -> None:
     from transformers.vision_utils import get_vision_window_index
 
-    from layergraph_adapters import qwen2_vl
+    from layergraph_adapters import packed_tower
 
     timed: list[tuple[str, PackedLayout, tuple[int, ...]]] = []
 
@@ -177,7 +177,7 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
             return 1.0 if max(lengths) > 16 else 3.0
         return 2.0 if backend.name == "short" else 5.0  # the masked SDPA, triton: slowest
 
-    monkeypatch.setattr(qwen2_vl, "packed_timer", lambda *args: timer)
+    monkeypatch.setattr(packed_tower, "packed_timer", lambda *args: timer)
     layergraph_registry.add_plugin(Kernels(), "kernels")
     model = tower()
     graphed = layergraph.wrap(
