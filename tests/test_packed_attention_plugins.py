@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from packed_helpers import RecordingPlugin
 
 import layergraph
 from layergraph.attention import (
-    AttentionMetadata,
     PackedLayout,
     SdpaMaskedAttention,
     SequenceLayout,
@@ -32,49 +32,6 @@ from test_qwen2_vl_adapter import check, tower
 BUDGET = 128
 
 
-class RecordingAttention(SdpaMaskedAttention):
-    """Masked SDPA that records the metadata and boundaries each run is handed."""
-
-    name = "recording"
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[AttentionMetadata, torch.Tensor]] = []
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
-    ) -> torch.Tensor:
-        metadata = kwargs["metadata"]
-        self.seen.append((metadata, metadata.cu_seqlens.clone()))  # read after the call
-        return super().__call__(q, k, v, **kwargs)
-
-
-class Plugin:
-    """Registers the recording backend and builds its packed metadata: ``cu_seqlens`` only,
-    ``max_seqlen`` as ``build`` says."""
-
-    def __init__(self, build: Callable[[PackedLayout], int] = lambda layout: layout.max_length):
-        self.backend = RecordingAttention()
-        self.build = build
-        self.asked: list[Any] = []
-        self.built: list[AttentionMetadata] = []
-
-    @layergraph.hookimpl
-    def register_attention_backends(self, register: Callable[..., None]) -> None:
-        register(self.backend)
-
-    @layergraph.hookimpl
-    def attention_metadata(
-        self, backend: str, layout: Any, device: torch.device
-    ) -> AttentionMetadata | None:
-        if backend != "recording" or not isinstance(layout, PackedLayout):
-            return None
-        self.asked.append(layout)
-        made = build_metadata(layout, device, cu_seqlens=True, seq_lens=False)
-        metadata = AttentionMetadata(self.build(layout), made.cu_seqlens)
-        self.built.append(metadata)
-        return metadata
-
-
 def boundaries(grids: list[tuple[int, int, int]], slots: int) -> list[int]:
     """Each frame's first token and the call's end, then the end again for the empty slots."""
     offsets = [0]
@@ -86,7 +43,7 @@ def boundaries(grids: list[tuple[int, int, int]], slots: int) -> list[int]:
 def test_a_plugin_backend_reads_the_boundaries_its_hook_built_written_at_each_call(
     layergraph_registry: Any,
 ) -> None:
-    plugin = Plugin()
+    plugin = RecordingPlugin()
     layergraph_registry.add_plugin(plugin, "recording-plugin")
     model = tower()
     graphed = layergraph.wrap(
@@ -114,7 +71,7 @@ def test_a_plugin_backend_reads_the_boundaries_its_hook_built_written_at_each_ca
 def test_packed_metadata_that_cannot_hold_a_budgets_calls_is_refused_naming_the_hook(
     layergraph_registry: Any,
 ) -> None:
-    layergraph_registry.add_plugin(Plugin(build=lambda layout: 16), "short-plugin")
+    layergraph_registry.add_plugin(RecordingPlugin(build=lambda layout: 16), "short-plugin")
     graphed = layergraph.wrap(
         tower(),
         observe_calls=0,

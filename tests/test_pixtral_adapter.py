@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 from packaging.specifiers import SpecifierSet
+from packed_helpers import RecordingPlugin
 
 import layergraph
 from layergraph import AdapterMismatch
-from layergraph.attention import AttentionMetadata, SdpaMaskedAttention, build_metadata
 from layergraph.staging import Staging
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
@@ -57,6 +57,7 @@ MISTRAL = dict(
     head_dim=16,
     vocab_size=128,
 )
+
 IMAGE_TOKEN = 100
 Sizes = list[tuple[int, int]]
 """Each image's (height, width) in pixels."""
@@ -408,42 +409,8 @@ def test_the_triton_kernel_reads_the_budgets_boundaries() -> None:
     assert graphed.plan.attention_by_budget == {64: "triton"}
 
 
-class Recording(SdpaMaskedAttention):
-    """``sdpa_varlen`` that records the metadata and boundaries each run is handed."""
-
-    name = "recording"
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[AttentionMetadata, torch.Tensor]] = []
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
-    ) -> torch.Tensor:
-        metadata = kwargs["metadata"]
-        self.seen.append((metadata, metadata.cu_seqlens.clone()))  # read after the call
-        return super().__call__(q, k, v, **kwargs)
-
-
 def test_a_plugins_metadata_for_the_budget_holds_each_calls_boundaries(registry: Any) -> None:
-    class Plugin:
-        def __init__(self) -> None:
-            self.backend = Recording()
-            self.built: list[AttentionMetadata] = []
-
-        @layergraph.hookimpl
-        def register_attention_backends(self, register: Any) -> None:
-            register(self.backend)
-
-        @layergraph.hookimpl
-        def attention_metadata(
-            self, backend: str, layout: Any, device: torch.device
-        ) -> AttentionMetadata | None:
-            if backend != "recording":
-                return None
-            self.built.append(build_metadata(layout, device, cu_seqlens=True, seq_lens=True))
-            return self.built[-1]
-
-    plugin = Plugin()
+    plugin = RecordingPlugin(seq_lens=True)
     registry.add_plugin(plugin, "recording-plugin")
     model = tower()
     graphed = layergraph.wrap(

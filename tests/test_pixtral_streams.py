@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from packed_helpers import wrap_for_stream
 from torch import nn
 
 import layergraph
@@ -76,15 +77,11 @@ def test_every_answer_equals_the_towers(
     validate: bool,
 ) -> None:
     tower = model()
-    backend = SimulatedGraphs(
-        eager_ms=lambda tokens: launches + 0.01 * tokens,
-        replay_ms=lambda tokens: launches / 3 + 0.012 * tokens,
-    )
-    graphed = layergraph.wrap(
+    graphed = wrap_for_stream(
         tower,
-        adapter=pixtral.PixtralAdapter(budget_step=32, max_tokens=LARGEST),
-        backend=backend,
-        batch_sizes=list(budgets) if isinstance(budgets, tuple) else budgets,
+        pixtral.PixtralAdapter(budget_step=32, max_tokens=LARGEST),
+        budgets,
+        launches,
         max_graphs=max_graphs,
         static_output=static_output,
         validate=validate,

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from packed_helpers import wrap_for_stream
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -115,16 +116,12 @@ def test_every_answer_equals_the_towers(
     validate: bool,
 ) -> None:
     tower = model(kind)
-    backend = SimulatedGraphs(
-        eager_ms=lambda tokens: launches + 0.01 * tokens,
-        replay_ms=lambda tokens: launches / 3 + 0.012 * tokens,
-    )
-    graphed = layergraph.wrap(
+    graphed = wrap_for_stream(
         tower,
+        qwen2_vl.Qwen2VLAdapter(budget_step=32, max_tokens=LARGEST),
+        budgets,
+        launches,
         observe_calls=0,
-        adapter=qwen2_vl.Qwen2VLAdapter(budget_step=32, max_tokens=LARGEST),
-        backend=backend,
-        batch_sizes=list(budgets) if isinstance(budgets, tuple) else budgets,
         max_graphs=max_graphs,
         static_output=static_output,
         validate=validate,

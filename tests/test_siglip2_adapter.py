@@ -15,16 +15,15 @@ from typing import Any
 
 import pytest
 import torch
+from packed_helpers import RecordingPlugin
 
 import layergraph
 from layergraph import AdapterMismatch
 from layergraph.attention import (
-    AttentionMetadata,
     DenseMaskedAttention,
     PackedLayout,
     SdpaMaskedAttention,
     block_mask,
-    build_metadata,
 )
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
@@ -57,6 +56,7 @@ TEXT = dict(
     vocab_size=128,
     layer_types=["conv", "full_attention"],
 )
+
 IMAGE_TOKEN = 100
 Grids = list[tuple[int, int]]
 
@@ -418,44 +418,8 @@ def test_unwritten_attention_rows_of_the_padding_reach_no_pooled_feature(registr
     assert graphed.stats.replays == 2
 
 
-class Recording(SdpaMaskedAttention):
-    """``sdpa_varlen`` that records the metadata and boundaries each run is handed."""
-
-    name = "recording"
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[AttentionMetadata, torch.Tensor]] = []
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
-    ) -> torch.Tensor:
-        metadata = kwargs["metadata"]
-        self.seen.append((metadata, metadata.cu_seqlens.clone()))  # read after the call
-        return super().__call__(q, k, v, **kwargs)
-
-
 def test_a_plugins_metadata_for_the_budget_holds_each_calls_boundaries(registry: Any) -> None:
-    class Plugin:
-        def __init__(self) -> None:
-            self.backend = Recording()
-            self.asked: list[PackedLayout] = []
-            self.built: list[AttentionMetadata] = []
-
-        @layergraph.hookimpl
-        def register_attention_backends(self, register: Any) -> None:
-            register(self.backend)
-
-        @layergraph.hookimpl
-        def attention_metadata(
-            self, backend: str, layout: Any, device: torch.device
-        ) -> AttentionMetadata | None:
-            if backend != "recording":
-                return None
-            self.asked.append(layout)
-            self.built.append(build_metadata(layout, device, cu_seqlens=True, seq_lens=False))
-            return self.built[-1]
-
-    plugin = Plugin()
+    plugin = RecordingPlugin()
     registry.add_plugin(plugin, "recording-plugin")
     model = tower()
     graphed = layergraph.wrap(

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from packed_helpers import wrap_for_stream
 from torch import nn
 
 import layergraph
@@ -72,16 +73,12 @@ def test_every_answer_equals_the_towers(
     validate: bool,
 ) -> None:
     tower = model()
-    backend = SimulatedGraphs(
-        eager_ms=lambda tokens: launches + 0.01 * tokens,
-        replay_ms=lambda tokens: launches / 3 + 0.012 * tokens,
-    )
-    graphed = layergraph.wrap(
+    graphed = wrap_for_stream(
         tower,
+        siglip2.Siglip2Adapter(budget_step=32, max_tokens=LARGEST),
+        budgets,
+        launches,
         observe_calls=0,
-        adapter=siglip2.Siglip2Adapter(budget_step=32, max_tokens=LARGEST),
-        backend=backend,
-        batch_sizes=list(budgets) if isinstance(budgets, tuple) else budgets,
         max_graphs=max_graphs,
         static_output=static_output,
         validate=validate,
