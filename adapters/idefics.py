@@ -4,15 +4,16 @@ transformers 5.6 to 5.2x's embeddings of these towers write each image's positio
 boolean-mask indexing (``position_ids[mask] = pos_ids[mask]``), whose output size depends on
 the mask's values: a CUDA stream capture refuses it ("operation not permitted when stream is
 capturing"), so the whole tower could not be captured on a GPU. Later releases compute the
-same ids with ``torch.where``. :class:`CapturablePositions` computes the embeddings' inference
-calls that way, as one fixed-shape computation, so the graphs still hold the whole tower
-(patch embedding and position lookup included) and the ``patch_attention_mask`` stays a graph
-input: the ids of a padded image are computed inside the replay from the mask it is given.
+same ids with ``torch.where``; some releases round the fractional coordinates to the pixels'
+dtype first. :class:`CapturablePositions` computes the embeddings' inference calls that way,
+rounding as the embeddings' own forward is seen to on a probe image, as one fixed-shape
+computation, so the graphs still hold the whole tower (patch embedding and position lookup
+included) and the ``patch_attention_mask`` stays a graph input: the ids of a padded image are
+computed inside the replay from the mask it is given.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -58,22 +59,50 @@ class CapturablePositions(InferenceForward):
             if not hasattr(module, name):
                 raise TypeError(f"{type(module).__name__} has no {name}: not Idefics embeddings")
         super().__init__(module, "position ids computed without boolean-mask indexing")
-        source = inspect.getsource(type(module).forward)
-        self._rounds_coords = ".to(pixel_values.dtype)" in source
-        """Whether this release rounds the fractional coordinates to the pixels' dtype (5.6
-        does; bf16 rounding moves some patches to a neighbouring position)."""
+        self._rounds: dict[torch.dtype, bool] = {}
+        """Whether the embeddings' own forward rounds the fractional coordinates to the pixels'
+        dtype (transformers 5.6 does; bf16 rounding moves some patches to a neighbouring
+        position), by dtype, as :meth:`_rounds_coords` found."""
+
+    def _rounds_coords(self, pixel_values: torch.Tensor) -> bool:
+        """Whether the embeddings' own forward rounds coordinates to ``pixel_values``' dtype:
+        read once per dtype, on the first call (eager, or a graph's warm-up), by running it on
+        a probe image whose coordinates round to other positions, and comparing."""
+        dtype = pixel_values.dtype
+        if dtype not in self._rounds:
+            self._rounds[dtype] = self._probe(pixel_values)
+        return self._rounds[dtype]
+
+    def _probe(self, like: torch.Tensor) -> bool:
+        module: Any = self.module
+        per_side, patch = module.num_patches_per_side, module.patch_embedding.kernel_size[0]
+        for rows in range(2, per_side + 1):
+            mask = torch.ones(1, rows, 1, dtype=torch.bool, device=like.device)
+            rounded = patch_position_ids(mask, per_side, like.dtype)
+            if not torch.equal(rounded, patch_position_ids(mask, per_side, None)):
+                break
+        else:  # no coordinate rounds to another position in this dtype: either way is the same
+            return False
+        pixels = torch.randn(
+            1, like.shape[1], rows * patch, patch, dtype=like.dtype, device=like.device
+        )
+        own = type(module).forward(module, pixels, patch_attention_mask=mask)
+        return torch.equal(own, self._embeddings(pixels, rounded))
+
+    def _embeddings(self, pixel_values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        module: Any = self.module
+        embeddings = module.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+        return embeddings + module.position_embedding(ids)
 
     def compute(
         self, pixel_values: torch.Tensor, patch_attention_mask: torch.Tensor, **_: Any
     ) -> torch.Tensor:
-        module: Any = self.module
-        embeddings = module.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
         ids = patch_position_ids(
             patch_attention_mask.bool(),
-            module.num_patches_per_side,
-            pixel_values.dtype if self._rounds_coords else None,
+            self.module.num_patches_per_side,
+            pixel_values.dtype if self._rounds_coords(pixel_values) else None,
         )
-        return embeddings + module.position_embedding(ids)
+        return self._embeddings(pixel_values, ids)
 
 
 class IdeficsPlan(VisionTowerPlan):

@@ -7,7 +7,10 @@ routed forward of :mod:`layergraph_adapters.internvl`), and where a model keeps 
 layers and embeddings (each family's :class:`~layergraph_adapters.tower_specs.TowerSpec`).
 Another release may change that code, and a copy that no longer matches it computes something
 else without failing, so the plans refuse transformers outside the checked range
-(:func:`require_transformers`).
+(:func:`require_transformers`). :data:`SUPPORT` is the one table of it: per family, the range,
+the functions that copy transformers' code, what is read from the release's behaviour rather
+than its version, and the tests that compare the copies with transformers' own forward, which
+CI runs with each family's oldest release (:func:`floors`) as well as the newest.
 The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
 :data:`GLM_VISION_CHECKED` for the GLM towers it serves, :data:`QWEN3_5_VISION_CHECKED` for
 Qwen3.5's, :data:`QWEN3_VL_MOE_VISION_CHECKED` for Qwen3-VL-MoE's), and so does the pixtral
@@ -17,6 +20,9 @@ adapter (:data:`PIXTRAL_CHECKED`).
 from __future__ import annotations
 
 import os
+import re
+import sys
+from dataclasses import dataclass
 
 from layergraph import AdapterMismatch
 
@@ -26,8 +32,11 @@ __all__ = [
     "QWEN2_VL_CHECKED",
     "QWEN3_5_VISION_CHECKED",
     "QWEN3_VL_MOE_VISION_CHECKED",
+    "SUPPORT",
     "TRANSFORMERS_CHECKED",
     "UNCHECKED_VARIABLE",
+    "Support",
+    "floors",
     "require_transformers",
 ]
 
@@ -109,3 +118,118 @@ def require_transformers(adapter_name: str, checked: str = TRANSFORMERS_CHECKED)
         f"(pip install 'transformers{checked}'), or set {UNCHECKED_VARIABLE}=1 to "
         f"run it with {installed} anyway and compare its outputs with the unwrapped model's"
     )
+
+
+@dataclass(frozen=True)
+class Support:
+    """What one family of transformers towers is served with: the releases, the functions of
+    layergraph that follow transformers' code for it, what is read from the release at run time
+    rather than from its version, and the tests that check it (which CI runs with the oldest
+    release of the range, and the newest)."""
+
+    checked: str
+    """The transformers releases served, as a version specifier."""
+    copies: tuple[str, ...]
+    """The functions that compute what transformers' own code computes for this family
+    (``module:qualified name``): each is compared with transformers' forward by its tests."""
+    probes: tuple[str, ...]
+    """What the family's plan reads from the installed release's behaviour or declarations
+    rather than its version."""
+    tests: tuple[str, ...]
+    """The test files that check the family against transformers' own forward."""
+
+    @property
+    def floor(self) -> str:
+        """The oldest release of :attr:`checked` (its ``>=`` bound)."""
+        found = re.search(r">=\s*([0-9][0-9.]*)", self.checked)
+        if found is None:
+            raise ValueError(f"{self.checked!r} names no oldest release")
+        return found.group(1)
+
+
+SUPPORT: dict[str, Support] = {
+    "transformers towers": Support(
+        TRANSFORMERS_CHECKED,
+        copies=(
+            "layergraph_adapters.fused_qkv:fused_attention_forward",
+            "layergraph_adapters.internvl:_routed_attention",
+            "layergraph_adapters.idefics:patch_position_ids",
+            "layergraph_adapters.naflex:packed_forward",
+            "layergraph_adapters.siglip2:Siglip2Plan.attend_packed",
+        ),
+        probes=(
+            "idefics: whether the embeddings round fractional coordinates to the pixels' dtype, "
+            "read from the embeddings' own forward on a probe mask",
+        ),
+        tests=(
+            "tests/test_siglip_clip_adapters.py",
+            "tests/test_internvl_adapter.py",
+            "tests/test_auto_adapter.py",
+            "tests/test_versions.py",
+            "tests/test_tower_families.py",
+            "tests/test_coverage.py",
+            "tests/test_families_benchmark.py",
+            "tests/test_siglip2_adapter.py",
+            "tests/test_grid_positions.py",
+        ),
+    ),
+    "qwen2_vl": Support(
+        QWEN2_VL_CHECKED,
+        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
+        probes=(),
+        tests=(
+            "tests/test_qwen2_vl_adapter.py",
+            "tests/test_qwen2_vl_eager.py",
+            "tests/test_qwen2_vl_fused_norm.py",
+            "tests/test_packed_attention_plugins.py",
+        ),
+    ),
+    "glm vision": Support(
+        GLM_VISION_CHECKED,
+        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
+        probes=(),
+        tests=("tests/test_glm4v_adapter.py",),
+    ),
+    "qwen3.5 vision": Support(
+        QWEN3_5_VISION_CHECKED,
+        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
+        probes=(),
+        tests=("tests/test_qwen3_5_adapter.py",),
+    ),
+    "qwen3-vl-moe vision": Support(
+        QWEN3_VL_MOE_VISION_CHECKED,
+        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
+        probes=(),
+        tests=("tests/test_qwen3_vl_moe_adapter.py",),
+    ),
+    "pixtral": Support(
+        PIXTRAL_CHECKED,
+        copies=(
+            "layergraph_adapters.pixtral:PixtralPlan._packed_forward",
+            "layergraph_adapters.pixtral:PixtralPlan.attend_packed",
+        ),
+        probes=(
+            "the output class, from the tower's forward's return annotation",
+            "whether output_hidden_states selects by index "
+            "(transformers.utils.output_capturing.selected_hidden_states)",
+        ),
+        tests=("tests/test_pixtral_adapter.py",),
+    ),
+}
+"""Every family of transformers towers layergraph serves, by the name its docs use: one table
+that the plans' checks (:func:`require_transformers`, given a family's ``checked``) and CI
+(:func:`floors`) read."""
+
+
+def floors() -> dict[str, list[str]]:
+    """The test files to run with each family's oldest release, by release, oldest first."""
+    by_release: dict[str, list[str]] = {}
+    for support in SUPPORT.values():
+        files = by_release.setdefault(support.floor, [])
+        files += [test for test in support.tests if test not in files]
+    return dict(sorted(by_release.items(), key=lambda item: tuple(map(int, item[0].split(".")))))
+
+
+if __name__ == "__main__":  # for CI: one line per release, "RELEASE TEST_FILE ..."
+    for release, files in floors().items():
+        sys.stdout.write(" ".join([release, *files]) + "\n")

@@ -97,3 +97,33 @@ def test_ci_runs_the_adapters_tests_with_the_lowest_checked_release() -> None:
     pinned = re.findall(r'"transformers==([^"]+)"', (ROOT / ".ci" / "run").read_text())
     assert len(pinned) == 1
     assert TRANSFORMERS_CHECKED.startswith(f">={pinned[0]},")
+
+
+def test_the_version_table_names_copies_that_exist_and_tests_that_check_them() -> None:
+    import importlib
+    from pathlib import Path
+
+    from layergraph_adapters.versions import SUPPORT
+
+    root = Path(__file__).resolve().parent.parent
+    for family, support in SUPPORT.items():
+        assert support.tests, family
+        for test in support.tests:
+            assert (root / test).is_file(), (family, test)
+        for copy in support.copies:
+            module, _, path = copy.partition(":")
+            target: object = importlib.import_module(module)
+            for name in path.split("."):
+                target = getattr(target, name)
+            assert callable(target), (family, copy)
+
+
+def test_ci_runs_each_familys_tests_with_its_oldest_release() -> None:
+    from layergraph_adapters.versions import QWEN2_VL_CHECKED, SUPPORT, floors
+
+    by_release = floors()
+    assert list(by_release) == sorted(by_release, key=lambda r: tuple(map(int, r.split("."))))
+    for support in SUPPORT.values():
+        assert set(support.tests) <= set(by_release[support.floor])
+    assert SUPPORT["qwen2_vl"].checked == QWEN2_VL_CHECKED
+    assert SUPPORT["qwen2_vl"].floor == "5.17.0"
