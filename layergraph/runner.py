@@ -64,14 +64,15 @@ class GraphInfo:
 class GraphRunner:
     """Serves calls of one capture plan from CUDA graphs, one per shape key.
 
-    Workflow of a call: the arguments are split into batched tensors and the rest
-    (:class:`~layergraph.keys.CallInputs`); anything a graph cannot serve (no CUDA, training
-    mode, gradients, another device or dtype, unsupported arguments) runs the plan's region
-    eagerly and is counted with its reason. Otherwise the batch is mapped to its graph or
-    graphs (its own, a bucket, chunks: ``batch_sizes``), the key's graph is found or captured,
-    the inputs are copied into the graph's static buffers (padding rows zeroed), the graph is
-    replayed on the caller's stream, and the padding rows are sliced off the outputs, which are
-    cloned unless ``static_output`` is set.
+    Workflow of a call: the engine's packing reads it (a batch's tensors and the fixed rest,
+    :class:`~layergraph.keys.CallInputs`; or a packed plan's
+    :class:`~layergraph.packing.PackedCall`); the gate (:class:`~layergraph.gate.EagerGate`)
+    says why a graph cannot serve it (no CUDA, training mode, gradients, another device or
+    dtype, unsupported arguments), and such a call runs the plan's region eagerly, counted
+    with its reason. Otherwise the lane maps it to its graph or graphs (its own, a bucket,
+    chunks, a token budget: ``batch_sizes``), the engine finds or captures the key's graph,
+    loads the call into its buffers (padding zeroed), replays it on the caller's stream and
+    cuts the call's rows out of the outputs, which are cloned unless ``static_output`` is set.
 
     Each capture measures the graph's replay against an eager call of the same batch
     (:class:`~layergraph.policy.Costs`); a graph slower than eager is dropped and its batch
