@@ -37,10 +37,10 @@ from layergraph.attention import (
     choose_backend,
 )
 from layergraph.keys import CallInputs
-from layergraph_adapters.automatic import build_with_automatic_options
-from layergraph_adapters.fused_qkv import FusedQKV
-from layergraph_adapters.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
-from layergraph_adapters.tower_specs import TowerExample, TowerSpec, build_tower
+from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.fused_qkv import FusedQKV
+from layergraph_adapters.kit.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
+from layergraph_adapters.kit.tower_specs import TowerExample, TowerSpec, build_tower
 
 INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
     "internvit-300m": dict(

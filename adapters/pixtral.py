@@ -68,8 +68,8 @@ from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
-from layergraph_adapters.feature_outputs import feature_indices, with_rest_on_demand
-from layergraph_adapters.packed_tower import (
+from layergraph_adapters.kit.feature_outputs import feature_indices, with_rest_on_demand
+from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
     PackedTowerPlan,
@@ -79,8 +79,8 @@ from layergraph_adapters.packed_tower import (
     read_inputs,
     workspace,
 )
-from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
-from layergraph_adapters.versions import PIXTRAL_CHECKED, require_transformers
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
+from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, require_transformers
 
 _HOLDERS: dict[str, tuple[str, ...]] = {
     "transformers.models.llava.modeling_llava": ("vision_tower", "model.vision_tower"),

@@ -26,12 +26,12 @@ boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL
 per patch (``interp_indices``, ``interp_weights``; Qwen3.5's too) are computed by transformers'
 own ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
 takes as precomputed arguments (transformers 5.17 and later,
-:data:`~layergraph_adapters.versions.QWEN2_VL_CHECKED`; the GLM towers:
-:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`; Qwen3.5's:
-:data:`~layergraph_adapters.versions.QWEN3_5_VISION_CHECKED`; Qwen3-VL-MoE's:
-:data:`~layergraph_adapters.versions.QWEN3_VL_MOE_VISION_CHECKED`); for GLM-4.1V's and GLM-4.5V's
-towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come last in
-every order (``window_index`` maps them to themselves), read no position table row (zero
+:data:`~layergraph_adapters.kit.versions.QWEN2_VL_CHECKED`; the GLM towers:
+:data:`~layergraph_adapters.kit.versions.GLM_VISION_CHECKED`; Qwen3.5's:
+:data:`~layergraph_adapters.kit.versions.QWEN3_5_VISION_CHECKED`; Qwen3-VL-MoE's:
+:data:`~layergraph_adapters.kit.versions.QWEN3_VL_MOE_VISION_CHECKED`); for GLM-4.1V's and
+GLM-4.5V's towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come
+last in every order (``window_index`` maps them to themselves), read no position table row (zero
 weights) and belong to no frame or window: the sequences past the real ones are empty. Each
 attention module hands q, k and v to a backend that reads the boundaries from those buffers when
 it runs: ``sdpa_varlen`` (a block-diagonal mask, off the GPU), ``triton`` (layergraph's varlen
@@ -71,10 +71,10 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
-from layergraph_adapters.aligned_mlp import AlignedForward, AlignedMLP
-from layergraph_adapters.automatic import build_with_automatic_options
-from layergraph_adapters.fused_norm import fused_norms
-from layergraph_adapters.packed_tower import (
+from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
+from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
     PackedTowerPlan,
@@ -82,8 +82,8 @@ from layergraph_adapters.packed_tower import (
     image_slots,
     workspace,
 )
-from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS
-from layergraph_adapters.versions import (
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
+from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
     QWEN3_5_VISION_CHECKED,
@@ -129,7 +129,7 @@ class _TowerKind(PackedFamily):
 
 def _glm(package: str, name: str, **fields: Any) -> _TowerKind:
     """A GLM vision tower: full attention per frame, a downsampling convolution and a merger
-    at the end (:data:`~layergraph_adapters.versions.GLM_VISION_CHECKED`)."""
+    at the end (:data:`~layergraph_adapters.kit.versions.GLM_VISION_CHECKED`)."""
     return _TowerKind(
         f"transformers.models.{package}.modeling_{package}",
         name,
@@ -661,10 +661,10 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
     (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
     ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
-    (:mod:`~layergraph_adapters.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
+    (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
     and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
     block's residual add and second norm through one Triton kernel
-    (:mod:`~layergraph_adapters.fused_norm`; ``"auto"``: on a CUDA device).
+    (:mod:`~layergraph_adapters.kit.fused_norm`; ``"auto"``: on a CUDA device).
     """
 
     name = "qwen2_vl"

@@ -13,7 +13,7 @@ max_patches]`` (1 for an image's first ``height * width`` patches) and ``spatial
 boundaries, and before every replay the real patches are gathered into one sequence in the
 buffers of a token budget (:mod:`layergraph.packing`), with their position embeddings (the
 tower's table resized to each grid by the tower's own function, kept per grid:
-:mod:`layergraph_adapters.grid_positions`) and the images' boundaries beside them, in the
+:mod:`layergraph_adapters.kit.grid_positions`) and the images' boundaries beside them, in the
 attention metadata the ``attention_metadata`` hook built for the budget (a
 :class:`~layergraph.attention.PackedLayout`); inside the graph attention runs per image through
 a backend that reads the boundaries when it runs (``sdpa_varlen`` off the GPU, ``triton`` or
@@ -21,7 +21,7 @@ a backend that reads the boundaries when it runs (``sdpa_varlen`` off the GPU, `
 it faster, over the whole budget under a block-diagonal mask built in the graph from the
 boundaries (``sdpa_dense_masked``: the kernel the tower's own forward gets, cuDNN's on an
 H200, where the varlen kernels pad SigLIP2's head dim of 72); the pooling head attends per image
-(:mod:`layergraph_adapters.naflex`). ``graphed.plan.attention_by_budget`` says which ran.
+(:mod:`layergraph_adapters.kit.naflex`). ``graphed.plan.attention_by_budget`` says which ran.
 The outputs are scattered back into the tower's layout.
 
 What the wrapped tower returns: ``last_hidden_state`` ``[images, max_patches, width]`` equal to
@@ -45,9 +45,9 @@ from torch import nn
 from layergraph import hookimpl
 from layergraph.keys import UnsupportedCall
 from layergraph.packing import PackedCall
-from layergraph_adapters import naflex
-from layergraph_adapters.grid_positions import GridPositions
-from layergraph_adapters.packed_tower import (
+from layergraph_adapters.kit import naflex
+from layergraph_adapters.kit.grid_positions import GridPositions
+from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
     PackedTowerPlan,
@@ -56,8 +56,8 @@ from layergraph_adapters.packed_tower import (
     image_slots,
     read_inputs,
 )
-from layergraph_adapters.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
-from layergraph_adapters.versions import TRANSFORMERS_CHECKED
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
+from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED
 
 FAMILY = PackedFamily(
     module="transformers.models.siglip2.modeling_siglip2",
@@ -99,7 +99,7 @@ class _Images:
 
 
 class Siglip2Plan(PackedTowerPlan):
-    """The tower per token budget (:mod:`layergraph_adapters.naflex`); eager calls run the
+    """The tower per token budget (:mod:`layergraph_adapters.kit.naflex`); eager calls run the
     tower's own forward, its padding zeroed."""
 
     inputs = ("pixel_values", "pixel_attention_mask", "spatial_shapes")

@@ -27,12 +27,12 @@ from layergraph import (
 )
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
-from layergraph_adapters.automatic import build_with_automatic_options
-from layergraph_adapters.fused_norm import fused_norms
-from layergraph_adapters.gelu_epilogue import gelu_epilogues
-from layergraph_adapters.layout import RowMajorOutput
-from layergraph_adapters.patch_embedding import patch_matmul_for
-from layergraph_adapters.tokens import ImageTokens
+from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
+from layergraph_adapters.kit.layout import RowMajorOutput
+from layergraph_adapters.kit.patch_embedding import patch_matmul_for
+from layergraph_adapters.kit.tokens import ImageTokens
 
 
 def _vit_classes() -> tuple[type, ...]:
@@ -46,11 +46,11 @@ class TimmVisionTransformerAdapter(Adapter):
     """Graphs the whole forward of a timm ``VisionTransformer`` or ``Eva``.
 
     ``patch_matmul=True`` runs the patch embedding as one matrix product
-    (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu`` applies each block's MLP GELU
-    in its up-projection's epilogue (:mod:`layergraph_adapters.gelu_epilogue`): ``True`` where
+    (:mod:`layergraph_adapters.kit.patch_embedding`); ``fuse_gelu`` applies each block's MLP GELU
+    in its up-projection's epilogue (:mod:`layergraph_adapters.kit.gelu_epilogue`): ``True`` where
     the GELU is the tanh approximation, ``"approximate"`` for the exact GELU of most timm ViTs
     too; ``fuse_norm=True`` computes each ``Block``'s residual adds and second norm with one
-    Triton kernel, on CUDA (:mod:`layergraph_adapters.fused_norm`; not Eva's blocks). All are
+    Triton kernel, on CUDA (:mod:`layergraph_adapters.kit.fused_norm`; not Eva's blocks). All are
     off by default.
     """
 
@@ -134,7 +134,7 @@ class _TimmViTPlan(WholeForward):
         """What is rewritten while wrapped, each a change made through the ledger. Without
         class or register tokens the position embedding is added to the transposed patch
         grid, so the patch embedding's output is made row-major
-        (:mod:`layergraph_adapters.layout`); a concatenated token makes the sequence
+        (:mod:`layergraph_adapters.kit.layout`); a concatenated token makes the sequence
         row-major already. Then the ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm``
         options."""
 

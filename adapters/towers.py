@@ -1,8 +1,8 @@
 """The table of transformers vision-tower families, and the plugin that serves each of them.
 
-Each :class:`~layergraph_adapters.tower_specs.TowerSpec` below is one family; the plugin
+Each :class:`~layergraph_adapters.kit.tower_specs.TowerSpec` below is one family; the plugin
 registers one adapter per entry (``adapter="siglip"``, ``adapter="idefics"``...), all served by
-:mod:`layergraph_adapters.hf_vision`'s plan, or by a family's own plan where the spec names one.
+:mod:`layergraph_adapters.kit.hf_vision`'s plan, or by a family's own plan where the spec names one.
 A new family whose tower is a patch embedding, a list of layers and what follows them is a few
 lines here; its quirks, if any, go in a module of its own. InternViT, whose adapter takes an
 attention backend, is registered by :mod:`layergraph_adapters.internvl`.
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from layergraph import hookimpl
-from layergraph_adapters.fused_qkv import fused_attention_forward
-from layergraph_adapters.hf_vision import adapter_class
-from layergraph_adapters.idefics import IdeficsPlan
-from layergraph_adapters.mllama import MllamaVisionPlan, tiles_of_images
-from layergraph_adapters.tower_specs import TowerExample, TowerSpec, images
+from layergraph_adapters.kit.fused_qkv import fused_attention_forward
+from layergraph_adapters.kit.hf_vision import adapter_class
+from layergraph_adapters.kit.idefics import IdeficsPlan
+from layergraph_adapters.kit.mllama import MllamaVisionPlan, tiles_of_images
+from layergraph_adapters.kit.tower_specs import TowerExample, TowerSpec, images
 
 __all__ = [
     "AIMV2",
@@ -256,7 +256,7 @@ MLLAMA = TowerSpec(
     },
 )
 """Llama 3.2 Vision's tower: tiles of images as a 6-d input with aspect-ratio ids and masks,
-a local and a global encoder (:mod:`layergraph_adapters.mllama`)."""
+a local and a global encoder (:mod:`layergraph_adapters.kit.mllama`)."""
 
 TOWERS: tuple[TowerSpec, ...] = (SIGLIP, CLIP, IDEFICS, JANUS, AIMV2, DINOV2, VIT, LLAMA4, MLLAMA)
 """Every family this plugin serves, in the order ``adapter="auto"`` asks them."""

@@ -44,9 +44,9 @@ from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import waited_ms
 from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
-from layergraph_adapters.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.internvl import INTERNVL
-from layergraph_adapters.tower_specs import (
+from layergraph_adapters.kit.idefics import CapturablePositions, IdeficsPlan
+from layergraph_adapters.kit.tower_specs import (
     TowerSpec,
     build_tower,
     find_module,

@@ -2,7 +2,7 @@
 
 - Patch embedding: the convolution (kernel = stride) against one matrix product of the
   gathered patches with the convolution's weight viewed as a matrix
-  (``layergraph_adapters.patch_embedding.patch_product``), each followed by the row-major
+  (``layergraph_adapters.kit.patch_embedding.patch_product``), each followed by the row-major
   token sequence the towers make of it.
 - MLP up-projection and GELU: ``linear`` then ``gelu`` against ``torch._addmm_activation``
   (cuBLASLt's bias-and-GELU epilogue, the tanh approximation), also inside torch.compile.
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from layergraph.kernels.add_norm import add_norm, add_scaled
 from layergraph.timing import captured_ms
 from layergraph.validation import relative_error
-from layergraph_adapters.patch_embedding import patch_product
+from layergraph_adapters.kit.patch_embedding import patch_product
 
 TOWERS = {  # name: (image size, patch, width, MLP width, tokens per image)
     "vit_base": (224, 16, 768, 3072, 197),

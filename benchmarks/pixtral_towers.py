@@ -19,7 +19,7 @@ import transformers
 from qwen_towers import Tower
 from torch import nn
 
-from layergraph_adapters.versions import PIXTRAL_CHECKED
+from layergraph_adapters.kit.versions import PIXTRAL_CHECKED
 
 ADAPTER = "pixtral"
 """The layergraph adapter that serves these towers."""

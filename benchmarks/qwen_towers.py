@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 from transformers import vision_utils
 
-from layergraph_adapters.versions import (
+from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
     QWEN3_5_VISION_CHECKED,

@@ -21,7 +21,7 @@ import transformers
 import layergraph
 from layergraph.reference import plain_graph
 from layergraph.timing import median_ms
-from layergraph_adapters.tower_specs import build_tower
+from layergraph_adapters.kit.tower_specs import build_tower
 from layergraph_adapters.towers import CLIP, SIGLIP
 
 TOWERS = {

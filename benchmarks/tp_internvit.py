@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/tp_internvit.py --model internvit-6b --json tp.json
 
 Every rank builds the same tower from its configuration (random weights, bf16, same seed) on
-its own GPU, splits it with :func:`layergraph_adapters.internvl_tp.parallelize_internvit` over
+its own GPU, splits it with :func:`layergraph_adapters.kit.internvl_tp.parallelize_internvit` over
 NCCL, wraps it with ``adapter="internvl"`` and captures every batch size. Each graph holds the
 layers' all-reduces. All ranks are fed the same tiles and replay the same keys in the same
 order. Rank 0 prints graph-against-eager errors and the latency of tensor-parallel eager and of
@@ -25,7 +25,7 @@ import layergraph
 from layergraph.timing import median_ms
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 from layergraph_adapters.internvl import build_internvit
-from layergraph_adapters.internvl_tp import parallelize_internvit
+from layergraph_adapters.kit.internvl_tp import parallelize_internvit
 
 
 def main() -> None:

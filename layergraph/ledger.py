@@ -16,7 +16,7 @@ for comparisons against the unmodified model.
 
 Plans make their changes in :meth:`~layergraph.CapturePlan.change_model`, with the helpers
 below (:meth:`ChangeLedger.set_forward`, :meth:`ChangeLedger.add_forward_hook`...) or with a
-:class:`Change` of their own (``layergraph_adapters.fused_qkv.FusedQKV`` is one). A change
+:class:`Change` of their own (``layergraph_adapters.kit.fused_qkv.FusedQKV`` is one). A change
 must be re-appliable after its undo: ``original()`` relies on it.
 """
 

@@ -17,8 +17,8 @@ import layergraph
 from layergraph.ledger import ChangeLedger
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.aligned_mlp import AlignedForward, AlignedMLP
-from layergraph_adapters.versions import QWEN2_VL_CHECKED
+from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
+from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED
 
 TOLERANCE = 1e-5
 

@@ -14,8 +14,8 @@ import torch
 import layergraph
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
-from layergraph_adapters import automatic
-from layergraph_adapters.fused_norm import fused_norm_unavailable
+from layergraph_adapters.kit import automatic
+from layergraph_adapters.kit.fused_norm import fused_norm_unavailable
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("timm")

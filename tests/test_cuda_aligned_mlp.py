@@ -19,8 +19,8 @@ from packaging.specifiers import SpecifierSet
 import layergraph
 from layergraph.timing import median_ms
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
-from layergraph_adapters.aligned_mlp import AlignedMLP
-from layergraph_adapters.versions import QWEN2_VL_CHECKED
+from layergraph_adapters.kit.aligned_mlp import AlignedMLP
+from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED
 
 pytestmark = pytest.mark.cuda
 

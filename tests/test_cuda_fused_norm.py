@@ -40,7 +40,7 @@ def _internvit(name: str, depth: int) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         pytest.importorskip("transformers")
         from layergraph_adapters.internvl import INTERNVIT_CONFIGS
-        from layergraph_adapters.tower_specs import build_tower
+        from layergraph_adapters.kit.tower_specs import build_tower
 
         settings = {**INTERNVIT_CONFIGS[name], "num_hidden_layers": depth}
         return _scaled(build_tower("InternVLVisionModel", settings, torch.bfloat16, "cuda"))

@@ -19,7 +19,7 @@ import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 transformers = pytest.importorskip("transformers")
-from layergraph_adapters.versions import PIXTRAL_CHECKED  # noqa: E402
+from layergraph_adapters.kit.versions import PIXTRAL_CHECKED  # noqa: E402
 
 if not SpecifierSet(PIXTRAL_CHECKED).contains(transformers.__version__, prereleases=True):
     pytest.skip(

@@ -24,7 +24,7 @@ import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 transformers = pytest.importorskip("transformers")
-from layergraph_adapters.versions import QWEN3_5_VISION_CHECKED  # noqa: E402
+from layergraph_adapters.kit.versions import QWEN3_5_VISION_CHECKED  # noqa: E402
 
 if not SpecifierSet(QWEN3_5_VISION_CHECKED).contains(transformers.__version__, prereleases=True):
     pytest.skip(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
-from layergraph_adapters.patch_embedding import patch_product
+from layergraph_adapters.kit.patch_embedding import patch_product
 
 pytestmark = pytest.mark.cuda
 

@@ -23,7 +23,7 @@ import layergraph
 from layergraph.kernels import add_norm as kernel
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
-from layergraph_adapters.fused_norm import FusedAddNorm, fused_norm_unavailable, fused_norms
+from layergraph_adapters.kit.fused_norm import FusedAddNorm, fused_norm_unavailable, fused_norms
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 from test_siglip2_adapter import tower
 
-from layergraph_adapters.grid_positions import GridPositions
+from layergraph_adapters.kit.grid_positions import GridPositions
 
 GRIDS = [(3, 5), (2, 1), (7, 1), (1, 9), (6, 6), (1, 1)]
 """Grids smaller and larger than the 4x4 table, one patch wide or high."""

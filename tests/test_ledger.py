@@ -28,7 +28,7 @@ from layergraph.ledger import (
     UndoError,
 )
 from layergraph.testing import SimulatedGraphs
-from layergraph_adapters.fused_norm import fused_norm_unavailable
+from layergraph_adapters.kit.fused_norm import fused_norm_unavailable
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")

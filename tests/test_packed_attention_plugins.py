@@ -124,7 +124,7 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
 ) -> None:
     from transformers.vision_utils import get_vision_window_index
 
-    from layergraph_adapters import packed_tower
+    from layergraph_adapters.kit import packed_tower
 
     timed: list[tuple[str, PackedLayout, tuple[int, ...]]] = []
 

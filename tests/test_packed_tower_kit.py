@@ -13,7 +13,7 @@ from torch import nn
 from layergraph.attention import DenseMaskedAttention, SdpaMaskedAttention, TritonVarlenAttention
 from layergraph.attention.layout import AttentionMetadata
 from layergraph.keys import UnsupportedCall
-from layergraph_adapters.packed_tower import (
+from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     copy_boundaries,
     find_packed_tower,

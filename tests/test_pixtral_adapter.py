@@ -24,7 +24,7 @@ from layergraph import AdapterMismatch
 from layergraph.staging import Staging
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.versions import PIXTRAL_CHECKED, UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 pixtral = pytest.importorskip("layergraph_adapters.pixtral")

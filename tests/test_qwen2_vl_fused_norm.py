@@ -22,7 +22,7 @@ import layergraph
 from layergraph.kernels import add_norm as kernel
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
-from layergraph_adapters.fused_norm import fused_norm_unavailable
+from layergraph_adapters.kit.fused_norm import fused_norm_unavailable
 
 pytest.importorskip("transformers")
 from test_qwen2_vl_streams import TOLERANCE, call, entries, model

@@ -26,7 +26,7 @@ import layergraph
 from layergraph import AdapterMismatch
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.versions import QWEN3_5_VISION_CHECKED, UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import QWEN3_5_VISION_CHECKED, UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("layergraph_adapters.qwen2_vl")

@@ -20,8 +20,8 @@ from torch import nn
 
 import layergraph
 from layergraph.testing import SimulatedGraphs
-from layergraph_adapters.gelu_epilogue import GeluEpilogue, gelu_epilogues, gelu_kind, mlp_parts
-from layergraph_adapters.patch_embedding import PatchMatmul, patch_matmul_for, patch_product
+from layergraph_adapters.kit.gelu_epilogue import GeluEpilogue, gelu_epilogues, gelu_kind, mlp_parts
+from layergraph_adapters.kit.patch_embedding import PatchMatmul, patch_matmul_for, patch_product
 
 RTOL, ATOL = 1e-4, 1e-5
 

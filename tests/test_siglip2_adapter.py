@@ -27,11 +27,11 @@ from layergraph.attention import (
 )
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.versions import UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 siglip2 = pytest.importorskip("layergraph_adapters.siglip2")
-naflex = pytest.importorskip("layergraph_adapters.naflex")
+naflex = pytest.importorskip("layergraph_adapters.kit.naflex")
 if not hasattr(transformers, "Siglip2VisionModel"):
     pytest.skip("this transformers has no Siglip2VisionModel", allow_module_level=True)
 

@@ -38,7 +38,7 @@ def _worker(rank: int, init_file: str, case: str) -> None:
 
     import layergraph
     from layergraph.testing import SimulatedGraphs
-    from layergraph_adapters.internvl_tp import parallelize_internvit
+    from layergraph_adapters.kit.internvl_tp import parallelize_internvit
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:

@@ -300,7 +300,7 @@ def test_idefics_position_ids_equal_the_towers_own_without_boolean_indexing(
     """transformers 5.6's Idefics embeddings write position ids by boolean-mask indexing, which
     a CUDA capture refuses; the plan computes the same embeddings with torch.where, for images
     of every size in a padded batch, in float32 and in bf16 (where 5.6 rounds the coordinates)."""
-    from layergraph_adapters.idefics import CapturablePositions
+    from layergraph_adapters.kit.idefics import CapturablePositions
 
     embeddings = TOWERS[name].build().embeddings.to(dtype)
     per_side = embeddings.num_patches_per_side

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from layergraph import AdapterMismatch
-from layergraph_adapters.versions import (
+from layergraph_adapters.kit.versions import (
     QWEN2_VL_CHECKED,
     TRANSFORMERS_CHECKED,
     UNCHECKED_VARIABLE,
@@ -96,7 +96,7 @@ def test_the_version_table_names_copies_that_exist_and_tests_that_check_them() -
     import importlib
     from pathlib import Path
 
-    from layergraph_adapters.versions import SUPPORT
+    from layergraph_adapters.kit.versions import SUPPORT
 
     root = Path(__file__).resolve().parent.parent
     for family, support in SUPPORT.items():
@@ -112,7 +112,7 @@ def test_the_version_table_names_copies_that_exist_and_tests_that_check_them() -
 
 
 def test_ci_runs_each_familys_tests_with_its_oldest_release() -> None:
-    from layergraph_adapters.versions import QWEN2_VL_CHECKED, SUPPORT, floors
+    from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED, SUPPORT, floors
 
     by_release = floors()
     assert list(by_release) == sorted(by_release, key=lambda r: tuple(map(int, r.split("."))))
@@ -122,4 +122,4 @@ def test_ci_runs_each_familys_tests_with_its_oldest_release() -> None:
     assert SUPPORT["qwen2_vl"].floor == "5.17.0"
     assert TRANSFORMERS_CHECKED.startswith(f">={SUPPORT['transformers towers'].floor},")
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "python -m layergraph_adapters.versions" in ci and '"transformers==$release"' in ci
+    assert "python -m layergraph_adapters.kit.versions" in ci and '"transformers==$release"' in ci

@@ -19,7 +19,7 @@ from torch import nn
 
 import layergraph
 from layergraph.keys import CallInputs
-from layergraph_adapters.patch_embedding import PatchMatmul
+from layergraph_adapters.kit.patch_embedding import PatchMatmul
 
 
 class Dinov2Adapter(layergraph.Adapter):

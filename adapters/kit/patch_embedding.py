@@ -12,7 +12,7 @@ convolution's shape and values (up to rounding: the sums run in another order); 
 channels-last, so the usual ``flatten(2).transpose(1, 2)`` that follows gives a row-major token
 sequence without a copy. The weight is used through a view, so in-place weight updates reach
 it. Training calls run the convolution. It is a change made through the wrapper's ledger
-(:class:`~layergraph_adapters.rewrites.InferenceForward`).
+(:class:`~layergraph_adapters.kit.rewrites.InferenceForward`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layergraph_adapters.rewrites import InferenceForward
+from layergraph_adapters.kit.rewrites import InferenceForward
 
 __all__ = ["PatchMatmul", "is_patch_convolution", "patch_matmul_for"]
 

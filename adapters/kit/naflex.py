@@ -6,7 +6,7 @@ with a mask. The ``siglip2`` adapter packs the real patches of a call into one s
 from a budget's buffers (:class:`NaflexBuffers`), with shapes fixed by the budget alone:
 
 - the patch embedding of the packed patches, plus their position embeddings, which the plan
-  writes into the buffers before the replay (:mod:`layergraph_adapters.grid_positions`);
+  writes into the buffers before the replay (:mod:`layergraph_adapters.kit.grid_positions`);
 - the encoder's layers, whose attention modules hand q, k and v to a backend that reads the
   boundaries from the buffers when it runs (the plan's routed attention), the backend prepared
   once per replay first (the dense backend, where the plan measured it faster for a budget,
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.attention import AttentionBackend, AttentionMetadata
-from layergraph_adapters.packed_tower import workspace
+from layergraph_adapters.kit.packed_tower import workspace
 
 __all__ = ["NaflexBuffers", "allocate", "packed_forward", "pool"]
 

@@ -8,7 +8,7 @@ hidden width with zero rows and columns changes no value: the padded units get z
 bias on the way in and zero weight on the way out.
 
 :class:`AlignedMLP` is a change made through the wrapper's ledger, like
-:class:`~layergraph_adapters.fused_qkv.FusedQKV`. Applied, it copies the MLP's weights into
+:class:`~layergraph_adapters.kit.fused_qkv.FusedQKV`. Applied, it copies the MLP's weights into
 padded tensors and makes the module's own parameters views of them (the same ``Parameter``
 objects, ``state_dict`` keys unchanged, in-place updates reaching the padded tensors; the
 down projection's weight becomes a view with a row stride of the padded width). For a gated
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.ledger import Change
-from layergraph_adapters.rewrites import InferenceForward, give_back_storage
+from layergraph_adapters.kit.rewrites import InferenceForward, give_back_storage
 
 __all__ = ["MLP_LAYOUTS", "AlignedForward", "AlignedMLP", "mlp_layout"]
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layergraph_adapters.rewrites import InferenceForward
+from layergraph_adapters.kit.rewrites import InferenceForward
 
 __all__ = ["GeluEpilogue", "gelu_epilogues", "gelu_kind", "mlp_parts"]
 

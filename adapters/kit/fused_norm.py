@@ -43,7 +43,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from layergraph_adapters.rewrites import InferenceForward
+from layergraph_adapters.kit.rewrites import InferenceForward
 
 __all__ = ["FusedAddNorm", "fused_norm_unavailable", "fused_norms", "norm_kind"]
 

@@ -2,7 +2,7 @@
 
 The tower resizes its learned ``side x side`` position table to each image's patch grid. Its
 packed graphs read the resized rows from a buffer, written before every replay
-(:mod:`layergraph_adapters.naflex`); :class:`GridPositions` makes them, by the tower's own
+(:mod:`layergraph_adapters.kit.naflex`); :class:`GridPositions` makes them, by the tower's own
 ``resize_positional_embeddings``, so that they are the tower's in every transformers release
 (up to 5.23 an antialiased ``F.interpolate`` per image; from 5.24 explicit weights, which differ
 from it for grids one patch wide, where PyTorch's CPU kernel gives every row the first row's

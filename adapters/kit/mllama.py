@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from layergraph.keys import CallInputs
-from layergraph_adapters.hf_vision import VisionTowerPlan
-from layergraph_adapters.tokens import TileTokens
-from layergraph_adapters.tower_specs import TowerSpec, find_module
+from layergraph_adapters.kit.hf_vision import VisionTowerPlan
+from layergraph_adapters.kit.tokens import TileTokens
+from layergraph_adapters.kit.tower_specs import TowerSpec, find_module
 
 __all__ = ["MllamaVisionPlan", "tiles_of_images"]
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.ledger import Change
-from layergraph_adapters.rewrites import give_back_storage
+from layergraph_adapters.kit.rewrites import give_back_storage
 
 __all__ = ["FusedQKV", "fused_attention_forward", "has_qkv_projections"]
 

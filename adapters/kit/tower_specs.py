@@ -4,7 +4,7 @@ A :class:`TowerSpec` says which transformers classes are a family's towers, wher
 list lives, how many tokens besides the patches an image gives, which image sizes they take,
 which speed options fit their layers, where a larger model (a VLM, a dual encoder) holds the
 tower, which setting of that model names the hidden state it reads, and what it calls the
-tower with. :mod:`layergraph_adapters.hf_vision`'s adapter and plan read nothing else about a
+tower with. :mod:`layergraph_adapters.kit.hf_vision`'s adapter and plan read nothing else about a
 family, so a family whose tower fits them is one entry of
 :data:`layergraph_adapters.towers.TOWERS`. A family with quirks names a plan of its own
 (``plan``), kept in its own module.
@@ -27,8 +27,8 @@ from torch import nn
 from layergraph import AdapterMismatch, ExampleModel
 
 if TYPE_CHECKING:
-    from layergraph_adapters.fused_qkv import FusedQKV
-    from layergraph_adapters.hf_vision import VisionTowerPlan
+    from layergraph_adapters.kit.fused_qkv import FusedQKV
+    from layergraph_adapters.kit.hf_vision import VisionTowerPlan
 
 __all__ = [
     "TEXT_ONLY_ARGUMENTS",
@@ -140,7 +140,7 @@ class TowerSpec:
     """What a larger model calls the tower with, for example models and benchmarks."""
     plan: type[VisionTowerPlan] | None = None
     """The plan class of a family with quirks, a subclass of
-    :class:`~layergraph_adapters.hf_vision.VisionTowerPlan` in the family's own module;
+    :class:`~layergraph_adapters.kit.hf_vision.VisionTowerPlan` in the family's own module;
     ``None``: the shared one."""
     examples: Mapping[str, TowerExample] = field(default_factory=dict)
     """Well-known towers of the family by name, for the demo, ``layergraph bench`` and

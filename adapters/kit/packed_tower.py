@@ -171,7 +171,7 @@ class PackedTowerAdapter(Adapter):
         return found
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        from layergraph_adapters.versions import require_transformers
+        from layergraph_adapters.kit.versions import require_transformers
 
         tower, family = self.find(model)
         if family.checked is not None:

@@ -2,9 +2,9 @@
 
 These adapters (InternVL's and every family of :data:`layergraph_adapters.towers.TOWERS`)
 follow transformers' own code: the attention forward of CLIP-style layers
-(:func:`layergraph_adapters.fused_qkv.fused_attention_forward`), InternViT's attention (the
+(:func:`layergraph_adapters.kit.fused_qkv.fused_attention_forward`), InternViT's attention (the
 routed forward of :mod:`layergraph_adapters.internvl`), and where a model keeps its tower,
-layers and embeddings (each family's :class:`~layergraph_adapters.tower_specs.TowerSpec`).
+layers and embeddings (each family's :class:`~layergraph_adapters.kit.tower_specs.TowerSpec`).
 Another release may change that code, and a copy that no longer matches it computes something
 else without failing, so the plans refuse transformers outside the checked range
 (:func:`require_transformers`). :data:`SUPPORT` is the one table of it: per family, the range,
@@ -151,10 +151,10 @@ SUPPORT: dict[str, Support] = {
     "transformers towers": Support(
         TRANSFORMERS_CHECKED,
         copies=(
-            "layergraph_adapters.fused_qkv:fused_attention_forward",
+            "layergraph_adapters.kit.fused_qkv:fused_attention_forward",
             "layergraph_adapters.internvl:_routed_attention",
-            "layergraph_adapters.idefics:patch_position_ids",
-            "layergraph_adapters.naflex:packed_forward",
+            "layergraph_adapters.kit.idefics:patch_position_ids",
+            "layergraph_adapters.kit.naflex:packed_forward",
             "layergraph_adapters.siglip2:Siglip2Plan.attend_packed",
         ),
         probes=(

@@ -2,7 +2,7 @@
 
 A tower (``CLIPVisionModel``, ``SiglipVisionModel``, ``InternVLVisionModel``...) is found in the
 model given to ``wrap`` (the model itself, or where its family's
-:class:`~layergraph_adapters.tower_specs.TowerSpec` says a larger model holds it: the
+:class:`~layergraph_adapters.kit.tower_specs.TowerSpec` says a larger model holds it: the
 ``vision_model`` of ``CLIPModel`` or Idefics, the ``vision_tower`` of LLaVA), and its whole
 forward is captured per key (images, tokens per image), then installed as the tower's forward
 so that every caller (``generate``, ``get_image_features``) reaches the graphs. ``unwrap()``
@@ -35,22 +35,22 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, Plan
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
-from layergraph_adapters.automatic import build_with_automatic_options
-from layergraph_adapters.feature_outputs import feature_indices, with_rest_on_demand
-from layergraph_adapters.fused_norm import fused_norms
-from layergraph_adapters.fused_qkv import FusedQKV
-from layergraph_adapters.gelu_epilogue import gelu_epilogues
-from layergraph_adapters.layout import RowMajorOutput
-from layergraph_adapters.patch_embedding import patch_matmul_for
-from layergraph_adapters.tokens import ImageTokens
-from layergraph_adapters.tower_specs import (
+from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.feature_outputs import feature_indices, with_rest_on_demand
+from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.fused_qkv import FusedQKV
+from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
+from layergraph_adapters.kit.layout import RowMajorOutput
+from layergraph_adapters.kit.patch_embedding import patch_matmul_for
+from layergraph_adapters.kit.tokens import ImageTokens
+from layergraph_adapters.kit.tower_specs import (
     TowerSpec,
     find_module,
     find_tower,
     layer_list,
     pair,
 )
-from layergraph_adapters.versions import require_transformers
+from layergraph_adapters.kit.versions import require_transformers
 
 
 def vlm_feature_layers(model: nn.Module, spec: TowerSpec) -> int | list[int] | None:
@@ -71,14 +71,14 @@ class VisionTowerAdapter(Adapter):
     ``feature_layers`` (an index into ``hidden_states``, or a list of them) lets the graphs stop
     at the deepest layer needed; inside a VLM it defaults to the VLM's ``vision_feature_layer``.
     ``fuse_qkv=True`` computes each layer's q, k and v in one matrix product, whose weight the
-    three projections' weights become views of (see :mod:`layergraph_adapters.fused_qkv`).
+    three projections' weights become views of (see :mod:`layergraph_adapters.kit.fused_qkv`).
     ``patch_matmul=True`` runs the patch embedding as one matrix product
-    (:mod:`layergraph_adapters.patch_embedding`); ``fuse_gelu=True`` applies each MLP's GELU
+    (:mod:`layergraph_adapters.kit.patch_embedding`); ``fuse_gelu=True`` applies each MLP's GELU
     in its up-projection's epilogue where the GELU is the tanh approximation, and
     ``fuse_gelu="approximate"`` for the exact GELU too, approximating it
-    (:mod:`layergraph_adapters.gelu_epilogue`); ``fuse_norm=True`` computes each layer's
+    (:mod:`layergraph_adapters.kit.gelu_epilogue`); ``fuse_norm=True`` computes each layer's
     residual adds and second norm with one Triton kernel, on CUDA
-    (:mod:`layergraph_adapters.fused_norm`). All of them change values by rounding only
+    (:mod:`layergraph_adapters.kit.fused_norm`). All of them change values by rounding only
     (and ``"approximate"`` by the approximation), and are off by default; a family whose
     layers do not fit one of them refuses it with the reason.
     """
@@ -240,7 +240,7 @@ class VisionTowerPlan(CapturePlan):
         ]
         """What is rewritten while wrapped, each a change made through the ledger: the
         embeddings' output made row-major (SigLIP's comes out column-major,
-        :mod:`layergraph_adapters.layout`; CLIP's is row-major already), and the
+        :mod:`layergraph_adapters.kit.layout`; CLIP's is row-major already), and the
         ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm`` options."""
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:

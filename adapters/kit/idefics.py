@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from layergraph_adapters.hf_vision import VisionTowerPlan
-from layergraph_adapters.rewrites import InferenceForward
-from layergraph_adapters.tower_specs import find_module
+from layergraph_adapters.kit.hf_vision import VisionTowerPlan
+from layergraph_adapters.kit.rewrites import InferenceForward
+from layergraph_adapters.kit.tower_specs import find_module
 
 __all__ = ["CapturablePositions", "IdeficsPlan", "patch_position_ids"]
 
