@@ -89,3 +89,17 @@ def wrap_for_stream(
         batch_sizes=list(budgets) if isinstance(budgets, tuple) else budgets,
         **options,
     )
+
+
+def skip_unless_served(family: str) -> None:
+    """Skip the calling test module unless the installed transformers is in the range the
+    version table gives ``family`` (:data:`~layergraph_adapters.kit.versions.SUPPORT`)."""
+    import pytest
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    from layergraph_adapters.kit.versions import SUPPORT
+
+    checked = SUPPORT[family].checked
+    if not SpecifierSet(checked).contains(transformers.__version__, prereleases=True):
+        pytest.skip(f"{family} is served with transformers{checked}", allow_module_level=True)

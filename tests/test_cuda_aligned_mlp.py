@@ -14,21 +14,17 @@ import copy
 
 import pytest
 import torch
-from packaging.specifiers import SpecifierSet
+from packed_helpers import skip_unless_served
 
 import layergraph
 from layergraph.timing import median_ms
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 from layergraph_adapters.kit.aligned_mlp import AlignedMLP
-from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED
 
 pytestmark = pytest.mark.cuda
 
 transformers = pytest.importorskip("transformers")
-if not SpecifierSet(QWEN2_VL_CHECKED).contains(transformers.__version__, prereleases=True):
-    pytest.skip(
-        f"the qwen2_vl adapter needs transformers{QWEN2_VL_CHECKED}", allow_module_level=True
-    )
+skip_unless_served("qwen2_vl")
 
 TOLERANCE = DEFAULT_TOLERANCE[torch.bfloat16]
 

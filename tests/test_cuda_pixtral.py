@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from packaging.specifiers import SpecifierSet
+from packed_helpers import skip_unless_served
 
 import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 transformers = pytest.importorskip("transformers")
-from layergraph_adapters.kit.versions import PIXTRAL_CHECKED  # noqa: E402
 
-if not SpecifierSet(PIXTRAL_CHECKED).contains(transformers.__version__, prereleases=True):
-    pytest.skip(
-        f"the pixtral adapter is served with transformers{PIXTRAL_CHECKED}",
-        allow_module_level=True,
-    )
+skip_unless_served("pixtral")
 
 pytestmark = pytest.mark.cuda
 

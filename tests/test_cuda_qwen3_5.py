@@ -18,19 +18,14 @@ import copy
 
 import pytest
 import torch
-from packaging.specifiers import SpecifierSet
+from packed_helpers import skip_unless_served
 
 import layergraph
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
 transformers = pytest.importorskip("transformers")
-from layergraph_adapters.kit.versions import QWEN3_5_VISION_CHECKED  # noqa: E402
 
-if not SpecifierSet(QWEN3_5_VISION_CHECKED).contains(transformers.__version__, prereleases=True):
-    pytest.skip(
-        f"the Qwen3.5 towers are served with transformers{QWEN3_5_VISION_CHECKED}",
-        allow_module_level=True,
-    )
+skip_unless_served("qwen3.5 vision")
 
 from test_qwen3_5_adapter import VLMS, call, vlm  # noqa: E402
 

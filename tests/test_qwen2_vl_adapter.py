@@ -19,21 +19,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from packaging.specifiers import SpecifierSet
+from packed_helpers import skip_unless_served
 from torch.utils import _pytree as pytree
 
 import layergraph
 from layergraph import AdapterMismatch
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED, UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("layergraph_adapters.qwen2_vl")
-if not SpecifierSet(QWEN2_VL_CHECKED).contains(transformers.__version__, prereleases=True):
-    pytest.skip(
-        f"the qwen2_vl adapter needs transformers{QWEN2_VL_CHECKED}", allow_module_level=True
-    )
+skip_unless_served("qwen2_vl")
 
 TOLERANCE = 1e-4
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch

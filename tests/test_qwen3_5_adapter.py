@@ -20,21 +20,17 @@ from typing import Any
 
 import pytest
 import torch
-from packaging.specifiers import SpecifierSet
+from packed_helpers import skip_unless_served
 
 import layergraph
 from layergraph import AdapterMismatch
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.kit.versions import QWEN3_5_VISION_CHECKED, UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("layergraph_adapters.qwen2_vl")
-if not SpecifierSet(QWEN3_5_VISION_CHECKED).contains(transformers.__version__, prereleases=True):
-    pytest.skip(
-        f"the Qwen3.5 towers are served with transformers{QWEN3_5_VISION_CHECKED}",
-        allow_module_level=True,
-    )
+skip_unless_served("qwen3.5 vision")
 
 TOLERANCE = 1e-4
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch

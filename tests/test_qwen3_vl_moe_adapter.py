@@ -20,24 +20,18 @@ from typing import Any
 
 import pytest
 import torch
-from packaging.specifiers import SpecifierSet
+from packed_helpers import skip_unless_served
 from torch.utils import _pytree as pytree
 
 import layergraph
 from layergraph import AdapterMismatch
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
-from layergraph_adapters.kit.versions import QWEN3_VL_MOE_VISION_CHECKED, UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 qwen2_vl = pytest.importorskip("layergraph_adapters.qwen2_vl")
-if not SpecifierSet(QWEN3_VL_MOE_VISION_CHECKED).contains(
-    transformers.__version__, prereleases=True
-):
-    pytest.skip(
-        f"the Qwen3-VL-MoE tower is served with transformers{QWEN3_VL_MOE_VISION_CHECKED}",
-        allow_module_level=True,
-    )
+skip_unless_served("qwen3-vl-moe vision")
 from test_qwen3_5_adapter import (  # noqa: E402
     ENTRIES,
     TOKENS,
