@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .version import __version__
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -20,6 +22,7 @@ _DTYPES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf1
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     parser = argparse.ArgumentParser(prog="layergraph", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"layergraph {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "adapters",

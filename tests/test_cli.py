@@ -27,6 +27,14 @@ def test_adapters_lists_first_party_adapters() -> None:
         assert expected in result.stdout
 
 
+def test_version_is_the_packages() -> None:
+    import layergraph
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"layergraph {layergraph.__version__}"
+
+
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="checks the no-GPU path of the demo"
 )
