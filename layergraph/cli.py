@@ -21,7 +21,11 @@ _DTYPES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf1
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="layergraph", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="layergraph",
+        description="Capture a vision encoder's layers into CUDA graphs: list the adapters, run "
+        "the demo, or benchmark a model against eager, a hand-written graph and torch.compile.",
+    )
     parser.add_argument("--version", action="version", version=f"layergraph {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(

@@ -27,6 +27,12 @@ def test_adapters_lists_first_party_adapters() -> None:
         assert expected in result.stdout
 
 
+def test_help_reads_as_text() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert "``" not in result.stdout and "adapters" in result.stdout
+
+
 def test_version_is_the_packages() -> None:
     import layergraph
 
