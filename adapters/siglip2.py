@@ -285,11 +285,6 @@ class Siglip2Adapter(PackedTowerAdapter):
     plan_class = Siglip2Plan
     default_budget_step = 256
 
-    def __init__(
-        self, attention: str = "auto", max_tokens: int = 16384, budget_step: int = 256
-    ) -> None:
-        super().__init__(attention, max_tokens, budget_step)
-
 
 def _read_grids(mask: torch.Tensor, shapes: torch.Tensor) -> list[tuple[int, int]]:
     """Each image's patch grid (height, width) from ``spatial_shapes``, read on the host with
