@@ -23,8 +23,10 @@ Sections:
 
 - **calls**: batches of 1 to 8 images at 256 and 1024 patches (1 to 4 photos for LFM2-VL's towers),
   waited latency (medians of many calls, each waited for, CUDA events): the tower eager;
-  layergraph's ``wrap`` with its defaults and with ``attention="triton"`` (the real patches packed
-  per token budget; each row wrapped afresh, planned from its first call: ``observe_calls=0``);
+  layergraph's ``wrap`` with its defaults and with ``attention="triton"``, or with each attention
+  setting ``--attention`` names (the real patches packed per token budget; each row wrapped
+  afresh, planned from its first call: ``observe_calls=0``; each row records the budget that
+  served it and that budget's attention backend);
   a hand-written graph of the tower's own forward at that padded shape (``torch.cuda.graph``,
   new pixels, masks and grids copied in: transformers 5.24 resizes the
   position table on the device from ``spatial_shapes``; up to 5.23, whose resize reads the grids
@@ -35,7 +37,8 @@ Sections:
 - **stream**: seeded requests of 1 to 8 images at 256 or 1024 patches (1 to 3 photos for LFM2-VL's
   towers), each waited for: the total of eager, of layergraph (its first pass, which captures, and a
   second) and of hand-written graphs, one per padded shape (captures not counted); layergraph's
-  graphs, budgets, pool and capture seconds; every answer compared with eager's.
+  graphs, budgets, pool and capture seconds; every answer compared with eager's. ``--no-stream``
+  leaves it out.
 
 ``--tiny`` runs a four-layer tower of the same kind in float32 (LFM2-VL's processor with 4-pixel
 patches, 32-pixel tiles and photos a sixteenth of the size), on the GPU if there is one, else on the
@@ -166,6 +169,9 @@ class Settings:
     requests: int
     seed: int
     tower: NaflexTower
+    attention: tuple[str, ...] = ("auto", "triton")
+    """layergraph's attention settings, one column each: ``layergraph`` for ``auto``,
+    ``layergraph_<name>`` for a backend named."""
 
     @property
     def simulated(self) -> bool:
@@ -250,6 +256,11 @@ def host_checks_off() -> Iterator[None]:
             del os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"]
         else:
             os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
+
+
+SIMULATED_ATTENTION = ("auto", "sdpa_varlen")
+"""The attention settings that run without a GPU; the others are measured with
+``sdpa_varlen`` there."""
 
 
 RESIZES_ON_HOST = "<5.24"
@@ -404,8 +415,9 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
             del by_hand
             rows.append(row)
         del reference
-        for column, attention in (("layergraph", "auto"), ("layergraph_triton", "triton")):
-            if attention == "triton" and settings.simulated:
+        for attention in settings.attention:
+            column = "layergraph" if attention == "auto" else f"layergraph_{attention}"
+            if settings.simulated and attention not in SIMULATED_ATTENTION:
                 attention = "sdpa_varlen"
             for row, batch, want in zip(rows, inputs, wants):
                 graphed = wrap(model, settings, attention, observe_calls=0)
@@ -414,10 +426,23 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
                 row[f"{column}_served"] = sorted(
                     way for tokens, way in graphed.stats.served if tokens == row["tokens"]
                 )
-                row[f"{column}_attention"] = sorted(set(graphed.plan.attention_by_budget.values()))
+                budget = served_budget(graphed, row["tokens"])
+                row[f"{column}_budget"] = budget
+                row[f"{column}_attention"] = graphed.plan.attention_by_budget.get(budget, "-")
                 graphed.release()
                 graphed.unwrap()
     return rows
+
+
+def served_budget(graphed: Any, tokens: int) -> int | None:
+    """The budget whose graph served the calls of ``tokens`` real tokens, or ``None`` where
+    they ran eagerly."""
+    for (served, way), _ in graphed.stats.served.items():
+        if served == tokens and way == "graph":
+            return tokens
+        if served == tokens and way.startswith("padded to "):
+            return int(way.removeprefix("padded to "))
+    return None
 
 
 def stream(model: nn.Module, settings: Settings) -> dict[str, Any]:
@@ -522,6 +547,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, default=None, help="stream length (100; 8 tiny)")
     parser.add_argument("--seconds", type=float, default=None, help="per median (1.0; 0.05 tiny)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attention",
+        default="auto,triton",
+        help="comma-separated attention settings, one column each (auto, or backends' names)",
+    )
+    parser.add_argument("--no-stream", action="store_true", help="the calls section only")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not args.tiny and not cuda:
@@ -533,14 +564,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         requests=args.requests if args.requests is not None else (8 if args.tiny else 100),
         seed=args.seed,
         tower=TOWERS[args.tower](args.tiny),
+        attention=tuple(args.attention.split(",")),
     )
     model = tower_model(settings)
     started = time.perf_counter()
     rows = calls(model, settings)
     for row in rows:
         print(rounded(row))
-    streamed = stream(model, settings)
-    print(rounded(streamed))
+    streamed = None if args.no_stream else stream(model, settings)
+    if streamed is not None:
+        print(rounded(streamed))
     result = {
         "tower": settings.tower.name,
         "device": torch.cuda.get_device_name() if cuda else "cpu",

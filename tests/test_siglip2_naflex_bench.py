@@ -71,6 +71,19 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
     assert stream["hand_graph_failures"] == []
 
 
+def test_attention_settings_are_columns_and_the_stream_can_be_left_out(bench: Any) -> None:
+    result = bench.main(
+        ["--tiny", "--seconds", "0.01", "--attention", "auto,sdpa_varlen", "--no-stream"]
+    )
+    assert result["stream"] is None
+    for row in result["calls"]:
+        for column in ("layergraph", "layergraph_sdpa_varlen"):
+            assert row[f"{column}_error"] <= TOLERANCE, (row, column)
+            assert row[f"{column}_budget"] >= row["tokens"], (row, column)
+        assert row["layergraph_sdpa_varlen_attention"] == "sdpa_varlen"
+        assert "layergraph_triton_ms" not in row
+
+
 def test_the_so400m_tower_asks_for_a_gpu_without_one(bench: Any, capsys: Any) -> None:
     if bench.torch.cuda.is_available():
         pytest.skip("a GPU is present")
