@@ -18,8 +18,9 @@ image (Mllama: one image of four tiles) at the family's usual size, as its VLM f
 
 Latencies are medians of calls each waited for, timed with CUDA events
 (:func:`layergraph.timing.waited_ms`); relative errors compare the first output tensor with
-eager's, against bf16's tolerance (2e-2). A family whose classes the installed transformers
-lacks gets a row saying so. ``--tiny`` builds each family small, in float32, and runs
+eager's, against bf16's tolerance (2e-2), and eager's and layergraph's with a float32 copy's
+(float64 on the CPU), where layergraph's may be at most 1.1 times eager's own. A family whose
+classes the installed transformers lacks gets a row saying so. ``--tiny`` builds each family small, in float32, and runs
 layergraph on simulated graphs when there is no GPU (the hand-written graph needs one), so
 that the whole script runs anywhere in seconds. ``--json`` writes the rows, ``--markdown``
 the section of ``docs/benchmarks.md`` that holds them; ``benchmarks/coverage_page.py`` reads a
@@ -33,6 +34,7 @@ import gc
 import json
 import sys
 from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,12 +104,18 @@ class Row:
     hand_written_ms: float | None = None
     relative_error: float | None = None
     """layergraph's first output tensor against eager's."""
+    eager_error: float | None = None
+    """Eager's first output tensor against a wider copy's (float32; float64 on the CPU)."""
+    layergraph_error: float | None = None
+    """layergraph's first output tensor against the wider copy's."""
     hand_written_error: float | None = None
     hand_written_of: str | None = None
     """What the hand-written graph captured: the whole tower, with any change a capture needs."""
     hand_written_failure: str | None = None
     """Why the hand-written graph could not be made or run, if it could not."""
     within_tolerance: bool | None = None
+    within_eager_error: bool | None = None
+    """Whether :attr:`layergraph_error` is at most :data:`ERROR_MARGIN` times eager's own."""
     served: str | None = None
     """How layergraph served the batch (``graph``, or ``eager`` with the reason)."""
 
@@ -210,7 +218,9 @@ def measure(
     row.image_size = size[0]
     inputs = spec.inputs(config, 1, size, dtype, device)
     with torch.inference_mode():
+        reference = wider_output(model, inputs)
         want = first_tensor(model(**inputs))
+        row.eager_error = relative_error(want, reference)
         row.eager_ms = waited_ms(lambda: model(**inputs), device=device, iters=iters)
         if hand_graph is not None:
             measure_hand_written(
@@ -219,7 +229,9 @@ def measure(
         backend = None if device.type == "cuda" else SimulatedGraphs()
         graphed = layergraph.wrap(model, adapter=spec.adapter, backend=backend)
         graphed.capture(**inputs, progress=False)
-        row.relative_error = relative_error(first_tensor(graphed(**inputs)), want)
+        got = first_tensor(graphed(**inputs))
+        row.relative_error = relative_error(got, want)
+        row.layergraph_error = relative_error(got, reference)
         row.layergraph_ms = waited_ms(lambda: graphed(**inputs), device=device, iters=iters)
         ways = sorted(way for (_, way) in graphed.stats.served)
         reasons = sorted(graphed.stats.eager_calls)
@@ -227,7 +239,25 @@ def measure(
         graphed.unwrap()
     tolerance = DEFAULT_TOLERANCE.get(dtype, 1e-4)
     row.within_tolerance = row.relative_error <= tolerance
+    row.within_eager_error = row.layergraph_error <= ERROR_MARGIN * row.eager_error + 1e-12
     return row
+
+
+ERROR_MARGIN = 1.1
+"""How much larger than eager's own error against the wider copy layergraph's may be."""
+
+
+def wider_output(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The first output tensor of a copy of ``model`` in a wider dtype (float32, or float64
+    for a float32 model), given ``inputs``' floating tensors in it; the copy is dropped."""
+    dtype = next(model.parameters()).dtype
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    copy = deepcopy(model).to(wide)
+    widened = {
+        name: value.to(wide) if torch.is_tensor(value) and value.is_floating_point() else value
+        for name, value in inputs.items()
+    }
+    return first_tensor(copy(**widened)).clone()
 
 
 def run(*, tiny: bool, models: set[str] | None, iters: int, device: torch.device) -> list[Row]:
@@ -254,6 +284,7 @@ def print_table(rows: list[Row], title: str) -> None:
         "eager/layergraph",
         "layergraph/hand-written",
         "rel. error",
+        "vs float32 (eager's)",
         "served",
     ]
     lines = [
@@ -266,6 +297,7 @@ def print_table(rows: list[Row], title: str) -> None:
             _cell(row.speedup, "x"),
             _cell(row.against_hand_written),
             "-" if row.relative_error is None else f"{row.relative_error:.1e}",
+            _errors(row.layergraph_error, row.eager_error),
             row.served or row.status,
         ]
         for row in rows
@@ -299,26 +331,35 @@ def markdown(record: dict[str, Any]) -> str:
         "the position ids layergraph computes, the same values without boolean-mask indexing, "
         "which a capture refuses); one that fails says why; layergraph is "
         "`wrap(tower)` with default options. Errors are layergraph's first output against "
-        "eager's (bf16's tolerance: 2e-2).",
+        "eager's (bf16's tolerance: 2e-2), and against a float32 copy's, eager's own in "
+        "brackets.",
         "",
         "| family | configuration | image | eager ms | hand-written ms | layergraph ms | "
-        "eager / layergraph | layergraph / hand-written | error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "eager / layergraph | layergraph / hand-written | error | vs float32 (eager's) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in record["rows"]:
         if row["status"] != "measured":
             lines.append(
                 f"| {row['family']} | {row['model']} | - | {row['status']}: checked on the "
-                "CPU only (tests/test_coverage.py) | | | | | |"
+                "CPU only (tests/test_coverage.py) | | | | | | |"
             )
             continue
         lines.append(
             f"| {row['family']} | {row['model']} | {row['image_size']} | "
             f"{_cell(row['eager_ms'])} | {_hand_cell(row)} | "
             f"{_cell(row['layergraph_ms'])} | {_cell(row['speedup'], 'x')} | "
-            f"{_cell(row['against_hand_written'])} | {row['relative_error']:.1e} |"
+            f"{_cell(row['against_hand_written'])} | {row['relative_error']:.1e} | "
+            f"{_errors(row.get('layergraph_error'), row.get('eager_error'))} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _errors(layergraph_error: float | None, eager_error: float | None) -> str:
+    """layergraph's error against the wider copy, eager's in brackets."""
+    if layergraph_error is None or eager_error is None:
+        return "-"
+    return f"{layergraph_error:.1e} ({eager_error:.1e})"
 
 
 def _hand_cell(row: dict[str, Any]) -> str:

@@ -41,6 +41,10 @@ def test_tiny_run_measures_each_chosen_configuration(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["status"] == "measured"
         assert row["relative_error"] <= 1e-4 and row["within_tolerance"]
+        # Against the float64 copy: float32 rounding, the graph's the same as eager's.
+        assert 0 < row["eager_error"] <= 1e-3
+        assert row["layergraph_error"] == pytest.approx(row["eager_error"], rel=1e-6)
+        assert row["within_eager_error"]
         assert row["served"] == "graph"
         assert row["hand_written_ms"] is None  # needs a GPU
     assert rows["idefics3-8b-364"]["adapter"] == "idefics"
