@@ -22,9 +22,9 @@ eager's, against bf16's tolerance (2e-2), and eager's and layergraph's with a fl
 (float64 on the CPU), where layergraph's may be at most 1.1 times eager's own. A family whose
 classes the installed transformers lacks gets a row saying so. ``--tiny`` builds each family
 small, in float32, and runs layergraph on simulated graphs when there is no GPU (the
-hand-written graph needs one), so that the whole script runs anywhere in seconds. ``--json`` writes the rows, ``--markdown``
-the section of ``docs/benchmarks.md`` that holds them; ``benchmarks/coverage_page.py`` reads a
-GPU run's JSON from ``docs/results``.
+hand-written graph needs one), so that the whole script runs anywhere in seconds. ``--json``
+writes the rows, ``--markdown`` the section of ``docs/benchmarks.md`` that holds them;
+``benchmarks/coverage_page.py`` reads a GPU run's JSON from ``docs/results``.
 """
 
 from __future__ import annotations
