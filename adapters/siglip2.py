@@ -35,12 +35,14 @@ states, pass other arguments, or whose mask does not mark each image's first
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from layergraph import hookimpl
 from layergraph.keys import UnsupportedCall
@@ -71,31 +73,71 @@ FAMILY = PackedFamily(
 
 
 @dataclass(eq=False)
-class _Images:
-    """What a call's grids give on the host; the gather index is made on the device once."""
+class _Layout:
+    """What a call's grids at its ``max_patches`` give, the same for every call of them: kept
+    for the layouts used last (:data:`_LAYOUTS_KEPT`), so that a call of a layout seen before
+    makes none of it again. Read only."""
 
-    pixels: torch.Tensor
-    """The call's ``pixel_values``, ``[images, max_patches, features]``."""
-    grids: list[tuple[int, int]]
-    counts: list[int]
-    slots: int
-    cu_seqlens: torch.Tensor
+    grids: tuple[tuple[int, int], ...]
+    patches: int
+    """The call's ``max_patches``."""
+    counts: list[int] = field(init=False)
+    tokens: int = field(init=False)
+    slots: int = field(init=False)
+    cu_seqlens: torch.Tensor = field(init=False)
     """The images' boundaries in the call's slots, on the host."""
-    return_dict: bool
-    options: dict[str, Any]
-    """The call's arguments besides the inputs, for the pieces of a split call."""
-    _index: torch.Tensor | None = field(default=None, repr=False)
+    mask: torch.Tensor = field(init=False, repr=False)
+    """The ``pixel_attention_mask`` the grids ask for, ``[images, max_patches]`` bool, host."""
+    _index: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.counts = [height * width for height, width in self.grids]
+        self.tokens = sum(self.counts)
+        self.slots = image_slots(len(self.grids))
+        self.cu_seqlens = host_boundaries(self.counts, self.slots)
+        counts = torch.tensor(self.counts)
+        self.mask = torch.arange(self.patches)[None, :] < counts[:, None]
 
     def index(self, device: torch.device) -> torch.Tensor:
         """Where each real patch sits among the call's ``images * max_patches`` rows (int64,
         packed order), on ``device``."""
-        if self._index is None:
-            counts = torch.tensor(self.counts)
-            image = torch.repeat_interleave(torch.arange(len(self.counts)), counts)
-            starts = counts.cumsum(0) - counts
-            rows = torch.arange(int(counts.sum())) - starts[image] + image * self.pixels.shape[1]
-            self._index = rows.to(device)
-        return self._index
+        index = self._index.get(device)
+        if index is None:
+            index = self.mask.reshape(-1).nonzero().reshape(-1).to(device)
+            self._index[device] = index
+        return index
+
+
+_LAYOUTS_KEPT = 64
+"""How many call layouts (grids and ``max_patches``) a plan keeps."""
+
+
+@dataclass(eq=False)
+class _Images:
+    """A call's images: its pixels and its :class:`_Layout`."""
+
+    pixels: torch.Tensor
+    """The call's ``pixel_values``, ``[images, max_patches, features]``."""
+    layout: _Layout
+    return_dict: bool
+    options: dict[str, Any]
+    """The call's arguments besides the inputs, for the pieces of a split call."""
+
+    @property
+    def grids(self) -> tuple[tuple[int, int], ...]:
+        return self.layout.grids
+
+    @property
+    def counts(self) -> list[int]:
+        return self.layout.counts
+
+    @property
+    def slots(self) -> int:
+        return self.layout.slots
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """Where each real patch sits among the call's rows (:meth:`_Layout.index`)."""
+        return self.layout.index(device)
 
 
 class Siglip2Plan(PackedTowerPlan):
@@ -114,6 +156,8 @@ class Siglip2Plan(PackedTowerPlan):
         self._positions = GridPositions(tower.embeddings, rows=adapter.max_tokens)
         config = tower.config
         self.features = config.num_channels * config.patch_size**2
+        self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
+        self._specs: dict[tuple[bool, bool], pytree.TreeSpec] = {}
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], naflex.NaflexBuffers):
@@ -161,11 +205,29 @@ class Siglip2Plan(PackedTowerPlan):
                 "the graphs need pixel_values, pixel_attention_mask and spatial_shapes as tensors"
             )
         self._check_shapes(pixels, mask, shapes)
-        grids = _read_grids(mask, shapes)
+        grids, real = _read_grids(mask, shapes)
+        layout = self._layout(grids, mask.shape[1])
+        if not torch.equal(real, layout.mask):
+            raise UnsupportedCall(
+                "input pixel_attention_mask does not mark exactly the first height x width "
+                "patches of each image (spatial_shapes) as real"
+            )
         return_dict = options.get("return_dict")
         if return_dict is None:
             return_dict = getattr(self.owner.config, "return_dict", True)
-        return self._call(args, kwargs, pixels, mask, grids, bool(return_dict), options)
+        return self._call(args, kwargs, pixels, mask, layout, bool(return_dict), options)
+
+    def _layout(self, grids: tuple[tuple[int, int], ...], patches: int) -> _Layout:
+        """The layout of ``grids`` at ``patches``, kept or made (and kept)."""
+        key = (grids, patches)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _Layout(grids, patches)
+            if len(self._layouts) > _LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layout
 
     def _check_shapes(self, pixels: torch.Tensor, mask: torch.Tensor, shapes: torch.Tensor) -> None:
         """Raise :class:`~layergraph.keys.UnsupportedCall` unless the inputs are a padded batch
@@ -190,26 +252,16 @@ class Siglip2Plan(PackedTowerPlan):
         kwargs: dict[str, Any],
         pixels: torch.Tensor,
         mask: torch.Tensor,
-        grids: list[tuple[int, int]],
+        layout: _Layout,
         return_dict: bool,
         options: dict[str, Any],
     ) -> PackedCall:
-        counts = [height * width for height, width in grids]
-        slots = image_slots(len(grids))
-        images = _Images(
-            pixels=pixels,
-            grids=grids,
-            counts=counts,
-            slots=slots,
-            cu_seqlens=host_boundaries(counts, slots),
-            return_dict=return_dict,
-            options=options,
-        )
+        images = _Images(pixels=pixels, layout=layout, return_dict=return_dict, options=options)
         return PackedCall(
             args=args,
             kwargs=kwargs,
-            size=sum(counts),
-            signature=(pixels.dtype, slots),
+            size=layout.tokens,
+            signature=(pixels.dtype, layout.slots),
             tensors=(pixels, mask),
             parts=images,
         )
@@ -225,7 +277,7 @@ class Siglip2Plan(PackedTowerPlan):
             {**parts.options, **dict(zip(self.inputs, sliced))},
             sliced[0],
             sliced[1],
-            parts.grids[images.start : images.stop],
+            self._layout(parts.grids[images.start : images.stop], parts.layout.patches),
             parts.return_dict,
             parts.options,
         )
@@ -255,19 +307,40 @@ class Siglip2Plan(PackedTowerPlan):
         buffers.pixels[tokens:].zero_()
         torch.cat(self._positions(images.grids), out=buffers.positions[:tokens])
         buffers.positions[tokens:].zero_()
-        copy_boundaries(buffers.metadata, images.cu_seqlens)
+        copy_boundaries(buffers.metadata, images.layout.cu_seqlens)
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
-        hidden, pooled = output
+        leaves, spec = self.cut_leaves(*pytree.tree_flatten(output), call, budget)
+        return pytree.tree_unflatten(leaves, spec)
+
+    def cut_leaves(
+        self, leaves: Sequence[Any], spec: pytree.TreeSpec, call: PackedCall, budget: int
+    ) -> tuple[list[Any], pytree.TreeSpec]:
+        """The call's ``last_hidden_state`` scattered into its padded layout (a new tensor) and
+        its images' ``pooler_output`` (a view), as the leaves of the tower's output, whose
+        structure is made once per kind (:meth:`_output_spec`)."""
+        hidden, *rest = leaves
+        pooled = [leaf for leaf in rest if leaf is not None]
         images: _Images = call.parts
         batch, length = images.pixels.shape[:2]
         padded = hidden.new_zeros(batch * length, hidden.shape[-1])
         padded.index_copy_(0, images.index(hidden.device), hidden[: call.size])
-        result = self._output_type(
-            last_hidden_state=padded.view(batch, length, -1),
-            pooler_output=None if pooled is None else pooled[:batch],
-        )
-        return result if images.return_dict else result.to_tuple()
+        cut = [padded.view(batch, length, -1), *(leaf[:batch] for leaf in pooled)]
+        return cut, self._output_spec(images.return_dict, bool(pooled))
+
+    def _output_spec(self, return_dict: bool, pooled: bool) -> pytree.TreeSpec:
+        """The pytree structure of the tower's output, as a model output or a tuple, with or
+        without ``pooler_output``."""
+        key = (return_dict, pooled)
+        spec = self._specs.get(key)
+        if spec is None:
+            empty = torch.empty(0)
+            result = self._output_type(
+                last_hidden_state=empty, pooler_output=empty if pooled else None
+            )
+            spec = pytree.tree_flatten(result if return_dict else result.to_tuple())[1]
+            self._specs[key] = spec
+        return spec
 
 
 class Siglip2Adapter(PackedTowerAdapter):
@@ -286,29 +359,23 @@ class Siglip2Adapter(PackedTowerAdapter):
     default_budget_step = 256
 
 
-def _read_grids(mask: torch.Tensor, shapes: torch.Tensor) -> list[tuple[int, int]]:
-    """Each image's patch grid (height, width) from ``spatial_shapes``, read on the host with
-    ``pixel_attention_mask`` in one transfer; raises :class:`~layergraph.keys.UnsupportedCall`
-    for grids the tower cannot take, or a mask that does not mark exactly each image's first
-    ``height * width`` patches."""
+def _read_grids(
+    mask: torch.Tensor, shapes: torch.Tensor
+) -> tuple[tuple[tuple[int, int], ...], torch.Tensor]:
+    """Each image's patch grid (height, width) from ``spatial_shapes``, and the
+    ``pixel_attention_mask`` as a bool tensor, read on the host in one transfer; raises
+    :class:`~layergraph.keys.UnsupportedCall` for grids the tower cannot take."""
     images, patches = mask.shape
     both = torch.cat([shapes.reshape(-1).to(mask.device, torch.int32), mask.reshape(-1) != 0])
     host = both.cpu()
-    grids = [(int(h), int(w)) for h, w in host[: 2 * images].view(images, 2).tolist()]
+    grids = tuple((int(h), int(w)) for h, w in host[: 2 * images].view(images, 2).tolist())
     for row, (height, width) in enumerate(grids):
         if height < 1 or width < 1 or height * width > patches:
             raise UnsupportedCall(
                 f"input spatial_shapes row {row} ({height}x{width}): sides must be positive "
                 f"and hold at most the {patches} patches of pixel_values"
             )
-    counts = torch.tensor([height * width for height, width in grids])
-    expected = torch.arange(patches)[None, :] < counts[:, None]
-    if not torch.equal(host[2 * images :].view(images, patches).bool(), expected):
-        raise UnsupportedCall(
-            "input pixel_attention_mask does not mark exactly the first height x width "
-            "patches of each image (spatial_shapes) as real"
-        )
-    return grids
+    return grids, host[2 * images :].view(images, patches).bool()
 
 
 @hookimpl

@@ -68,6 +68,9 @@ class GraphEntry:
     its batch: padding or splitting would change what is computed over the batch."""
     addresses: tuple[int, ...] = field(default=(), repr=False)
     """Data pointers of every buffer the graph reads or writes, as captured (debug checks)."""
+    storages: frozenset[int] = field(default=frozenset(), repr=False)
+    """The storages of the graph's outputs and buffers (their data pointers): a cut output
+    in none of them is the call's own and needs no clone."""
     costs: Costs | None = None
     """Its replay and an eager call of its batch, measured at capture; ``None`` for a packed
     budget captured ahead of its calls until the first of them measures it."""

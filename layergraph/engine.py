@@ -319,6 +319,7 @@ class GraphEngine:
             output_spec=spec,
             not_per_row=packing.output_problem(leaves, key.batch),
             addresses=self._addresses(buffers, leaves),
+            storages=storages((*buffer_tensors(buffers), *leaves)),
             costs=costs,
         )
         if self.cache.add(lookup, entry) is not None:
@@ -398,7 +399,7 @@ class GraphEngine:
             ]
             entry.record.held.track(leaves)
         else:
-            leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            leaves = [leaf.clone() if aliases(leaf, entry.storages) else leaf for leaf in leaves]
         output = pytree.tree_unflatten(list(leaves), spec)
         if self.options.validate:
             self._validate_once(entry, call, output)
@@ -433,6 +434,16 @@ class GraphEngine:
                 f"debug check: {moved} buffer(s) of the graph for {entry.key} no longer have "
                 f"their captured addresses; replaying it would read or write freed memory"
             )
+
+
+def storages(tensors: Sequence[Any]) -> frozenset[int]:
+    """The data pointers of the storages of the tensors among ``tensors``."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def aliases(leaf: Any, owned: frozenset[int]) -> bool:
+    """Whether ``leaf`` is a tensor whose storage is one of ``owned`` (a graph's buffers)."""
+    return isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in owned
 
 
 def slower_reason(budget: int) -> str:

@@ -182,6 +182,27 @@ def test_equal_token_totals_with_other_grids_read_their_own_boundaries_and_posit
 
 
 @pytest.mark.usefixtures("registry")
+def test_replayed_outputs_are_the_callers_own_and_a_later_replay_leaves_them() -> None:
+    model = tower()
+    graphed = layergraph.wrap(model, observe_calls=0, backend=SimulatedGraphs(), batch_sizes=[64])
+    first_inputs, second_inputs = call([(3, 5), (7, 2)]), call([(6, 9)])
+    with torch.inference_mode():
+        first = graphed(**first_inputs)
+        kept = [first.last_hidden_state.clone(), first.pooler_output.clone()]
+        second = graphed(**second_inputs)
+        with graphed.original():
+            want = model(**second_inputs)
+    (info,) = graphed.graphs
+    owned = {t.untyped_storage().data_ptr() for t in info.outputs if torch.is_tensor(t)}
+    for output in (first, second):
+        for tensor in (output.last_hidden_state, output.pooler_output):
+            assert tensor.untyped_storage().data_ptr() not in owned
+    assert torch.equal(first.last_hidden_state, kept[0])
+    assert torch.equal(first.pooler_output, kept[1])
+    assert_equal_outputs(second, want, second_inputs)
+
+
+@pytest.mark.usefixtures("registry")
 def test_the_dense_backend_attends_under_the_block_mask_of_each_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
