@@ -3,8 +3,8 @@
 # towers against their previous runs: the CUDA-marked tests, then the SigLIP2 NaFlex and LFM2-VL
 # tower benchmarks and the packed towers' benchmark of the towers named (default:
 # qwen2.5-vl-7b; "-" for none), then, given a time limit, the fixed-resolution families at
-# batch 1, each step under its own time limit. Writes under $OUT (or ./gpu-results): log.txt, and one JSON per
-# benchmark.
+# batch 1, each step under its own time limit. Writes under $OUT (or ./gpu-results): log.txt,
+# and one JSON per benchmark.
 # Usage: benchmarks/h200_engine_check.sh [tests|notests] [TOWER,...] [FAMILIES_SECONDS]
 set -uo pipefail
 out="${OUT:-gpu-results}"
