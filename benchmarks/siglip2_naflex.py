@@ -33,7 +33,9 @@ Sections:
   on the host, which no capture allows, each call resizes it outside the graph, by the tower's own
   resize, into a buffer the graph reads), and each one's error against the same weights in
   float32, eager, over the real patches of ``last_hidden_state`` and ``pooler_output`` (where the
-  tower has a pooling head);
+  tower has a pooling head). Each layergraph setting is timed in turns with the hand-written graph
+  (five rounds), so that drift during the run weighs on both alike: ``<column>_vs_hand`` is
+  that pair's ratio, and ``hand_graph_ms`` the median of the hand-written graph's turns;
 - **stream**: seeded requests of 1 to 8 images at 256 or 1024 patches (1 to 3 photos for LFM2-VL's
   towers), each waited for: the total of eager, of layergraph (its first pass, which captures, and a
   second) and of hand-written graphs, one per padded shape (captures not counted); layergraph's
@@ -57,6 +59,7 @@ import copy
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -75,7 +78,7 @@ from transformers.models.siglip2.image_processing_siglip2 import (
 import layergraph
 from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
-from layergraph.timing import waited_ms
+from layergraph.timing import interleaved_waited_ms, waited_ms
 from layergraph.validation import relative_error
 
 SO400M = dict(
@@ -362,6 +365,22 @@ def waited(fn: Callable[[], Any], settings: Settings) -> float:
     return waited_ms(fn, device=settings.device, warmup=1, iters=iters)
 
 
+def in_turns(methods: dict[str, Callable[[], Any]], settings: Settings) -> dict[str, float]:
+    """Median waited milliseconds of each method, timed in turns
+    (:func:`~layergraph.timing.interleaved_waited_ms`: five rounds) over as many calls as fit
+    in ``settings.seconds`` for each (5 to 100), after an untimed call of each (layergraph
+    captures in it) and a timed probe."""
+    probes = []
+    for method in methods.values():
+        method()
+        probes.append(timed_call(method, settings)[1])
+    rounds = 5
+    iters = int(min(100, max(5, settings.seconds * 1e3 / max(max(probes), 1e-3))))
+    return interleaved_waited_ms(
+        methods, device=settings.device, rounds=rounds, iters=max(1, iters // rounds)
+    )
+
+
 def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
     """One call of ``fn``, waited for: its output and milliseconds (CUDA events on a GPU)."""
     if settings.device.type != "cuda":
@@ -410,18 +429,21 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
             if by_hand is None:
                 row["hand_graph_failure"] = failure
             else:
-                row["hand_graph_ms"] = waited(lambda h=by_hand, b=batch: h(**b), settings)
                 row["hand_graph_error"] = error(answer(by_hand(**batch), batch), want)
-            del by_hand
-            rows.append(row)
-        del reference
-        for attention in settings.attention:
-            column = "layergraph" if attention == "auto" else f"layergraph_{attention}"
-            if settings.simulated and attention not in SIMULATED_ATTENTION:
-                attention = "sdpa_varlen"
-            for row, batch, want in zip(rows, inputs, wants):
+            paired = []
+            for attention in settings.attention:
+                column = "layergraph" if attention == "auto" else f"layergraph_{attention}"
+                if settings.simulated and attention not in SIMULATED_ATTENTION:
+                    attention = "sdpa_varlen"
                 graphed = wrap(model, settings, attention, observe_calls=0)
-                row[f"{column}_ms"] = waited(lambda g=graphed, b=batch: g(**b), settings)
+                methods = {column: lambda g=graphed, b=batch: g(**b)}
+                if by_hand is not None:
+                    methods["hand_graph"] = lambda h=by_hand, b=batch: h(**b)
+                times = in_turns(methods, settings)
+                row[f"{column}_ms"] = times[column]
+                if by_hand is not None:
+                    paired.append(times["hand_graph"])
+                    row[f"{column}_vs_hand"] = times[column] / times["hand_graph"]
                 row[f"{column}_error"] = error(answer(graphed(**batch), batch), want)
                 row[f"{column}_served"] = sorted(
                     way for tokens, way in graphed.stats.served if tokens == row["tokens"]
@@ -431,6 +453,11 @@ def calls(model: nn.Module, settings: Settings) -> list[dict[str, Any]]:
                 row[f"{column}_attention"] = graphed.plan.attention_by_budget.get(budget, "-")
                 graphed.release()
                 graphed.unwrap()
+            if paired:
+                row["hand_graph_ms"] = statistics.median(paired)
+            del by_hand
+            rows.append(row)
+        del reference
     return rows
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["captured_ms", "median_ms", "waited_ms"]
+__all__ = ["captured_ms", "interleaved_waited_ms", "median_ms", "waited_ms"]
 
 
 def median_ms(
@@ -58,16 +58,52 @@ def waited_ms(
         return median_ms(fn, device=device, warmup=warmup, iters=iters)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize(device)
+    return statistics.median(_waited_calls(fn, device, iters))
+
+
+def interleaved_waited_ms(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    device: torch.device,
+    rounds: int = 5,
+    iters: int = 20,
+    warmup: int = 1,
+) -> dict[str, float]:
+    """Median waited milliseconds of each of ``fns`` (as :func:`waited_ms` times one), taken
+    in turns: ``rounds`` rounds, each running ``iters`` calls of every callable in a rotated
+    order, so that what drifts during a run (clocks, the host's load) weighs on all of them
+    alike and their ratios hold. Returns the median of each one's calls, by name."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name] += _waited_calls(fns[name], device, iters)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _waited_calls(fn: Callable[[], Any], device: torch.device, iters: int) -> list[float]:
+    """Milliseconds of ``iters`` calls of ``fn``, each waited for (CUDA events on a GPU)."""
     times = []
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        if cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
 
 
 def captured_ms(

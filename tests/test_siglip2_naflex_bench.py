@@ -59,6 +59,8 @@ def test_the_tiny_run_measures_every_section_and_its_answers_agree(
             assert row[f"{method}_ms"] > 0, (row, method)
             assert row[f"{method}_error"] <= TOLERANCE, (row, method)
         assert row["layergraph_served"] and row["layergraph_triton_served"], row
+        for column in ("layergraph", "layergraph_triton"):
+            assert row[f"{column}_vs_hand"] > 0, row
     stream = result["stream"]
     assert stream["requests"] == 20 and stream["images"] >= 20
     assert stream["tokens"] < stream["padded_tokens"]
