@@ -51,9 +51,7 @@ tower itself would cut such images silently short).
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import AdapterMismatch, CapturePlan, PlanContext, hookimpl
+from layergraph import CapturePlan, PlanContext, hookimpl
 from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.packing import PackedCall
@@ -97,25 +95,17 @@ _HOLDERS: dict[str, tuple[str, ...]] = {
 """The modeling modules of the VLMs checked with a Pixtral tower, and where they hold it."""
 
 
-def tower_output_class(tower: nn.Module) -> type:
-    """The output class ``tower``'s forward returns with ``return_dict``, which the graphs'
-    outputs are built as: the ``ModelOutput`` of its return annotation (``BaseModelOutput``
-    with transformers 5.17, ``BaseModelOutputWithPooling`` with 5.24)."""
-    from transformers.utils import ModelOutput
-
-    annotation = inspect.signature(type(tower).forward, eval_str=True).return_annotation
-    classes = [
-        candidate
-        for candidate in typing.get_args(annotation) or (annotation,)
-        if isinstance(candidate, type) and issubclass(candidate, ModelOutput)
-    ]
-    if len(classes) != 1:
-        raise AdapterMismatch(
-            f"the pixtral adapter builds its outputs as the class {type(tower).__name__}'s "
-            f"forward is annotated to return, and its annotation {annotation!r} names "
-            f"{len(classes)} output classes"
-        )
-    return classes[0]
+def tower_output_class(
+    forward: Callable[..., Any], patch: int, channels: int, like: torch.Tensor
+) -> type:
+    """The output class a Pixtral tower's own ``forward`` returns with ``return_dict``, which
+    the graphs' outputs are built as (``BaseModelOutput`` with transformers 5.17,
+    ``BaseModelOutputWithPooling`` with 5.24): read from one call on a one-patch image of
+    ``like``'s dtype and device."""
+    pixels = like.new_zeros(1, channels, patch, patch)
+    with torch.inference_mode():
+        output = forward(pixels, image_sizes=[(patch, patch)], return_dict=True)
+    return type(output)
 
 
 def _kept_states(layers: int | list[int] | None, tower: nn.Module) -> tuple[int, ...] | None:
@@ -211,7 +201,8 @@ class PixtralPlan(PackedTowerPlan):
         from transformers.utils import output_capturing
 
         super().__init__(tower, adapter, context, family)
-        self._output_type = tower_output_class(tower)
+        self._output_type: type | None = None
+        """The tower's output class (:func:`tower_output_class`), read on the first cut."""
         self._selects_by_index = hasattr(output_capturing, "selected_hidden_states")
         """Whether transformers selects hidden states by index (``output_hidden_states=-2``
         returns that one alone, 5.24) or takes any true value for all of them (5.17)."""
@@ -442,6 +433,8 @@ class PixtralPlan(PackedTowerPlan):
             if self.depth in images.selected:
                 states[self.depth] = last
             hidden_states = tuple(states)
+        if self._output_type is None:
+            self._output_type = tower_output_class(self.own, self.patch, self.channels, last)
         result = self._output_type(last_hidden_state=last, hidden_states=hidden_states)
         return result if images.return_dict else result.to_tuple()
 

@@ -9,6 +9,7 @@ sharpened (:func:`sharpen`): wrong boundaries or positions give errors far above
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -580,16 +581,28 @@ def test_options_the_adapter_cannot_serve_are_refused_at_wrap() -> None:
 
 
 @pytest.mark.usefixtures("registry")
-def test_a_tower_whose_forward_names_no_output_class_is_refused() -> None:
-    class Unannotated(transformers.PixtralVisionModel):
+def test_the_graphs_outputs_take_the_class_the_towers_own_forward_returns() -> None:
+    @dataclasses.dataclass
+    class TaggedOutput(transformers.modeling_outputs.BaseModelOutput):
+        """An output class no annotation names."""
+
+    class Tagged(transformers.PixtralVisionModel):
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return super().forward(*args, **kwargs)
+            output = super().forward(*args, **kwargs)
+            return TaggedOutput(**output) if kwargs.get("return_dict", True) else output
 
     model = tower()
-    model.__class__ = Unannotated
-    with pytest.raises(AdapterMismatch, match=r"annotation typing.Any names 0 output classes"):
-        layergraph.wrap(model, adapter="pixtral", backend=SimulatedGraphs())
-    assert "forward" not in model.__dict__
+    model.__class__ = Tagged
+    graphed = layergraph.wrap(model, adapter="pixtral", observe_calls=0, backend=SimulatedGraphs())
+    for sizes in ([(6, 10), (14, 4)], [(16, 16)]):
+        inputs = call(sizes)
+        with torch.inference_mode():
+            got = graphed(**inputs)
+            with graphed.original():
+                want = model(**inputs)
+        assert type(got) is TaggedOutput
+        assert_equal_outputs(got, want)
+    assert graphed.stats.eager_total == 0, dict(graphed.stats.eager_calls)
 
 
 @pytest.mark.usefixtures("registry")

@@ -81,10 +81,11 @@ with 5.17.0 and 5.24.0. Its graphs compute the rotary embeddings by the tower's 
 each patch's (row, column), the positions ``PixtralVisionRotaryEmbedding`` takes in both, and
 route ``PixtralAttention``, which both write alike. The releases differ in the tower's output
 class (``BaseModelOutput`` with 5.17, ``BaseModelOutputWithPooling`` with 5.24), which the graphs'
-outputs take from the tower's forward, and in what ``output_hidden_states`` selects: with 5.24
-an index or a list of indices of ``hidden_states``, with 5.17 all of them for any true value but
-a list, which the graphs leave to the tower itself. LLaVA and Mistral 3 ask for all of them
-with 5.17 and for their ``vision_feature_layer`` with 5.24; LightOnOCR asks for none."""
+outputs take from a call of the tower's forward, and in what ``output_hidden_states``
+selects: with 5.24 an index or a list of indices of ``hidden_states``, with 5.17 all of them
+for any true value but a list, which the graphs leave to the tower itself. LLaVA and Mistral 3
+ask for all of them with 5.17 and for their ``vision_feature_layer`` with 5.24; LightOnOCR asks
+for none."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""
@@ -209,7 +210,7 @@ SUPPORT: dict[str, Support] = {
             "layergraph_adapters.pixtral:PixtralPlan.attend_packed",
         ),
         probes=(
-            "the output class, from the tower's forward's return annotation",
+            "the output class, from one call of the tower's forward on a one-patch image",
             "whether output_hidden_states selects by index "
             "(transformers.utils.output_capturing.selected_hidden_states)",
         ),
