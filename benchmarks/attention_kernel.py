@@ -1,9 +1,11 @@
 """Time the Triton varlen attention kernel against PyTorch SDPA's flash backend, on one GPU.
 
-For vision-encoder shapes (sequences of 1025 tokens: InternViT 448x448 tiles), bf16, each case
-times SDPA (flash backend, contiguous [B, H, S, D] inputs) and our kernel on packed
-[B*S, H, D] views of one fused qkv tensor, with the default config and a few candidates, and
-checks our output against SDPA's. Times are medians of ``triton.testing.do_bench`` (CUDA
+For vision-encoder shapes (sequences of 1025 tokens: InternViT 448x448 tiles; head dims 72 and
+80 of SigLIP so400m and the Qwen towers), bf16, each case times SDPA (flash backend, contiguous
+[B, H, S, D] inputs) and our kernel on packed [B*S, H, D] views of one fused qkv tensor, with
+the default config and a few candidates (and each of them with the head dim in two tiles,
+``split_head_dim``, where that is narrower than the next power of two), and checks our output
+against SDPA's. Times are medians of ``triton.testing.do_bench`` (CUDA
 events, warm-up first); FLOPs are 4*B*H*S*S*D.
 
     python3 benchmarks/attention_kernel.py --json $OUT/attn.json
@@ -15,21 +17,29 @@ import argparse
 import json
 import platform
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
-from layergraph.attention.triton_varlen import VarlenConfig, default_config, varlen_attention
+from layergraph.attention.triton_varlen import (
+    VarlenConfig,
+    default_config,
+    head_dim_tiles,
+    varlen_attention,
+)
 
 CASES = [
     (8, 1025, 16, 64),
     (8, 1025, 8, 128),
     (1, 1025, 16, 64),
     (1, 1025, 8, 128),
-    (8, 1025, 16, 80),  # head dim padded to 128 inside the kernel
+    (8, 1025, 16, 80),  # head dim padded to 128 inside the kernel, or split as 64 + 16
+    (4, 1024, 16, 72),  # SigLIP so400m's and Qwen3-VL's head dim: 128, or 64 + 16
+    (1, 4096, 16, 80),  # Qwen2.5-VL's full attention over one 896x896 image
+    (1, 4096, 16, 72),
 ]
 CANDIDATES = [  # (block_m, block_n, num_warps, num_stages)
     (128, 64, 4, 3),
@@ -72,6 +82,8 @@ def run_case(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype
     rows = [dict(shape, impl="sdpa_flash", config=None, ms=sdpa_ms, rel_err=0.0)]
     default = default_config(head_dim)
     configs = [default] + [c for c in (VarlenConfig(*a) for a in CANDIDATES) if c != default]
+    if head_dim_tiles(head_dim, split=True)[1]:  # each config again, the head dim in two tiles
+        configs += [replace(config, split_head_dim=True) for config in configs]
     for config in configs:
         row = dict(shape, impl="triton_varlen", config=asdict(config), default=config == default)
         try:
@@ -95,7 +107,8 @@ def run_case(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype
 def describe(config: dict | None) -> str:
     if config is None:
         return "-"
-    return "m{block_m} n{block_n} w{num_warps} s{num_stages}".format(**config)
+    split = " split" if config.get("split_head_dim") else ""
+    return "m{block_m} n{block_n} w{num_warps} s{num_stages}".format(**config) + split
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 from layergraph.attention.triton_varlen import (
     VarlenConfig,
     default_config,
+    head_dim_tiles,
     varlen_attention,
 )
 
@@ -153,6 +154,42 @@ def test_block_boundaries(
     lengths: list[int], heads: int, head_dim: int, config: VarlenConfig | None, dtype: torch.dtype
 ) -> None:
     run_case(lengths, heads, head_dim, dtype, config=config)
+
+
+SPLIT = VarlenConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, split_head_dim=True)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, BF16, torch.float32], ids=["fp16", "bf16", "fp32"]
+)
+@pytest.mark.parametrize("head_dim", [40, 72, 80, 96, 112, 144])
+def test_a_head_dim_split_in_two_tiles_matches_reference(head_dim: int, dtype: torch.dtype) -> None:
+    run_case([5, 17, 1, 33], heads=2, head_dim=head_dim, dtype=dtype, config=SPLIT)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_a_split_head_dim_reads_strided_views(layout: str) -> None:
+    run_case([9, 20], heads=3, head_dim=72, dtype=torch.float16, layout=layout, config=SPLIT)
+
+
+def test_head_dim_tiles_are_narrower_than_the_next_power_of_two_or_one_tile() -> None:
+    tiles = {d: head_dim_tiles(d, split=True) for d in (16, 40, 64, 72, 80, 96, 112, 128, 144)}
+    assert tiles == {
+        16: (16, 0),
+        40: (32, 16),
+        64: (64, 0),
+        72: (64, 16),
+        80: (64, 16),
+        96: (64, 32),
+        112: (128, 0),
+        128: (128, 0),
+        144: (128, 16),
+    }
+    assert head_dim_tiles(72, split=False) == (128, 0)
+    for head_dim in range(16, 257, 8):
+        first, second = head_dim_tiles(head_dim, split=True)
+        assert first + second >= head_dim and first >= 16
+        assert second == 0 or (16 <= second < first and first < head_dim)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "head_major", "padded"])

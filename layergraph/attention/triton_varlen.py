@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["VarlenConfig", "default_config", "varlen_attention"]
+__all__ = ["VarlenConfig", "default_config", "head_dim_tiles", "varlen_attention"]
 
 _LOG2_E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,6 +55,11 @@ class VarlenConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 3
+    split_head_dim: bool = False
+    """Take a head dim that is not a power of two in two tiles, the largest power of two below
+    it and the rest (72 as 64 + 16, 80 as 64 + 16, 96 as 64 + 32), where the tiles are
+    narrower together than the next power of two, which the kernel pads it to otherwise
+    (:func:`head_dim_tiles`)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -111,26 +116,38 @@ def _load_tile(
 @triton.jit
 def _attend_block(
     acc,
+    acc2,
     l_i,
     m_i,
     q,
+    q2,
     k_ptrs,
     v_ptrs,
+    k2_ptrs,
+    v2_ptrs,
     start_n,
     seq_len,
     offs_n,
     offs_d,
+    offs_d2,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     MASK_N: tl.constexpr,
     MASK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over the key block starting at ``start_n``."""
+    """One online-softmax step over the key block starting at ``start_n``; with ``SPLIT``,
+    the head dim's second tile (``q2``, ``acc2``, ``k2_ptrs``, ``v2_ptrs``, ``offs_d2``) too,
+    else those are ignored and ``acc2`` comes back as it came."""
     cols = start_n + offs_n
     k = _load_tile(k_ptrs, cols, seq_len, offs_d, HEAD_DIM, MASK_N, MASK_D)
     v = _load_tile(v_ptrs, cols, seq_len, offs_d, HEAD_DIM, MASK_N, MASK_D)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SPLIT:
+        k2 = _load_tile(k2_ptrs, cols, seq_len, offs_d2, HEAD_DIM, MASK_N, True)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PRECISION)
+    qk = qk * qk_scale
     if MASK_N:
         qk = tl.where(cols[None, :] < seq_len, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -139,7 +156,11 @@ def _attend_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    if SPLIT:
+        v2 = _load_tile(v2_ptrs, cols, seq_len, offs_d2, HEAD_DIM, MASK_N, True)
+        acc2 = acc2 * alpha[:, None]
+        acc2 = tl.dot(p.to(v2.dtype), v2, acc2, input_precision=DOT_PRECISION)
+    return acc, acc2, l_i, m_new
 
 
 @triton.jit
@@ -162,6 +183,7 @@ def _varlen_fwd_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TAIL_N: tl.constexpr,
@@ -184,77 +206,125 @@ def _varlen_fwd_kernel(
     elif start_m >= seq_len:
         return
     seq_start = tl.load(cu_seqlens + batch).to(tl.int64)
-    MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    SPLIT: tl.constexpr = BLOCK_D2 > 0
+    MASK_D: tl.constexpr = BLOCK_D != HEAD_DIM and not SPLIT
     MASK_M: tl.constexpr = QUERY_ROWS != _WHOLE_BLOCKS
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_tail = tl.arange(0, TAIL_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = Q + seq_start * stride_qt + head * stride_qh
-    q_ptrs += offs_m[:, None] * stride_qt + offs_d[None, :]
-    k_base = K + seq_start * stride_kt + head * stride_kh + offs_d[None, :]
-    v_base = V + seq_start * stride_vt + head * stride_vh + offs_d[None, :]
-    k_ptrs = k_base + offs_n[:, None] * stride_kt
-    v_ptrs = v_base + offs_n[:, None] * stride_vt
+    # The second tile of a split head dim; without a split, the first tile again, unused.
+    # A block, not a conditional expression: Triton compiles the branch a constexpr takes.
+    if SPLIT:  # noqa: SIM108
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+    else:
+        offs_d2 = offs_d
+    q_base = Q + seq_start * stride_qt + head * stride_qh + offs_m[:, None] * stride_qt
+    k_row = K + seq_start * stride_kt + head * stride_kh
+    v_row = V + seq_start * stride_vt + head * stride_vh
+    k_base, k2_base = k_row + offs_d[None, :], k_row + offs_d2[None, :]
+    v_base, v2_base = v_row + offs_d[None, :], v_row + offs_d2[None, :]
 
-    q = _load_tile(q_ptrs, offs_m, seq_len, offs_d, HEAD_DIM, MASK_M, MASK_D)
+    q = _load_tile(q_base + offs_d[None, :], offs_m, seq_len, offs_d, HEAD_DIM, MASK_M, MASK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SPLIT:
+        q2_ptrs = q_base + offs_d2[None, :]
+        q2 = _load_tile(q2_ptrs, offs_m, seq_len, offs_d2, HEAD_DIM, MASK_M, True)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    else:
+        q2 = q
+        acc2 = acc
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Whole key blocks without row masks.
     full_end = (seq_len // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_block(
+        rows = (start_n + offs_n[:, None]) * stride_kt
+        v_rows = (start_n + offs_n[:, None]) * stride_vt
+        acc, acc2, l_i, m_i = _attend_block(
             acc,
+            acc2,
             l_i,
             m_i,
             q,
-            k_ptrs + start_n * stride_kt,
-            v_ptrs + start_n * stride_vt,
+            q2,
+            k_base + rows,
+            v_base + v_rows,
+            k2_base + rows,
+            v2_base + v_rows,
             start_n,
             seq_len,
             offs_n,
             offs_d,
+            offs_d2,
             qk_scale,
             HEAD_DIM,
             False,
             MASK_D,
+            SPLIT,
             DOT_PRECISION,
         )
     # The ragged last keys, in narrower TAIL_N blocks with row masks.
     for start_n in range(full_end, seq_len, TAIL_N):
-        acc, l_i, m_i = _attend_block(
+        rows = (start_n + offs_tail[:, None]) * stride_kt
+        v_rows = (start_n + offs_tail[:, None]) * stride_vt
+        acc, acc2, l_i, m_i = _attend_block(
             acc,
+            acc2,
             l_i,
             m_i,
             q,
-            k_base + (start_n + offs_tail[:, None]) * stride_kt,
-            v_base + (start_n + offs_tail[:, None]) * stride_vt,
+            q2,
+            k_base + rows,
+            v_base + v_rows,
+            k2_base + rows,
+            v2_base + v_rows,
             start_n,
             seq_len,
             offs_tail,
             offs_d,
+            offs_d2,
             qk_scale,
             HEAD_DIM,
             True,
             MASK_D,
+            SPLIT,
             DOT_PRECISION,
         )
 
-    acc = acc / l_i[:, None]
-    o_ptrs = Out + seq_start * stride_ot + head * stride_oh
-    o_ptrs += offs_m[:, None] * stride_ot + offs_d[None, :]
-    if MASK_M:
-        o_mask = offs_m[:, None] < seq_len
-        if MASK_D:
-            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)
-    elif MASK_D:
-        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
+    o_base = Out + seq_start * stride_ot + head * stride_oh + offs_m[:, None] * stride_ot
+    out = acc / l_i[:, None]
+    _store_tile(o_base + offs_d[None, :], out, offs_m, seq_len, offs_d, HEAD_DIM, MASK_M, MASK_D)
+    if SPLIT:
+        out2 = acc2 / l_i[:, None]
+        o2_ptrs = o_base + offs_d2[None, :]
+        _store_tile(o2_ptrs, out2, offs_m, seq_len, offs_d2, HEAD_DIM, MASK_M, True)
+
+
+@triton.jit
+def _store_tile(
+    ptrs,
+    tile,
+    rows,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    MASK_D: tl.constexpr,
+):
+    """Store a [rows, BLOCK_D] tile, masking only what the constexpr flags say may be out."""
+    value = tile.to(ptrs.dtype.element_ty)
+    if MASK_D:
+        mask = offs_d[None, :] < HEAD_DIM
+        if MASK_ROWS:
+            mask = mask & (rows[:, None] < n_rows)
+        tl.store(ptrs, value, mask=mask)
+    elif MASK_ROWS:
+        tl.store(ptrs, value, mask=rows[:, None] < n_rows)
     else:
-        tl.store(o_ptrs, acc.to(Out.dtype.element_ty))
+        tl.store(ptrs, value)
 
 
 def _check_args(
@@ -346,8 +416,23 @@ def varlen_attention(
         cfg.block_n,
         cfg.num_warps,
         cfg.num_stages,
+        cfg.split_head_dim,
     )
     return out
+
+
+def head_dim_tiles(head_dim: int, split: bool) -> tuple[int, int]:
+    """The widths of the kernel's head-dim tiles for ``head_dim``: one tile of the next power
+    of two (at least 16) and no second, or with ``split`` where it is narrower, the largest
+    power of two below ``head_dim`` and the rest rounded up to a power of two (at least 16,
+    what ``tl.dot`` takes): 72 as (64, 16), 80 as (64, 16), 96 as (64, 32); 112 stays (128, 0)
+    since (64, 64) is no narrower."""
+    whole = max(16, triton.next_power_of_2(head_dim))
+    if not split or whole == head_dim:
+        return whole, 0
+    first = whole // 2
+    second = max(16, triton.next_power_of_2(head_dim - first))
+    return (first, second) if first + second < whole else (whole, 0)
 
 
 @torch.library.custom_op("layergraph::varlen_attention", mutates_args=("out",))
@@ -364,6 +449,7 @@ def _varlen_attention_op(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    split_head_dim: bool = False,
 ) -> None:
     """The kernel launch as a PyTorch operator, opaque to ``torch.compile``.
 
@@ -371,6 +457,7 @@ def _varlen_attention_op(
     then keeps this launch as it is instead of re-generating the kernel through Inductor.
     """
     heads, head_dim = q.shape[1], q.shape[2]
+    block_d, block_d2 = head_dim_tiles(head_dim, split_head_dim)
     sequences_heads = seq_lens.numel() * heads
     split = _splits_last_rows(max_seqlen, block_m, sequences_heads, q.device)
     launches = (
@@ -399,7 +486,8 @@ def _varlen_attention_op(
             heads,
             scale * _LOG2_E,
             HEAD_DIM=head_dim,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_D=block_d,
+            BLOCK_D2=block_d2,
             BLOCK_M=rows,
             BLOCK_N=block_n,
             TAIL_N=min(_TAIL, block_n),
