@@ -141,6 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an Inductor setting for --compile-layers or --compile-region, such as "
         "coordinate_descent_tuning=True; repeatable",
     )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile layergraph's call at each batch size: time by kernel class against "
+        "the floor of its matrix products and attention at the measured matrix rate",
+    )
     bench.add_argument("--json", default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
@@ -258,6 +264,32 @@ def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.compile_budget is not None:
         options["compile_budget"] = args.compile_budget
     return options
+
+
+def _profile_table(report: Any) -> Any:
+    """The profiled rows by kernel class (:meth:`~layergraph.bench.BenchReport.profile_classes`),
+    against the floor of their matrix products and attention."""
+    from rich.table import Table
+
+    classes = report.profile_classes()
+    view = Table(title="where each call's time goes, ms per call by kernel class")
+    for column in ("batch", "busy", "kernels", *classes, "floor", "busy / floor"):
+        view.add_column(column, justify="right")
+    for row in report.rows:
+        if row.profile is None:
+            continue
+        by_name = {entry["name"]: entry["ms"] for entry in row.profile["classes"]}
+        floor = row.floor_ms(report.matmul_tflops)
+        busy = row.profile["busy_ms"]
+        view.add_row(
+            str(row.batch),
+            f"{busy:.3f}",
+            f"{row.profile['kernels']:.0f}",
+            *(f"{by_name.get(name, 0.0):.3f}" for name in classes),
+            "-" if floor is None else f"{floor:.3f}",
+            "-" if not floor else f"{busy / floor:.2f}x",
+        )
+    return view
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -438,6 +470,7 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
             iters=args.iters,
             compile=args.compile,
             tuned=_tuned_options(args),
+            profile=args.profile,
             on_row=lambda partial: live.update(table(partial)),
         )
     if report.capture_seconds is not None:
@@ -449,6 +482,8 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
         )
     if report.tuned_compile_seconds:
         console.print(f"tuned: compiling took {report.tuned_compile_seconds:.1f} s in all")
+    if args.profile:
+        console.print(_profile_table(report))
     if args.json:
         report.write_json(args.json)
     if args.markdown:

@@ -86,6 +86,20 @@ class BenchRow:
     layergraph_served: str | None = None
     """How layergraph served this batch size (``GraphStats.served``): ``"graph"``, or
     ``"eager"`` where its graph was measured slower than eager."""
+    matmul_gflop: float | None = None
+    """GFLOP of eager's matrix products (``FlopCounterMode``)."""
+    attention_gflop: float | None = None
+    """GFLOP of eager's attention (``FlopCounterMode``; none for a custom kernel)."""
+    profile: dict[str, Any] | None = None
+    """With ``profile=True``: layergraph's call (eager's without a GPU) by kernel class
+    (:class:`~layergraph.bench.profile.CallProfile`: ``busy_ms``, ``kernels``, ``classes``
+    of ``name``, ``ms``, ``kernels``, ``longest``)."""
+
+    def floor_ms(self, tflops: float | None) -> float | None:
+        """The time eager's matrix products and attention FLOPs take at ``tflops``."""
+        if tflops is None or self.matmul_gflop is None:
+            return None
+        return (self.matmul_gflop + (self.attention_gflop or 0.0)) / tflops
 
     @property
     def served_eagerly(self) -> bool:
@@ -231,7 +245,44 @@ class BenchReport:
             )
         if any(row.layergraph_wait_ms is not None for row in self.rows):
             lines += ["", *self._waited_table()]
+        if any(row.profile is not None for row in self.rows):
+            lines += ["", *self._profile_table()]
         return "\n".join(lines) + "\n"
+
+    def profile_classes(self) -> list[str]:
+        """The kernel classes of the profiled rows, by their time over all rows."""
+        spent: dict[str, float] = {}
+        for row in self.rows:
+            for entry in (row.profile or {}).get("classes", ()):
+                spent[entry["name"]] = spent.get(entry["name"], 0.0) + entry["ms"]
+        return sorted(spent, key=lambda name: -spent[name])
+
+    def _profile_table(self) -> list[str]:
+        """Where the profiled call spends its time, by kernel class, against the floor of
+        its matrix products and attention at the measured matrix rate."""
+        classes = self.profile_classes()
+        lines = [
+            "Where the call's time goes (layergraph's replay on a GPU, eager's operators "
+            "without one): milliseconds per call by kernel class; the floor is eager's matrix "
+            "products and attention FLOPs at the measured matrix rate.",
+            "",
+            "| batch | busy ms | kernels | "
+            + " | ".join(f"{name} ms" for name in classes)
+            + " | floor ms | busy / floor |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in classes) + " | --- | --- |",
+        ]
+        for row in self.rows:
+            if row.profile is None:
+                continue
+            by_name = {entry["name"]: entry["ms"] for entry in row.profile["classes"]}
+            floor = row.floor_ms(self.matmul_tflops)
+            busy = row.profile["busy_ms"]
+            lines.append(
+                f"| {row.batch} | {_ms(busy)} | {row.profile['kernels']:.0f} | "
+                + " | ".join(_ms(by_name.get(name, 0.0)) for name in classes)
+                + f" | {_ms(floor)} | {_x(None if not floor else busy / floor)} |"
+            )
+        return lines
 
     def _waited_table(self) -> list[str]:
         """The latency of one call waited for, next to the same calls back to back."""

@@ -8,6 +8,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from ..reference import compiled_reduce_overhead, plain_graph
 from ..timing import median_ms, waited_ms
 from ..validation import first_tensor, relative_error
 from ..version import __version__
+from .profile import flops_by_kind, profile_call
 from .report import BenchReport, BenchRow
 
 __all__ = ["run_benchmark"]
@@ -33,6 +35,7 @@ def run_benchmark(
     iters: int = 100,
     compile: bool = False,
     tuned: Mapping[str, Any] | None = None,
+    profile: bool = False,
     on_row: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
     """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
@@ -48,7 +51,9 @@ def run_benchmark(
     model in place until unwrapped; and, with ``compile=True``, torch.compile with
     ``mode="reduce-overhead"`` (which compiles once per batch size, for a long time) last of
     all, once layergraph's graphs are released. Without a GPU only eager is measured, in
-    float32. ``on_row`` is called with the report after each batch size, for live display.
+    float32. With ``profile``, each batch size's layergraph call (eager's without a GPU) is
+    profiled by kernel class (:mod:`layergraph.bench.profile`, ``BenchRow.profile``).
+    ``on_row`` is called with the report after each batch size, for live display.
     """
     example = get_registry().example_model(model_name)
     cuda = torch.cuda.is_available()
@@ -77,7 +82,11 @@ def run_benchmark(
             graphed = _capture_all(model, example, sizes, dtype, device, report)
         for batch in sizes:
             args, kwargs = example.inputs(batch, dtype, device)
-            report.rows.append(_measure(model, graphed, args, kwargs, batch, device, iters))
+            row = _measure(model, graphed, args, kwargs, batch, device, iters)
+            if profile:
+                target = graphed if graphed is not None else model
+                row.profile = _profile(target, args, kwargs, device)
+            report.rows.append(row)
             if on_row is not None:
                 on_row(report)
         if graphed is not None:
@@ -189,10 +198,13 @@ def _measure(
     with graphed.original() if graphed is not None else contextlib.nullcontext(model) as original:
         with _parameters_frozen(original), FlopCounterMode(display=False) as counter:
             expected = original(*args, **kwargs)
+        matmul, attention = flops_by_kind(counter)
         row = BenchRow(
             batch=batch,
             eager_ms=median_ms(lambda: original(*args, **kwargs), device=device, iters=iters),
             gflop=counter.get_total_flops() / 1e9,
+            matmul_gflop=matmul,
+            attention_gflop=attention,
         )
         if graphed is None:
             return row
@@ -212,6 +224,17 @@ def _measure(
         sorted({way for size, way in graphed.stats.served if size == batch})
     )
     return row
+
+
+def _profile(
+    call: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+) -> dict[str, Any]:
+    """``call(*args, **kwargs)`` by kernel class (:func:`~layergraph.bench.profile.profile_call`),
+    as a plain dict for the report."""
+    return asdict(profile_call(lambda: call(*args, **kwargs), device=device))
 
 
 @contextlib.contextmanager
