@@ -6,20 +6,7 @@
 # batch 1, each step under its own time limit. Writes under $OUT (or ./gpu-results): log.txt,
 # and one JSON per benchmark.
 # Usage: benchmarks/h200_engine_check.sh [tests|notests] [TOWER,...] [FAMILIES_SECONDS]
-set -uo pipefail
-out="${OUT:-gpu-results}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 COLUMNS=160
-log="$out/log.txt"
-step() { local limit=$1; shift; echo "\$ $*" >>"$log"; timeout -k 5 "$limit" "$@" >>"$log" 2>&1; echo "rc=$?" >>"$log"; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1
-{ date -u +"date: %Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c 'import platform, torch, transformers, triton; print("python", platform.python_version(), "| torch", torch.__version__, "| transformers", transformers.__version__, "| triton", triton.__version__)'
-} >>"$log" 2>&1
-if [[ ${1:-tests} == tests ]]; then
-  step 330 python3 -m pytest -q -m cuda tests -p no:cacheprovider -x
-fi
+source "$(dirname "$0")/h200_setup.sh"
 step 90 python3 benchmarks/siglip2_naflex.py --tower lfm2-vl-1.6b --seconds 0.3 --json "$out/lfm2-vl-1.6b.json"
 step 90 python3 benchmarks/siglip2_naflex.py --tower siglip2-so400m --seconds 0.2 --json "$out/siglip2-so400m.json"
 if [[ ${2:-} != - ]]; then

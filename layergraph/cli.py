@@ -267,27 +267,21 @@ def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _profile_table(report: Any) -> Any:
-    """The profiled rows by kernel class (:meth:`~layergraph.bench.BenchReport.profile_classes`),
+    """The profiled rows by kernel class (:meth:`~layergraph.bench.BenchReport.profile_rows`),
     against the floor of their matrix products and attention."""
     from rich.table import Table
 
-    classes = report.profile_classes()
     view = Table(title="where each call's time goes, ms per call by kernel class")
-    for column in ("batch", "busy", "kernels", *classes, "floor", "busy / floor"):
+    for column in ("batch", "busy", "kernels", *report.profile_classes(), "floor", "over floor"):
         view.add_column(column, justify="right")
-    for row in report.rows:
-        if row.profile is None:
-            continue
-        by_name = {entry["name"]: entry["ms"] for entry in row.profile["classes"]}
-        floor = row.floor_ms(report.matmul_tflops)
-        busy = row.profile["busy_ms"]
+    for row in report.profile_rows():
         view.add_row(
-            str(row.batch),
-            f"{busy:.3f}",
-            f"{row.profile['kernels']:.0f}",
-            *(f"{by_name.get(name, 0.0):.3f}" for name in classes),
-            "-" if floor is None else f"{floor:.3f}",
-            "-" if not floor else f"{busy / floor:.2f}x",
+            str(row["batch"]),
+            f"{row['busy_ms']:.3f}",
+            f"{row['kernels']:.0f}",
+            *(f"{ms:.3f}" for ms in row["classes"]),
+            "-" if row["floor_ms"] is None else f"{row['floor_ms']:.3f}",
+            "-" if row["over_floor"] is None else f"{row['over_floor']:.2f}x",
         )
     return view
 

@@ -113,7 +113,12 @@ def test_the_benchmark_profiles_each_batch_and_reports_the_classes(tmp_path: Pat
         assert row.profile is not None and row.profile["busy_ms"] > 0
         assert 0 < row.matmul_gflop <= row.gflop * 1.001 and row.attention_gflop >= 0
         assert row.floor_ms(None) is None and row.floor_ms(100.0) > 0
-    assert "matrix products" in report.profile_classes()
+    classes = report.profile_classes()
+    assert "matrix products" in classes
+    for row, profiled in zip(report.profile_rows(), report.rows):
+        assert row["batch"] == profiled.batch and len(row["classes"]) == len(classes)
+        assert sum(row["classes"]) == pytest.approx(row["busy_ms"])
+        assert row["floor_ms"] is None and row["over_floor"] is None  # no matrix rate here
     markdown = report.to_markdown()
     assert "Where the call's time goes" in markdown and "| floor ms |" in markdown
     report.write_json(tmp_path / "r.json")

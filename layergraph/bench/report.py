@@ -257,6 +257,30 @@ class BenchReport:
                 spent[entry["name"]] = spent.get(entry["name"], 0.0) + entry["ms"]
         return sorted(spent, key=lambda name: -spent[name])
 
+    def profile_rows(self) -> list[dict[str, Any]]:
+        """The profiled rows, one dict each: ``batch``, ``busy_ms``, ``kernels``, ``classes``
+        (milliseconds per class of :meth:`profile_classes`, in that order), ``floor_ms``
+        and ``over_floor`` (``None`` where no matrix rate was measured)."""
+        classes = self.profile_classes()
+        rows = []
+        for row in self.rows:
+            if row.profile is None:
+                continue
+            by_name = {entry["name"]: entry["ms"] for entry in row.profile["classes"]}
+            floor = row.floor_ms(self.matmul_tflops)
+            busy = row.profile["busy_ms"]
+            rows.append(
+                {
+                    "batch": row.batch,
+                    "busy_ms": busy,
+                    "kernels": row.profile["kernels"],
+                    "classes": [by_name.get(name, 0.0) for name in classes],
+                    "floor_ms": floor,
+                    "over_floor": busy / floor if floor else None,
+                }
+            )
+        return rows
+
     def _profile_table(self) -> list[str]:
         """Where the profiled call spends its time, by kernel class, against the floor of
         its matrix products and attention at the measured matrix rate."""
@@ -271,16 +295,11 @@ class BenchReport:
             + " | floor ms | busy / floor |",
             "| --- | --- | --- | " + " | ".join("---" for _ in classes) + " | --- | --- |",
         ]
-        for row in self.rows:
-            if row.profile is None:
-                continue
-            by_name = {entry["name"]: entry["ms"] for entry in row.profile["classes"]}
-            floor = row.floor_ms(self.matmul_tflops)
-            busy = row.profile["busy_ms"]
+        for row in self.profile_rows():
             lines.append(
-                f"| {row.batch} | {_ms(busy)} | {row.profile['kernels']:.0f} | "
-                + " | ".join(_ms(by_name.get(name, 0.0)) for name in classes)
-                + f" | {_ms(floor)} | {_x(None if not floor else busy / floor)} |"
+                f"| {row['batch']} | {_ms(row['busy_ms'])} | {row['kernels']:.0f} | "
+                + " | ".join(_ms(ms) for ms in row["classes"])
+                + f" | {_ms(row['floor_ms'])} | {_x(row['over_floor'])} |"
             )
         return lines
 
