@@ -5,6 +5,7 @@ out = graphed(pixel_values)  # same outputs as model(pixel_values), replayed fro
 """
 
 from .adapter import (
+    PLUGIN_API_VERSION,
     Adapter,
     AdapterMismatch,
     CapturePlan,
@@ -16,7 +17,7 @@ from .hookspecs import hookimpl
 from .keys import ShapeKey
 from .ledger import Change, ChangeLedger
 from .module import GraphedModule, unwrap, wrap
-from .plugins import AdapterInfo, UnknownAdapterError, list_adapters
+from .plugins import AdapterInfo, PluginFailureWarning, UnknownAdapterError, list_adapters
 from .runner import DEFAULT_BATCH_SIZES, RunnerOptions
 from .sequential import SequentialAdapter
 from .stats import GraphStats
@@ -25,6 +26,7 @@ from .version import __version__
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
+    "PLUGIN_API_VERSION",
     "Adapter",
     "AdapterInfo",
     "AdapterMismatch",
@@ -36,6 +38,7 @@ __all__ = [
     "GraphStats",
     "GraphedModule",
     "PlanContext",
+    "PluginFailureWarning",
     "RunnerOptions",
     "SequentialAdapter",
     "ShapeKey",

@@ -15,6 +15,8 @@ which undoes it all on ``unwrap()``.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from .attention.layout import AttentionMetadata, PackedLayout, SequenceLayout
 
 __all__ = [
+    "PLUGIN_API_VERSION",
     "Adapter",
     "AdapterMismatch",
     "AttentionRegistry",
@@ -41,6 +44,12 @@ __all__ = [
     "WholeForward",
     "own_forward",
 ]
+
+
+PLUGIN_API_VERSION = 2
+"""The version of the adapter interface plugins implement: 2 since layergraph 0.2, where
+:meth:`Adapter.plan` takes ``(model, context)``; 1 was ``plan(model)``, which still works
+with a ``DeprecationWarning`` until 0.3 (:func:`plan_api_version`)."""
 
 
 class AdapterMismatch(TypeError):
@@ -281,3 +290,37 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} adapter {self.name!r}>"
+
+
+def plan_api_version(adapter: Any) -> int:
+    """The plugin API an adapter (class, instance or factory returning one) was written for:
+    1 where its ``plan`` takes the model alone, else :data:`PLUGIN_API_VERSION`."""
+    plan = getattr(adapter, "plan", None)
+    if plan is None:
+        return PLUGIN_API_VERSION
+    try:
+        parameters = list(inspect.signature(plan).parameters.values())
+    except (TypeError, ValueError):
+        return PLUGIN_API_VERSION
+    if isinstance(adapter, type):  # the function as the class holds it: self comes first
+        parameters = parameters[1:]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return PLUGIN_API_VERSION
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return 1 if len(positional) == 1 else PLUGIN_API_VERSION
+
+
+def make_plan(adapter: Adapter, model: nn.Module, context: PlanContext) -> CapturePlan:
+    """``adapter.plan(model, context)``, or for an adapter written for plugin API 1
+    (``plan(model)``) ``adapter.plan(model)`` with a ``DeprecationWarning`` naming it."""
+    if plan_api_version(adapter) == 1:
+        warnings.warn(
+            f"adapter {adapter.name!r} ({type(adapter).__module__}.{type(adapter).__qualname__}) "
+            f"defines plan(model), the form of layergraph's plugin API 1; since layergraph 0.2 "
+            f"plan takes (model, context) (PLUGIN_API_VERSION {PLUGIN_API_VERSION}). The old "
+            f"form works until layergraph 0.3: add a context parameter to update it",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return adapter.plan(model)  # type: ignore[call-arg]
+    return adapter.plan(model, context)

@@ -188,7 +188,12 @@ def _adapters(console: Console) -> int:
     registry = get_registry()
     adapters = Table("adapter", "distribution", "version", "status", title="Adapters")
     for info in registry.list():
-        status = Text("ok", style="green") if info.ok else Text(info.error or "", style="red")
+        if not info.ok:
+            status = Text(info.error or "", style="red")
+        elif info.note:
+            status = Text(f"ok; {info.note}", style="yellow")
+        else:
+            status = Text("ok", style="green")
         adapters.add_row(info.name, info.distribution, info.version, status)
     backends = Table("backend", "distribution", "version", title="Attention backends")
     for backend in registry.list_attention_backends():

@@ -113,10 +113,11 @@ def recognize_model(model: nn.Module) -> str | None:
 
     layergraph's own implementation runs last: it asks every registered adapter that can be
     made without options for ``recognizes(model)``, dedicated adapters before generic ones
-    (``Adapter.generic``). An adapter whose ``recognizes`` raises is listed as failed (its
-    first error kept); if no other adapter of its kind (dedicated, or generic) recognises the
-    model, it raises ``UnknownAdapterError`` naming the adapter and its error, rather than
-    falling through to a generic adapter.
+    (``Adapter.generic``), and within each layergraph's own adapters before other
+    distributions' (a plugin that wants a model a first-party adapter serves claims it here,
+    or its users name it). An adapter whose ``recognizes`` raises is listed as failed (its
+    first error kept) and passed over with a ``PluginFailureWarning``; so is one whose
+    ``plan`` raises anything but ``AdapterMismatch`` when ``wrap`` makes it.
     """
 
 

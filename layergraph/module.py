@@ -13,13 +13,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .adapter import Adapter, CapturePlan, PlanContext
+from .adapter import Adapter, AdapterMismatch, CapturePlan, PlanContext, make_plan
 from .compiling import RECOMPILE_LIMIT, CompileBudget, compile_options, compiled_call
 from .graphs import CudaGraphs, GraphBackend
 from .guards import NoticeMoves
 from .keys import ShapeKey
 from .ledger import ChangeLedger
-from .plugins import get_registry
+from .plugins import AdapterRegistry, UnknownAdapterError, get_registry
 from .runner import GraphInfo, GraphRunner, RunnerOptions
 from .stats import GraphStats
 from .warm_start import Measurements, load_warm_start, read_measurements, save_warm_start
@@ -99,9 +99,12 @@ def wrap(
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() needs an nn.Module, got {type(model).__name__}")
     registry = get_registry()
-    if isinstance(adapter, str):
-        name = registry.recognize(model) if adapter == "auto" else adapter
-        adapter_object = registry.create(name, adapter_options)
+    compiled = compile_layers is not False or compile_region is not False
+    context = PlanContext(registry, compiled=compiled)
+    if adapter == "auto":
+        adapter_object, plan = _auto_plan(registry, model, adapter_options, context)
+    elif isinstance(adapter, str):
+        adapter_object = registry.create(adapter, adapter_options)
     elif isinstance(adapter, Adapter):
         if adapter_options:
             raise TypeError(
@@ -136,8 +139,8 @@ def wrap(
     if warm_start is not None:
         load_warm_start(warm_start)
     budget = CompileBudget(compile_budget)
-    compiled = compile_layers is not False or compile_region is not False
-    plan = adapter_object.plan(model, PlanContext(registry, compiled=compiled))
+    if adapter != "auto":
+        plan = make_plan(adapter_object, model, context)
     changes = ChangeLedger(model)
     route = _Route()
     try:
@@ -160,6 +163,33 @@ def wrap(
         if measured is not None:
             runner.seed(measured.costs)
     return GraphedModule(model, adapter_object, plan, runner, changes, route, budget, fingerprint)
+
+
+def _auto_plan(
+    registry: AdapterRegistry, model: nn.Module, options: dict[str, Any], context: PlanContext
+) -> tuple[Adapter, CapturePlan]:
+    """The adapter ``adapter="auto"`` chooses for ``model`` and its plan. An adapter whose
+    ``plan`` raises anything but :class:`AdapterMismatch` is recorded as failed and passed
+    over, with a warning, for the next adapter that recognises the model; if none is left,
+    the first failure is raised."""
+    failed: list[str] = []
+    first: BaseException | None = None
+    while True:
+        try:
+            name = registry.recognize(model, skip=failed)
+        except UnknownAdapterError:
+            if first is not None:
+                raise first from None
+            raise
+        adapter_object = registry.create(name, options)
+        try:
+            return adapter_object, make_plan(adapter_object, model, context)
+        except AdapterMismatch:
+            raise
+        except Exception as error:
+            registry.record_failure(name, model, "plan", error)
+            failed.append(name)
+            first = first or error
 
 
 def _fingerprint(model: nn.Module, adapter: Adapter, options: dict[str, Any]) -> str:

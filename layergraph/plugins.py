@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from importlib import metadata
@@ -27,7 +27,7 @@ import pluggy
 import torch
 
 from . import hookspecs
-from .adapter import Adapter, ExampleModel
+from .adapter import Adapter, ExampleModel, plan_api_version
 from .attention import builtin_backends
 from .attention.backends import AttentionBackend
 from .attention.layout import (
@@ -37,6 +37,7 @@ from .attention.layout import (
     check_packed_metadata,
 )
 from .version import __version__
+from .warn import warn
 
 __all__ = [
     "DISABLE_ENV",
@@ -44,6 +45,7 @@ __all__ = [
     "AdapterInfo",
     "AdapterRegistry",
     "AttentionBackendInfo",
+    "PluginFailureWarning",
     "UnknownAdapterError",
     "UnknownAttentionBackendError",
     "get_registry",
@@ -66,20 +68,33 @@ class UnknownAttentionBackendError(LookupError):
     """No registered attention backend has the name asked for."""
 
 
+class PluginFailureWarning(UserWarning):
+    """An adapter failed while ``adapter="auto"`` chose one (its ``recognizes`` or ``plan``
+    raised) and the next adapter that recognises the model was taken; the failure is listed
+    with the adapter (``layergraph adapters``)."""
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     """One registered adapter, or one plugin that failed to give its adapters.
 
     For a failed plugin, ``name`` is its entry-point name and ``error`` says what went wrong.
-    An adapter whose ``recognizes`` raised keeps its entry, with ``error`` set to the first
-    such error: ``adapter="auto"`` reports it rather than passing over it, and naming it
-    (``adapter=name``) still creates it.
+    An adapter whose ``recognizes`` or ``plan`` raised while ``adapter="auto"`` chose keeps its
+    entry, with ``error`` set to the first such error: ``adapter="auto"`` passes over it with a
+    :class:`PluginFailureWarning`, and naming it (``adapter=name``) still creates it.
     """
 
     name: str
     distribution: str
     version: str
     error: str | None = None
+    note: str | None = None
+    """What works but is deprecated (an adapter written for an older plugin API)."""
+
+    @property
+    def first_party(self) -> bool:
+        """Whether layergraph's own distribution registered it."""
+        return self.distribution == _OWN_DISTRIBUTION
 
     @property
     def ok(self) -> bool:
@@ -107,7 +122,8 @@ class AdapterRegistry:
     def __init__(self) -> None:
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
-        self.plugin_manager.register(_Recognizer(self._ask_adapters), name="layergraph.recognize")
+        self._recognizer = _Recognizer(self._ask_adapters)
+        self.plugin_manager.register(self._recognizer, name="layergraph.recognize")
         self._adapters: dict[str, tuple[AdapterFactory, AdapterInfo]] = {}
         self._backends: dict[str, tuple[AttentionBackend, AttentionBackendInfo]] = {}
         self._failures: dict[str, AdapterInfo] = {}
@@ -319,16 +335,28 @@ class AdapterRegistry:
         hook), to be entered around each warm-up and capture."""
         return list(self.plugin_manager.hook.capture_context(model=model))
 
-    def recognize(self, model: torch.nn.Module) -> str:
-        """The name of the adapter that serves ``model``; a clear error if none does.
+    def recognize(self, model: torch.nn.Module, skip: Collection[str] = ()) -> str:
+        """The name of the adapter that serves ``model``, passing over those in ``skip``
+        (adapters that failed on it); a clear error if none does.
 
         Plugins' ``recognize_model`` hooks are asked first, then each adapter's ``recognizes``
-        (see :func:`~layergraph.hookspecs.recognize_model`). An adapter whose ``recognizes``
-        raises is listed as failed, and unless another adapter of its kind recognises the
-        model, this raises :class:`UnknownAdapterError` naming it, rather than choosing a
-        generic adapter in its place. Naming the adapter still creates it.
+        (see :func:`~layergraph.hookspecs.recognize_model`): layergraph's own dedicated
+        adapters, other distributions' dedicated adapters, then the generic ones in the same
+        order. An adapter whose ``recognizes`` raises is listed as failed with its error and
+        passed over, with a :class:`PluginFailureWarning` naming it. Naming the adapter
+        still creates it.
         """
-        name = self.plugin_manager.hook.recognize_model(model=model)
+        if skip:
+            name = next(
+                (
+                    found
+                    for found in self._hook_answers(model, skip)
+                    if found is not None and found not in skip
+                ),
+                None,
+            )
+        else:
+            name = self.plugin_manager.hook.recognize_model(model=model)
         if name is None:
             available = ", ".join(sorted(self._adapters)) or "none"
             raise UnknownAdapterError(
@@ -338,48 +366,66 @@ class AdapterRegistry:
             )
         return name
 
-    def _ask_adapters(self, model: torch.nn.Module) -> str | None:
-        """The first adapter whose ``recognizes(model)`` is true, dedicated adapters first."""
-        factories = self._default_factories()
-        for generic in (False, True):
-            raised: list[str] = []
-            for name, factory in factories:
-                if bool(getattr(factory, "generic", False)) is not generic:
-                    continue
-                try:
-                    recognized = factory().recognizes(model)
-                except Exception as error:
-                    raised.append(self._record_recognition_failure(name, model, error))
-                    continue
-                if recognized:
-                    return name
-            if raised:
-                kind = "generic" if generic else "dedicated"
-                available = ", ".join(sorted(self._adapters))
-                raise UnknownAdapterError(
-                    f"cannot choose an adapter for {_type_name(model)}: {'; '.join(raised)}; "
-                    f"no other {kind} adapter recognises it, so none is chosen in its place. "
-                    f"Name the adapter to use with wrap(model, adapter=NAME); available: "
-                    f"{available}"
-                )
+    def _hook_answers(self, model: torch.nn.Module, skip: Collection[str]) -> Iterator[Any]:
+        """Each ``recognize_model`` implementation's answer, in the order pluggy calls them
+        (layergraph's own last, passing over the adapters in ``skip``)."""
+        for implementation in reversed(self.plugin_manager.hook.recognize_model.get_hookimpls()):
+            if implementation.plugin is self._recognizer:
+                yield self._ask_adapters(model, skip)
+            else:
+                yield implementation.function(model=model)
+
+    def _ask_adapters(self, model: torch.nn.Module, skip: Collection[str] = ()) -> str | None:
+        """The first adapter whose ``recognizes(model)`` is true, in the order of
+        :meth:`recognize`; one that raises is recorded, warned of, and passed over."""
+        for name, factory in self._adapters_in_order():
+            if name in skip:
+                continue
+            try:
+                recognized = factory().recognizes(model)
+            except Exception as error:
+                self.record_failure(name, model, "recognizes", error)
+                continue
+            if recognized:
+                return name
         return None
 
-    def _record_recognition_failure(
-        self, name: str, model: torch.nn.Module, error: Exception
-    ) -> str:
-        """Record that adapter ``name``'s ``recognizes`` raised (the first error is kept).
+    def _adapters_in_order(self) -> list[tuple[str, AdapterFactory]]:
+        """The adapters ``adapter="auto"`` asks, in the order it asks them: dedicated before
+        generic, and within each layergraph's own before other distributions' (each group in
+        the order they were registered)."""
+        ordered = []
+        for generic in (False, True):
+            for first_party in (True, False):
+                for name, factory in self._default_factories():
+                    info = self._adapters[name][1]
+                    if (
+                        bool(getattr(factory, "generic", False)) is generic
+                        and info.first_party is first_party
+                    ):
+                        ordered.append((name, factory))
+        return ordered
 
-        Returns what to say about this error in the message of ``adapter="auto"``.
-        """
+    def record_failure(
+        self, name: str, model: torch.nn.Module, method: str, error: BaseException
+    ) -> None:
+        """Record that adapter ``name``'s ``method`` (``recognizes`` or ``plan``) raised on
+        ``model`` while ``adapter="auto"`` chose, keeping the first error, and warn with a
+        :class:`PluginFailureWarning` naming the adapter and its distribution."""
         factory, info = self._adapters[name]
         described = _describe(error)
         if info.ok:
             error_text = (
-                f"{described} (raised by recognizes() on {_type_name(model)}; "
+                f"{described} (raised by {method}() on {_type_name(model)}; "
                 f"adapter={name!r} still works when named)"
             )
             self._adapters[name] = (factory, dataclasses.replace(info, error=error_text))
-        return f"{name!r} ({info.distribution} {info.version}) raised {described} in recognizes()"
+        warn(
+            f"adapter {name!r} ({info.distribution} {info.version}) raised {described} in "
+            f"{method}() on {_type_name(model)}; adapter='auto' passes over it to the next "
+            f"adapter that recognises the model (layergraph adapters lists the failure)",
+            PluginFailureWarning,
+        )
 
     def _default_factories(self) -> list[tuple[str, AdapterFactory]]:
         """Each adapter's name and factory, for the factories that need no arguments."""
@@ -463,7 +509,13 @@ def _adapter_collector(
         adapter_name = getattr(factory, "name", "")
         if not isinstance(adapter_name, str) or not adapter_name:
             raise TypeError(f"{factory!r} has no 'name' attribute naming the adapter")
-        found.append((factory, AdapterInfo(adapter_name, distribution, version)))
+        note = None
+        if plan_api_version(factory) == 1:
+            note = (
+                "deprecated: plan(model) is plugin API 1; add a context parameter "
+                "(plan(model, context)) before layergraph 0.3"
+            )
+        found.append((factory, AdapterInfo(adapter_name, distribution, version, note=note)))
 
     return register
 

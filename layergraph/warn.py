@@ -14,7 +14,13 @@ import warnings
 
 __all__ = ["INTERNAL_PACKAGES", "user_stacklevel", "warn"]
 
-INTERNAL_PACKAGES: tuple[str, ...] = ("layergraph", "layergraph_adapters", "torch", "transformers")
+INTERNAL_PACKAGES: tuple[str, ...] = (
+    "layergraph",
+    "layergraph_adapters",
+    "pluggy",
+    "torch",
+    "transformers",
+)
 """Packages whose frames a warning skips: the first frame of any other module is the user's."""
 
 
