@@ -13,6 +13,7 @@ from .adapter import (
     PlanContext,
     WholeForward,
 )
+from .gate import EagerModeWarning
 from .hookspecs import hookimpl
 from .keys import ShapeKey
 from .ledger import Change, ChangeLedger
@@ -33,6 +34,7 @@ __all__ = [
     "CapturePlan",
     "Change",
     "ChangeLedger",
+    "EagerModeWarning",
     "ExampleModel",
     "GraphMismatchError",
     "GraphStats",

@@ -37,11 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--batch-sizes",
         default=None,
+        type=_batch_sizes,
         help="comma-separated batch sizes to check and time (default: 1,3,8,32 on a GPU, 1,3 "
         "on the CPU; 3 is padded to the captured 4)",
     )
     demo.add_argument("--dtype", default="float16", choices=sorted(_DTYPES))
-    demo.add_argument("--iters", type=int, default=None, help="timed calls per measurement")
+    demo.add_argument("--iters", type=_positive, default=None, help="timed calls per measurement")
     demo.add_argument("--json", default=None, help="also write the results to this file")
     bench = commands.add_parser(
         "bench", help="eager, layergraph, a hand-written graph and torch.compile side by side"
@@ -76,9 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(e.g. 1,8) in two fresh processes with empty Inductor caches: cold, which saves a "
         "warm-start file, and warm, which loads it; needs --compile-layers or --compile-region",
     )
-    bench.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    bench.add_argument("--batch-sizes", default=[1, 2, 4, 8, 16, 32], type=_batch_sizes)
     bench.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
-    bench.add_argument("--iters", type=int, default=100, help="timed calls per measurement")
+    bench.add_argument("--iters", type=_positive, default=100, help="timed calls per measurement")
     bench.add_argument(
         "--compile",
         action="store_true",
@@ -151,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
+    if args.command in commands.choices:
+        parser = commands.choices[args.command]  # usage errors name the subcommand
     if args.command == "bench" and (args.inductor_option or args.compile_budget is not None):
         if not (args.compile_layers or args.compile_region):
             parser.error(
@@ -166,6 +169,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.stream is not None:
             parser.error("--start and --stream are separate runs: choose one")
+    if args.command == "bench" and args.stream is not None:
+        from .bench.stream import parse_stream
+
+        try:
+            parse_stream(args.stream)
+        except ValueError as error:
+            parser.error(f"argument --stream: {error}")
+    if args.command in ("bench", "demo") and not getattr(args, "list_models", False):
+        unknown = _unknown_model(args.command, args.model)
+        if unknown is not None:
+            parser.error(unknown)
     try:
         from rich.console import Console
     except ImportError:
@@ -210,10 +224,7 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     cuda = torch.cuda.is_available()
-    if args.batch_sizes:
-        sizes = [int(part) for part in args.batch_sizes.split(",")]
-    else:
-        sizes = [1, 3, 8, 32] if cuda else [1, 3]
+    sizes = args.batch_sizes or ([1, 3, 8, 32] if cuda else [1, 3])
     iters = args.iters or (200 if cuda else 5)
     dtype = getattr(torch, _DTYPES[args.dtype])
     report = run_demo(args.model, sizes, dtype, iters, console)
@@ -289,6 +300,39 @@ def _profile_table(report: Any) -> Any:
             "-" if row["over_floor"] is None else f"{row['over_floor']:.2f}x",
         )
     return view
+
+
+def _unknown_model(command: str, name: str) -> str | None:
+    """Why ``name`` is no model ``command`` can build, or ``None`` if it is one."""
+    if command == "demo" or name.startswith("timm:"):
+        try:
+            import timm
+        except ImportError:
+            return f"argument --model: {name!r} needs timm: pip install 'layergraph[demo]'"
+        timm_name = name.removeprefix("timm:")
+        if timm.is_model(timm_name):
+            return None
+        return f"argument --model: timm has no model {timm_name!r} (timm.list_models() lists them)"
+    from .plugins import get_registry
+
+    names = get_registry().example_model_names()
+    if name in names:
+        return None
+    return (
+        f"argument --model: no adapter builds a model called {name!r}; choose from "
+        f"{', '.join(names)}, or timm:NAME (layergraph bench --list-models)"
+    )
+
+
+def _positive(text: str) -> int:
+    """A whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return value
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -458,7 +502,7 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
             )
         return view
 
-    sizes = [int(part) for part in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     dtype = getattr(torch, _DTYPES[args.dtype])
     with Live(console=console, refresh_per_second=4) as live:
         live.update(f"building {args.model} and capturing {len(sizes)} batch sizes...")

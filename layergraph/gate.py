@@ -22,8 +22,15 @@ from .adapter import CapturePlan
 from .graphs import GraphBackend
 from .guards import GLOBAL_HOOKS, HookWatch
 from .packing import Call
+from .warn import warn
 
-__all__ = ["EagerGate"]
+__all__ = ["EagerGate", "EagerModeWarning"]
+
+
+class EagerModeWarning(UserWarning):
+    """The wrapped model's calls run eagerly because of how it is being used (training mode,
+    gradients on): warned once per wrapper and cause, where ``stats.eager_calls`` counts
+    every such call."""
 
 
 class EagerGate:
@@ -34,6 +41,7 @@ class EagerGate:
         self.backend = backend
         self.hooks = hooks
         self._unavailable = backend.unavailable_reason()
+        self._warned: set[str] = set()
         self.refresh()
 
     def refresh(self) -> None:
@@ -74,6 +82,31 @@ class EagerGate:
         if self.backend.is_capturing():
             return "an enclosing graph capture is running"
         return self.plan.eager_reason(call)
+
+    def warn_of_mode(self, call: Call) -> None:
+        """Warn (once per cause) when a call runs eagerly because the model is in training
+        mode or gradients are on: what a user may not know, and can change."""
+        owner = self.plan.owner
+        if owner.training:
+            cause = "training mode"
+            advice = f"call {type(owner).__name__}.eval() (or the wrapper's .eval())"
+        elif torch.is_grad_enabled() and (
+            any(t.requires_grad for t in call.tensors)
+            or any(p.requires_grad for p in self._parameters)
+        ):
+            cause = "gradients"
+            advice = "call it under torch.inference_mode() or torch.no_grad()"
+        else:
+            return
+        if cause in self._warned:
+            return
+        self._warned.add(cause)
+        doing = "is in training mode" if cause == "training mode" else "is called with gradients on"
+        warn(
+            f"the wrapped {type(owner).__name__} {doing}, so its calls run eagerly and no "
+            f"graph serves them; {advice} for graphs (stats.eager_calls counts such calls)",
+            EagerModeWarning,
+        )
 
 
 def hooks_reason(places: Sequence[str], owner: nn.Module) -> str:

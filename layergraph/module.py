@@ -7,6 +7,7 @@ import functools
 import hashlib
 import inspect
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -98,6 +99,12 @@ def wrap(
         raise TypeError("this model is already wrapped; unwrap() it first")
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() needs an nn.Module, got {type(model).__name__}")
+    holder = _wrapper_of(model)
+    if holder is not None:
+        raise TypeError(
+            f"this {type(model).__name__} is wrapped already (by the wrapper of adapter "
+            f"{holder.adapter.name!r}); use that wrapper, or unwrap() it before wrapping again"
+        )
     registry = get_registry()
     compiled = compile_layers is not False or compile_region is not False
     context = PlanContext(registry, compiled=compiled)
@@ -162,7 +169,24 @@ def wrap(
         measured = read_measurements(warm_start, fingerprint)
         if measured is not None:
             runner.seed(measured.costs)
-    return GraphedModule(model, adapter_object, plan, runner, changes, route, budget, fingerprint)
+    graphed = GraphedModule(
+        model, adapter_object, plan, runner, changes, route, budget, fingerprint
+    )
+    _WRAPPERS[model] = weakref.ref(graphed)
+    return graphed
+
+
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GraphedModule]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The wrapper of each model wrapped and not unwrapped, so that a second wrap is refused."""
+
+
+def _wrapper_of(model: nn.Module) -> GraphedModule | None:
+    """The live wrapper of ``model`` that was not unwrapped, or ``None``."""
+    held = _WRAPPERS.get(model)
+    graphed = held() if held is not None else None
+    return None if graphed is None or graphed.unwrapped else graphed
 
 
 def _auto_plan(
@@ -315,11 +339,14 @@ class GraphedModule(nn.Module):
         self._has_scope = type(plan).forward_scope is not CapturePlan.forward_scope
         """Whether the plan has a scope to enter around each call (the base class's is empty)."""
         self._call: Callable[..., Any] = runner if plan.serves_forward else model.__call__
+        self.unwrapped = False
+        """Whether :meth:`unwrap` was called: the wrapper then refuses every call."""
         self.fingerprint = fingerprint
         """The model, adapter and options as a warm start's measurements know them: a file's
         measurements are used only by a wrapper of equal fingerprint."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_wrapped()
         if not self._has_scope:
             return self._call(*args, **kwargs)
         with self._plan.forward_scope():
@@ -338,6 +365,7 @@ class GraphedModule(nn.Module):
         repeated to fill each size; its other dimensions fix the sequence. Shows a progress bar
         when rich is installed and ``progress`` is true. Returns the keys captured.
         """
+        self._check_wrapped()
         if self._plan.serves_forward:
             return self._runner.capture(*args, batch_sizes=batch_sizes, progress=progress, **kwargs)
         driver = self._plan.capture_module
@@ -434,6 +462,7 @@ class GraphedModule(nn.Module):
         kept. For comparisons (benchmarks, checks against eager); calls through the wrapper
         meanwhile run the unchanged model.
         """
+        self._check_wrapped()
         with self._changes.suspended():
             yield self.module
 
@@ -441,12 +470,26 @@ class GraphedModule(nn.Module):
         """Release the graphs, undo every change in :attr:`changes`, and return the model.
 
         Afterwards the model holds the same parameter and buffer objects (with the values they
-        hold now), has the same classes, and keeps no attribute or hook of layergraph's.
+        hold now), has the same classes, and keeps no attribute or hook of layergraph's; the
+        wrapper refuses every call (a ``RuntimeError`` naming ``unwrap``), and the model may be
+        wrapped again. A second ``unwrap()`` returns the model again.
         """
-        self._runner.release()
-        self._changes.undo_all()
-        self._route.target = None
+        if not self.unwrapped:
+            self._runner.release()
+            self._changes.undo_all()
+            self._route.target = None
+            self.unwrapped = True
+            _WRAPPERS.pop(self.module, None)
         return self.module
+
+    def _check_wrapped(self) -> None:
+        """Raise ``RuntimeError`` if :meth:`unwrap` was called."""
+        if self.unwrapped:
+            raise RuntimeError(
+                f"this wrapper of a {type(self.module).__name__} was unwrapped (unwrap() undid "
+                f"its changes and released its graphs); call the model unwrap() returned, or "
+                f"wrap it again"
+            )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -455,6 +498,7 @@ class GraphedModule(nn.Module):
             pass
         value = getattr(self._modules["module"], name)
         if inspect.ismethod(value) and value.__self__ is self._modules["module"]:
+            self._check_wrapped()
             return self._scoped(value)
         return value
 

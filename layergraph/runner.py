@@ -147,6 +147,7 @@ class GraphRunner:
             reason = engine.gate.reason(call)
             if reason is None:
                 return self._lane.serve(call, fresh=False)
+        engine.gate.warn_of_mode(call)
         explain = reason.startswith("input ")  # the model would fail on such inputs
         return engine.run_eagerly(reason, args, kwargs, explain_errors=explain, size=call.size)
 

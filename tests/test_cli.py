@@ -41,6 +41,29 @@ def test_version_is_the_packages() -> None:
     assert result.stdout.strip() == f"layergraph {layergraph.__version__}"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("bench", "--model", "no-such-model"), "argument --model: no adapter builds a model"),
+        (("bench", "--model", "timm:no_such_vit"), "timm has no model 'no_such_vit'"),
+        (("demo", "--model", "no_such_vit"), "layergraph demo: error: argument --model"),
+        (("bench", "--batch-sizes", "1,x"), "argument --batch-sizes: '1,x': expected"),
+        (("demo", "--batch-sizes", "0"), "argument --batch-sizes: '0': expected"),
+        (("bench", "--iters", "0"), "argument --iters: '0': expected a whole number"),
+        (("bench", "--stream", "12"), "argument --stream: stream '12': expected COUNT:LOW-HIGH"),
+        (("bench", "--start", "1"), "--start needs --compile-layers or --compile-region"),
+        (("no-such-command",), "invalid choice: 'no-such-command'"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message_and_no_traceback(
+    args: tuple[str, ...], message: str
+) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "usage: layergraph" in result.stderr
+
+
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="checks the no-GPU path of the demo"
 )
