@@ -289,6 +289,7 @@ def test_a_backend_failing_mid_capture_leaves_the_other_graphs_serving() -> None
     )
     assert stats.served == {(2, "graph"): 2, (7, "eager"): 2}
     assert stats.failed_captures == 1 and stats.graphs == 1 and backend.memory_releases == 0
+    graphed.unwrap()
     ahead = wrap(model, backend=FailsMidCapture(batch=8), batch_sizes=[2, 8])
     with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")

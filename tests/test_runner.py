@@ -112,12 +112,14 @@ def test_default_output_is_fresh_and_static_output_is_overwritten(
     mlp_stack: nn.Sequential,
 ) -> None:
     fresh = wrap_simulated(mlp_stack, batch_sizes=[2])
-    static = wrap_simulated(mlp_stack, batch_sizes=[2], static_output=True)
     a, b = torch.randn(2, 16), torch.randn(2, 16)
     with torch.no_grad():
         kept = fresh(a)
         fresh(b)
         torch.testing.assert_close(kept, mlp_stack(a), atol=ATOL, rtol=0)
+    fresh.unwrap()
+    static = wrap_simulated(mlp_stack, batch_sizes=[2], static_output=True)
+    with torch.no_grad():
         held = static(a)
         with pytest.warns(layergraph.runner.StaleOutputWarning, match="still referenced"):
             static(b)
@@ -646,9 +648,11 @@ def test_a_capture_refuses_what_a_cuda_capture_refuses(how: str, named: str) -> 
         assert count == 1 and "CaptureUnsafeOperation" in reason and named in reason
         with graphed.original() as original:  # the model itself is left as it was
             torch.testing.assert_close(original(x), model(x))
+        graphed.unwrap()
         strict = wrap_simulated(model, batch_sizes=None, validate=True)
         with pytest.raises(CaptureUnsafeOperation, match=named):
             strict(x)
+        strict.unwrap()
     lenient = layergraph.wrap(
         model, adapter=layergraph.SequentialAdapter(), backend=SimulatedGraphs(strict=False)
     )

@@ -380,8 +380,12 @@ def test_eager_path_without_cuda_equals_the_model(name: str) -> None:
 def test_a_routed_tower_cannot_be_wrapped_twice() -> None:
     model = built(transformers.CLIPVisionModel, clip_config())
     first = layergraph.wrap(model, backend=SimulatedGraphs())
-    with pytest.raises(RuntimeError, match="already routed to graphs by another wrapper"):
+    with pytest.raises(TypeError, match=r"CLIPVisionModel is wrapped already"):
         layergraph.wrap(model, backend=SimulatedGraphs())
+    vlm_like = torch.nn.Module()  # a second model holding the routed tower
+    vlm_like.add_module("vision_model", model)
+    with pytest.raises(RuntimeError, match="already routed to graphs by another wrapper"):
+        layergraph.wrap(vlm_like, adapter="clip", backend=SimulatedGraphs())
     first.unwrap()
     second = layergraph.wrap(model, backend=SimulatedGraphs())
     x = images(1)
