@@ -87,9 +87,8 @@ def run_demo(
 ) -> DemoReport:
     """Build, wrap, capture, check and time ``model_name``; print progress on ``console``.
 
-    On a GPU every bucket is captured into one shared pool, largest first, and then the
-    largest bucket alone into a pool of its own, for comparison; each pool holds its own cuBLAS
-    workspace.
+    On a GPU the largest bucket is first captured alone into a pool of its own (then unwrapped),
+    for comparison, and then every bucket into one shared pool, largest first.
     """
     import timm
 
@@ -112,10 +111,11 @@ def run_demo(
     results = []
     largest_alone = 0
     with torch.inference_mode():
+        if cuda:
+            largest_alone = _pool_bytes_alone(model, images(1), batch=max(DEFAULT_BATCH_SIZES))
         graphed = wrap(model, adapter="timm", batch_sizes=DEFAULT_BATCH_SIZES)
         if cuda:
             keys = graphed.capture(images(1), progress=False)
-            largest_alone = _pool_bytes_alone(model, images(1), batch=max(DEFAULT_BATCH_SIZES))
             stats = graphed.stats
             console.print(
                 f"captured {len(keys)} graphs (batch {', '.join(str(k.batch) for k in keys)}) "
@@ -150,5 +150,5 @@ def _pool_bytes_alone(model: torch.nn.Module, example: torch.Tensor, batch: int)
     alone = wrap(model, adapter="timm", batch_sizes=[batch])
     alone.capture(example, progress=False)
     size = alone.stats.pool_bytes
-    alone.release()
+    alone.unwrap()
     return size

@@ -116,8 +116,9 @@ def recognize_model(model: nn.Module) -> str | None:
     (``Adapter.generic``), and within each layergraph's own adapters before other
     distributions' (a plugin that wants a model a first-party adapter serves claims it here,
     or its users name it). An adapter whose ``recognizes`` raises is listed as failed (its
-    first error kept) and passed over with a ``PluginFailureWarning``; so is one whose
-    ``plan`` raises anything but ``AdapterMismatch`` when ``wrap`` makes it.
+    first error kept) and passed over with a ``PluginFailureWarning``; so is another
+    distribution's adapter whose ``plan`` raises anything but ``AdapterMismatch`` when ``wrap``
+    makes it.
     """
 
 

@@ -192,10 +192,11 @@ def _wrapper_of(model: nn.Module) -> GraphedModule | None:
 def _auto_plan(
     registry: AdapterRegistry, model: nn.Module, options: dict[str, Any], context: PlanContext
 ) -> tuple[Adapter, CapturePlan]:
-    """The adapter ``adapter="auto"`` chooses for ``model`` and its plan. An adapter whose
-    ``plan`` raises anything but :class:`AdapterMismatch` is recorded as failed and passed
-    over, with a warning, for the next adapter that recognises the model; if none is left,
-    the first failure is raised."""
+    """The adapter ``adapter="auto"`` chooses for ``model`` and its plan. An adapter of another
+    distribution whose ``plan`` raises anything but :class:`AdapterMismatch` is recorded as
+    failed and passed over, with a warning, for the next adapter that recognises the model; if
+    none is left, the first failure is raised. layergraph's own adapters' errors are raised as
+    they are (theirs are deliberate refusals, such as a model wrapped already)."""
     failed: list[str] = []
     first: BaseException | None = None
     while True:
@@ -211,6 +212,8 @@ def _auto_plan(
         except AdapterMismatch:
             raise
         except Exception as error:
+            if registry.info(name).first_party:
+                raise
             registry.record_failure(name, model, "plan", error)
             failed.append(name)
             first = first or error

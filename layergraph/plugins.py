@@ -245,6 +245,11 @@ class AdapterRegistry:
         infos = [info for _, info in self._adapters.values()] + list(self._failures.values())
         return sorted(infos, key=lambda info: (info.name, info.distribution))
 
+    def info(self, name: str) -> AdapterInfo:
+        """What the registry knows of the adapter registered as ``name`` (``KeyError`` if
+        none is)."""
+        return self._adapters[name][1]
+
     def factory(self, name: str) -> AdapterFactory:
         """The factory registered as ``name``; a clear error if it is unknown or broken.
 
