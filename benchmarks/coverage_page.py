@@ -52,6 +52,10 @@ PACKED_RUNS = (
     "2026-12-02-h200-packed-towers-glm-4.1v.json",
     "2026-12-02-h200-lfm2-vl-1.6b-dense-mask.json",
     "2026-12-02-h200-siglip2-so400m-dense-mask.json",
+    "2026-12-03-h200-packed-towers.json",
+    "2026-12-03-h200-packed-towers-qwen2.5-vl-ab-3-new.json",
+    "2026-12-03-h200-siglip2-so400m-in-turns.json",
+    "2026-12-03-h200-lfm2-vl-1.6b-in-turns.json",
 )
 """H200 runs of the packed benchmarks in ``docs/results``, oldest first: each tower's ratios
 come from the newest run that measured it."""
@@ -110,38 +114,46 @@ def render(results: dict[str, Any] | None) -> str:
         "",
         _source(results),
         "",
-        "| family | adapter | classes | graphed | batch 1: eager / layergraph | "
+        "| family | adapter | graphed | classes | batch 1: eager / layergraph | "
         "layergraph / hand-written graph |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
+    listed: list[str] = []
     for adapter in sorted(by_adapter, key=lambda a: family_of(a).lower()):
         names = by_adapter[adapter]
-        notes = [f"{name}: {NOTES[name]}" for name in names if name in NOTES]
-        graphed = "; ".join(["yes, the whole tower, in place", *notes])
-        classes = ", ".join(f"`{name}`" for name in names)
         speed, against_hand = runs.get(adapter, ("not measured yet", "not measured yet"))
         lines.append(
-            f"| {family_of(adapter)} | `{adapter}` | {classes} | {graphed} | {speed} | "
-            f"{against_hand} |"
+            f"| {family_of(adapter)} | `{adapter}` | the whole tower, in place | {len(names)} | "
+            f"{speed} | {against_hand} |"
         )
+        notes = [f"{name}: {NOTES[name]}" for name in names if name in NOTES]
+        listed.append(_classes_item(adapter, names, notes))
     packed_runs = _packed_runs_by_adapter()
     for adapter in sorted(packed):
-        classes = ", ".join(f"`{name}`" for name in packed[adapter])
         script = f"not measured yet (`benchmarks/{PACKED_BENCHMARKS[adapter]}`)"
         speed, against_hand = packed_runs.get(adapter, (script, script))
         lines.append(
-            f"| {family_of(adapter)} | `{adapter}` | {classes} | yes, in packed mode: the images "
-            f"of a call packed into one sequence, a graph per token budget | {speed} | "
-            f"{against_hand} |"
+            f"| {family_of(adapter)} | `{adapter}` | packed: a call's images in one sequence, a "
+            f"graph per token budget | {len(packed[adapter])} | {speed} | {against_hand} |"
         )
-    lines += ["", "## Not served", "", "| why | classes |", "| --- | --- |"]
+        listed.append(_classes_item(adapter, packed[adapter], []))
+    lines += ["", "### Classes served, by family", "", *listed]
+    lines += ["", "## Not served", ""]
     by_reason: dict[str, list[str]] = defaultdict(list)
     for name in sorted(UNSERVED):
         if name in walked:
             by_reason[UNSERVED[name]].append(name)
     for reason, names in sorted(by_reason.items(), key=lambda item: -len(item[1])):
-        lines.append(f"| {reason} | {', '.join(f'`{name}`' for name in names)} |")
+        classes = ", ".join(f"`{name}`" for name in names)
+        lines.append(f"- {reason} ({len(names)}): {classes}")
     return "\n".join(lines) + "\n"
+
+
+def _classes_item(adapter: str, names: list[str], notes: list[str]) -> str:
+    """One family's classes as a list item, with the notes about them."""
+    classes = ", ".join(f"`{name}`" for name in names)
+    noted = "".join(f" {note}." for note in notes)
+    return f"- **{family_of(adapter)}** (`{adapter}`): {classes}.{noted}"
 
 
 def _source(results: dict[str, Any] | None) -> str:
@@ -199,9 +211,10 @@ def _packed_runs_by_adapter() -> dict[str, tuple[str, str]]:
         if "calls" in run:
             row = next(r for r in run["calls"] if r["images"] == 1)
             hand = row.get("hand_graph_ms")
+            paired = row.get("layergraph_vs_hand")  # timed in turns with the hand graph
             rows[run.get("tower", "siglip2-so400m")] = (
                 row["eager_ms"] / row["layergraph_ms"],
-                None if hand is None else row["layergraph_ms"] / hand,
+                paired or (None if hand is None else row["layergraph_ms"] / hand),
                 f"one image of {row['max_patches']} patches",
             )
     speeds: dict[str, list[str]] = defaultdict(list)
