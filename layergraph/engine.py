@@ -145,22 +145,38 @@ class GraphEngine:
         kwargs: dict[str, Any],
         explain_errors: bool = False,
         size: int | None = None,
+        call: Call | None = None,
     ) -> Any:
         """Run the region eagerly, counting ``reason`` (and ``size``'s way, when known).
 
         With ``explain_errors``, an error raised by the model is re-raised as a ``ValueError``
         that names ``reason`` first (an input unlike the model's), the model's error chained.
+        Given the ``call``, an error raised by the model is re-raised as the ``ValueError`` of
+        the plan's :meth:`~layergraph.adapter.CapturePlan.check_inputs` where that refuses the
+        call (the message a capture would give), the model's error chained.
         """
         self.count_eager(reason, size)
         with self.hooks.adopting():
-            if not explain_errors:
-                return self.plan.region(*args, **kwargs)
             try:
                 return self.plan.region(*args, **kwargs)
             except Exception as error:
-                raise ValueError(
-                    f"{reason}; the model raised {type(error).__name__}: {error}"
-                ) from error
+                if explain_errors:
+                    raise ValueError(
+                        f"{reason}; the model raised {type(error).__name__}: {error}"
+                    ) from error
+                if call is not None:
+                    self._explain(call, error)
+                raise
+
+    def _explain(self, call: Call, error: Exception) -> None:
+        """Raise the plan's own refusal of ``call`` (a ``ValueError``), the model's ``error``
+        chained, if the plan refuses it; return otherwise."""
+        try:
+            self.plan.check_inputs(call)
+        except ValueError as refusal:
+            raise ValueError(
+                f"{refusal} (the model raised {type(error).__name__}: {error})"
+            ) from error
 
     def time_eagerly(self, reason: str, call: Call) -> tuple[Any, float]:
         """Run ``call`` eagerly, counted for ``reason``, waited for and timed: its output and

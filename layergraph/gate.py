@@ -50,18 +50,11 @@ class EagerGate:
         self._reference = self._parameters[0] if self._parameters else None
 
     def reason(self, call: Call) -> str | None:
-        """Why ``call`` cannot be served by a graph, or ``None`` if it can."""
-        if self._unavailable is not None:
-            return self._unavailable
-        if self.plan.owner.training:
-            return "model is in training mode"
-        places = self.hooks.differences()
-        if places:
-            return hooks_reason(places, self.plan.owner)
+        """Why ``call`` cannot be served by a graph, or ``None`` if it can. An input unlike
+        the model (another device or dtype) comes first, with or without a GPU, so that the
+        model's error on it is explained the same everywhere (reasons starting ``input``)."""
         reference = self._reference
         device = reference.device if reference is not None else call.tensors[0].device
-        if device.type != self.backend.device_type:
-            return f"model is on {device}; graphs need a {self.backend.device_type} device"
         for tensor in call.tensors:
             if tensor.device != device:
                 return f"input on {tensor.device}, model on {device}"
@@ -72,6 +65,15 @@ class EagerGate:
                 and tensor.dtype != reference.dtype
             ):
                 return f"input dtype {tensor.dtype} differs from model dtype {reference.dtype}"
+        if self._unavailable is not None:
+            return self._unavailable
+        if self.plan.owner.training:
+            return "model is in training mode"
+        places = self.hooks.differences()
+        if places:
+            return hooks_reason(places, self.plan.owner)
+        if device.type != self.backend.device_type:
+            return f"model is on {device}; graphs need a {self.backend.device_type} device"
         if torch.is_grad_enabled() and (
             any(t.requires_grad for t in call.tensors)
             or any(p.requires_grad for p in self._parameters)

@@ -149,7 +149,9 @@ class GraphRunner:
                 return self._lane.serve(call, fresh=False)
         engine.gate.warn_of_mode(call)
         explain = reason.startswith("input ")  # the model would fail on such inputs
-        return engine.run_eagerly(reason, args, kwargs, explain_errors=explain, size=call.size)
+        return engine.run_eagerly(
+            reason, args, kwargs, explain_errors=explain, size=call.size, call=call
+        )
 
     def capture(
         self,

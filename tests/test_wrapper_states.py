@@ -109,3 +109,24 @@ def test_calls_with_gradients_on_warn_once_and_inference_calls_do_not() -> None:
             graphed(torch.randn(2, 8))
     assert graphed.stats.replays == 1
     graphed.unwrap()
+
+
+class NoGraphs(SimulatedGraphs):
+    """A backend that, like a machine without CUDA, captures nothing."""
+
+    def unavailable_reason(self) -> str | None:
+        return "CUDA is not available"
+
+
+def test_without_graphs_an_input_unlike_the_model_gets_the_same_clear_errors() -> None:
+    graphed = layergraph.wrap(timm_vit(), backend=NoGraphs())
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match=r"^input dtype torch.float64 differs from model"):
+            graphed(torch.randn(1, 3, 32, 32, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"^image size 48x48 differs from the model's 32x32"):
+            graphed(torch.randn(1, 3, 48, 48))
+        with pytest.raises(ValueError, match="expected 3 channels, got 4"):
+            graphed(torch.randn(1, 4, 32, 32))
+        assert graphed(torch.randn(2, 3, 32, 32)).shape[0] == 2  # a right input runs
+    assert graphed.stats.eager_calls["CUDA is not available"] == 3
+    graphed.unwrap()
