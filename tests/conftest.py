@@ -58,7 +58,42 @@ def runnable_triton() -> None:
         pytest.skip(fault)
 
 
+SLOW_FILES = frozenset(
+    {
+        "test_add_norm_kernel.py",
+        "test_bench.py",
+        "test_bench_profile.py",
+        "test_bench_start.py",
+        "test_cli.py",
+        "test_coverage.py",
+        "test_docs.py",
+        "test_docs_render.py",
+        "test_docs_site.py",
+        "test_families_benchmark.py",
+        "test_fused_norm.py",
+        "test_ledger.py",
+        "test_packed_towers_bench.py",
+        "test_plots.py",
+        "test_qwen2_vl_fused_norm.py",
+        "test_siglip2_naflex_bench.py",
+        "test_tensor_parallel.py",
+        "test_triton_varlen.py",
+        "test_vlm_prefill_bench.py",
+        "test_warm_start.py",
+        "test_wheel.py",
+    }
+)
+"""The test files marked ``slow``, left out of the quick check (``pytest -m "not slow"``):
+Triton's interpreter, fresh processes (the command, benchmarks, builds), the docs site, and
+the coverage walk; tests named for the Triton kernel (run in its interpreter) are marked too.
+Together about four fifths of the suite's time on two cores."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.name in SLOW_FILES or "triton" in item.name:
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

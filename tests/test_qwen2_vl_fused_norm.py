@@ -46,8 +46,15 @@ def blunted(tower: torch.nn.Module) -> torch.nn.Module:
     return tower
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", KINDS)
+CASES = [(kind, torch.float32) for kind in KINDS] + [
+    (kind, torch.bfloat16) for kind in ("qwen2_vl", "qwen2_5_vl")
+]
+"""Every tower kind in float32, and in bfloat16 one tower of each norm (LayerNorm, RMSNorm):
+the kernel's bfloat16 rounding is the norm's, not the tower's, and each bfloat16 case takes
+15 to 22 s in Triton's interpreter."""
+
+
+@pytest.mark.parametrize(("kind", "dtype"), CASES)
 def test_packed_blocks_with_fused_norms_equal_the_tower(
     kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:

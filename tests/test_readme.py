@@ -21,3 +21,13 @@ def test_readme_has_a_demo_and_a_test_command() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     _, tests = readme_commands()
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_quick_check_is_documented_and_leaves_out_the_slow_tests() -> None:
+    import conftest
+
+    readme = (ROOT / "README.md").read_text()
+    assert '.venv/bin/python -m pytest -m "not slow"' in readme
+    tests = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    assert conftest.SLOW_FILES <= tests, conftest.SLOW_FILES - tests
+    assert "slow:" in (ROOT / "pyproject.toml").read_text()
