@@ -229,25 +229,29 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     report = run_demo(args.model, sizes, dtype, iters, console)
     device = torch.cuda.get_device_name() if cuda else "CPU"
-    table = Table(
-        "batch",
-        "graph vs eager (rel. error)",
-        "eager ms",
-        "layergraph ms",
-        "speedup",
-        "hand-written graph ms",
-        title=f"{args.model} on {device}, median of {iters} calls",
-    )
+    columns = ["batch", "graph vs eager (rel. error)", "eager ms", "layergraph ms"]
+    if cuda:
+        columns += ["speedup", "hand-written graph ms"]
+    table = Table(*columns, title=f"{args.model} on {device}, median of {iters} calls")
     for result in report.results:
-        table.add_row(
+        cells = [
             str(result.batch),
             f"{result.relative_error:.2e}",
             f"{result.eager_ms:.3f}",
             f"{result.graphed_ms:.3f}",
-            f"{result.speedup:.2f}x",
-            "-" if result.plain_graph_ms is None else f"{result.plain_graph_ms:.3f}",
-        )
+        ]
+        if cuda:
+            plain = "-" if result.plain_graph_ms is None else f"{result.plain_graph_ms:.3f}"
+            cells += [f"{result.speedup:.2f}x", plain]
+        table.add_row(*cells)
     console.print(table)
+    if not cuda:
+        console.print(
+            "Without a GPU both columns time the same eager computation, so there is no "
+            "speedup to show. On a GPU this table adds the speedup and a hand-written CUDA "
+            "graph: on an H200, vit_base_patch16_224 at batch 1 runs in 0.69 ms graphed "
+            "against 2.6 to 6.5 ms eager (docs/benchmarks.md)."
+        )
     if args.json:
         record = {
             "model": args.model,

@@ -125,20 +125,25 @@ def run_demo(
             )
         tolerance = DEFAULT_TOLERANCE[dtype]
         for batch in batch_sizes:
-            x = images(batch)
-            error = relative_error(graphed(x), model(x))
-            if not error <= tolerance:
-                raise RuntimeError(
-                    f"batch {batch}: graph differs from eager (relative error {error:.3g} > "
-                    f"{tolerance:.3g})"
-                )
-            eager = median_ms(lambda x=x: model(x), device=device, iters=iters)
-            fast = median_ms(lambda x=x: graphed(x), device=device, iters=iters)
-            plain = None
-            if cuda:
-                by_hand = plain_graph(model, x)
-                plain = median_ms(lambda x=x, run=by_hand: run(x), device=device, iters=iters)
-                del by_hand
+            with console.status(f"batch {batch}: checking against eager, timing {iters} calls"):
+                x = images(batch)
+                error = relative_error(graphed(x), model(x))
+                if not error <= tolerance:
+                    raise RuntimeError(
+                        f"batch {batch}: graph differs from eager (relative error {error:.3g} "
+                        f"> {tolerance:.3g})"
+                    )
+                eager = median_ms(lambda x=x: model(x), device=device, iters=iters)
+                fast = median_ms(lambda x=x: graphed(x), device=device, iters=iters)
+                plain = None
+                if cuda:
+                    by_hand = plain_graph(model, x)
+                    plain = median_ms(lambda x=x, run=by_hand: run(x), device=device, iters=iters)
+                    del by_hand
+            console.print(
+                f"batch {batch}: answers as eager (relative error {error:.1e}); eager "
+                f"{eager:.2f} ms, through the wrapper {fast:.2f} ms"
+            )
             results.append(DemoResult(batch, error, eager, fast, plain))
     stats = graphed.stats
     console.print(str(stats))

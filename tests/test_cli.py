@@ -83,6 +83,9 @@ def test_demo_without_gpu_says_so_and_runs_eagerly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "No CUDA GPU here" in result.stdout
     assert "eager x" in result.stdout and "CUDA is not available" in result.stdout
+    assert "batch 1: answers as eager" in result.stdout  # progress, batch by batch
+    assert "speedup ┃" not in result.stdout and "layergraph ms ┃" in result.stdout
+    assert "there is no speedup to show" in result.stdout
     record = json.loads(out.read_text())
     assert [row["batch"] for row in record["results"]] == [1, 2]
     assert all(row["relative_error"] == 0.0 for row in record["results"])
