@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -185,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("the layergraph command needs rich: pip install 'layergraph[cli]'", file=sys.stderr)
         return 2
-    console = Console()
+    console = _console(Console)
     if args.command == "adapters":
         return _adapters(console)
     if args.command == "bench":
@@ -304,6 +305,19 @@ def _profile_table(report: Any) -> Any:
             "-" if row["over_floor"] is None else f"{row['over_floor']:.2f}x",
         )
     return view
+
+
+PIPED_WIDTH = 160
+"""The width of the tables when the output is not a terminal and ``COLUMNS`` is unset (rich
+would take 80 and cut the tables' columns)."""
+
+
+def _console(console_class: type[Console]) -> Console:
+    """A console for the command's output: the terminal's width, ``COLUMNS`` where set, else
+    :data:`PIPED_WIDTH` when the output goes to a file or a pipe."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return console_class()
+    return console_class(width=PIPED_WIDTH)
 
 
 def _unknown_model(command: str, name: str) -> str | None:

@@ -89,3 +89,17 @@ def test_demo_without_gpu_says_so_and_runs_eagerly(tmp_path: Path) -> None:
     record = json.loads(out.read_text())
     assert [row["batch"] for row in record["results"]] == [1, 2]
     assert all(row["relative_error"] == 0.0 for row in record["results"])
+
+
+def test_tables_written_to_a_pipe_are_not_cut_at_80_columns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rich.console import Console
+
+    from layergraph import cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
+    assert cli._console(Console).width == cli.PIPED_WIDTH > 80
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli._console(Console).width == 100
