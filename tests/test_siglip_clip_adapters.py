@@ -196,6 +196,29 @@ def test_a_feature_graph_first_leaves_the_whole_towers_hidden_states_whole() -> 
     torch.testing.assert_close(completed, expected[3], rtol=RTOL, atol=ATOL)
 
 
+def test_a_feature_graphs_output_lists_the_keys_and_values_eager_has() -> None:
+    model = built(transformers.CLIPVisionModel, clip_config())
+    reference = built(transformers.CLIPVisionModel, clip_config())  # same seed, never wrapped
+    x = images(2)
+    with torch.inference_mode():
+        want = reference(pixel_values=x, output_hidden_states=True)
+        graphed = layergraph.wrap(
+            model, adapter="clip", feature_layers=-2, backend=SimulatedGraphs()
+        )
+        got = graphed(pixel_values=x, output_hidden_states=True)
+        assert graphed.stats.replays == 1
+        assert list(got.keys()) == list(want.keys()) == list(got) == list(want)
+        assert len(got) == len(want) and "last_hidden_state" in got
+        for (name, value), (other, expected) in zip(got.items(), want.items()):
+            assert name == other
+            if isinstance(expected, tuple):
+                for state, expected_state in zip(value, expected):
+                    torch.testing.assert_close(state, expected_state, rtol=RTOL, atol=ATOL)
+            else:
+                torch.testing.assert_close(value, expected, rtol=RTOL, atol=ATOL)
+        assert len(got.values()) == len(want.values())
+
+
 def test_feature_outputs_the_caller_dropped_are_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
     """With static outputs, a feature graph's output that the caller dropped must be gone
     before the next replay, without waiting for the garbage collector (no reference cycle)."""

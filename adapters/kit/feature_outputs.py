@@ -8,8 +8,10 @@ time one of those is read, runs the model's whole forward on the same inputs (ea
 answers from it; reading only what the graph computed costs nothing more.
 
 Covered: attribute access (``out.last_hidden_state``), string and integer indexing, iteration
-over ``hidden_states``, and ``to_tuple()``. A transformers ``ModelOutput`` (a dataclass and an
-ordered dict) is what it is for.
+over ``hidden_states``, ``to_tuple()``, and the mapping's ``keys()``, ``values()``,
+``items()``, iteration, ``len()`` and ``in``, which list the keys the whole model's output has
+(so they compute it, as reading a missing value does). A transformers ``ModelOutput`` (a
+dataclass and an ordered dict) is what it is for.
 """
 
 from __future__ import annotations
@@ -127,6 +129,31 @@ def _on_demand_class(base: type) -> type:
         whole = _whole(self)
         return whole.to_tuple() if hasattr(whole, "to_tuple") else tuple(whole)
 
+    order = [field.name for field in dataclasses.fields(base)]
+
+    def listed(self: Any) -> list[str]:
+        """The keys the whole model's output has, and any set on this one, in field order."""
+        present = set(_whole(self).keys()) | set(base.keys(self))
+        return [name for name in order if name in present]
+
+    def keys(self: Any) -> Any:
+        return dict.fromkeys(listed(self)).keys()
+
+    def values(self: Any) -> list[Any]:
+        return [getattr(self, name) for name in listed(self)]
+
+    def items(self: Any) -> list[tuple[str, Any]]:
+        return [(name, getattr(self, name)) for name in listed(self)]
+
+    def __iter__(self: Any) -> Iterator[str]:
+        return iter(listed(self))
+
+    def __len__(self: Any) -> int:
+        return len(listed(self))
+
+    def __contains__(self: Any, key: object) -> bool:
+        return key in listed(self)
+
     return type(
         f"{base.__name__}WithRestOnDemand",
         (base,),
@@ -134,6 +161,12 @@ def _on_demand_class(base: type) -> type:
             "__getattribute__": __getattribute__,
             "__getitem__": __getitem__,
             "to_tuple": to_tuple,
+            "keys": keys,
+            "values": values,
+            "items": items,
+            "__iter__": __iter__,
+            "__len__": __len__,
+            "__contains__": __contains__,
             "__module__": __name__,
             "__doc__": f"A {base.__name__} whose missing values the whole model computes.",
         },
