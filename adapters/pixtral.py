@@ -202,6 +202,8 @@ class PixtralPlan(PackedTowerPlan):
 
         super().__init__(tower, adapter, context, family)
         self._output_type: type | None = None
+        self._whole_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
+        """The keys of the whole tower's outputs, learnt by feature outputs."""
         """The tower's output class (:func:`tower_output_class`), read on the first cut."""
         self._selects_by_index = hasattr(output_capturing, "selected_hidden_states")
         """Whether transformers selects hidden states by index (``output_hidden_states=-2``
@@ -251,7 +253,7 @@ class PixtralPlan(PackedTowerPlan):
             out = serve(*args, **kwargs)
             if not self._reads_fewer(kwargs):
                 return out
-            return with_rest_on_demand(out, lambda: self.own(*args, **kwargs))
+            return with_rest_on_demand(out, lambda: self.own(*args, **kwargs), self._whole_keys)
 
         return forward
 

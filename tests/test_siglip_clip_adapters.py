@@ -620,3 +620,35 @@ def test_image_sizes_with_equal_token_counts_are_told_apart_in_keys() -> None:
         "(batch=1, sequence=64 tokens (56x72))",
         "(batch=1, sequence=64 tokens (72x56))",
     ]
+
+
+def test_a_llava_forward_reads_its_feature_graph_without_running_the_tower_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LLaVA's own output turns its tower's output into a tuple (``to_tuple()``) whenever it
+    is indexed: the keys of the whole tower's output are learnt on the first call, and later
+    calls run no eager tower beside the feature graph."""
+    import tiny_models
+
+    from layergraph_adapters.kit import feature_outputs
+
+    whole_runs: list[int] = []
+    whole = feature_outputs._Rest.whole
+
+    def counted(self: Any) -> Any:
+        if self._compute is not None:
+            whole_runs.append(1)
+        return whole(self)
+
+    monkeypatch.setattr(feature_outputs._Rest, "whole", counted)
+    tiny = tiny_models.VLMS["LlavaForConditionalGeneration"]
+    model, reference = tiny.build(), tiny.build()  # the same seed
+    prompt = {**tiny_models.tokens(17 * 2), **tiny_models.pixels(2)}
+    with torch.inference_mode():
+        want = reference(**prompt).logits
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        for _ in range(3):
+            torch.testing.assert_close(model(**prompt).logits, want, rtol=RTOL, atol=ATOL)
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
+    assert whole_runs == [1]  # the first call only, to learn the whole output's keys
+    graphed.unwrap()

@@ -48,9 +48,25 @@ class _Rest:
     ``static_output=True`` would warn of outputs still held that the caller has dropped.
     """
 
-    def __init__(self, compute: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        compute: Callable[[], Any],
+        pattern: tuple[str, ...],
+        known: dict[tuple[str, ...], tuple[str, ...]],
+    ) -> None:
         self._compute: Callable[[], Any] | None = compute
         self._whole: Any = None
+        self.pattern = pattern
+        """The fields the graph's output had, which the keys of the whole are known by."""
+        self.known = known
+        """The whole output's keys by the graph output's fields, learnt once per pattern."""
+
+    def keys(self) -> tuple[str, ...]:
+        """The whole model's output's keys: learnt for this pattern, else computed."""
+        keys = self.known.get(self.pattern)
+        if keys is None:
+            keys = self.known[self.pattern] = tuple(self.whole().keys())
+        return keys
 
     def whole(self) -> Any:
         if self._compute is not None:
@@ -58,11 +74,18 @@ class _Rest:
         return self._whole
 
 
-def with_rest_on_demand(output: Any, compute: Callable[[], Any]) -> Any:
+def with_rest_on_demand(
+    output: Any,
+    compute: Callable[[], Any],
+    known: dict[tuple[str, ...], tuple[str, ...]] | None = None,
+) -> Any:
     """``output`` whose ``None`` fields (and ``None`` hidden states) come from ``compute()``.
 
     ``compute`` runs at most once, the first time a missing value is read. ``output`` is
-    returned as it is if it is not a dataclass output or misses nothing.
+    returned as it is if it is not a dataclass output or misses nothing. ``known``: a dict a
+    plan keeps across calls, where the keys of the whole output are learnt the first time
+    they are needed for outputs with the same fields, so that listing them later (``keys()``,
+    ``to_tuple()``, which a VLM's own output calls on its tower's) computes nothing.
     """
     if not dataclasses.is_dataclass(output):
         return output
@@ -73,7 +96,8 @@ def with_rest_on_demand(output: Any, compute: Callable[[], Any]) -> Any:
     ):
         return output
     cls = _on_demand_class(type(output))
-    rest = _Rest(compute)
+    pattern = tuple(name for name in names if getattr(output, name) is not None)
+    rest = _Rest(compute, pattern, {} if known is None else known)
     values = {name: getattr(output, name) for name in names}
     if isinstance(hidden, tuple):
         values["hidden_states"] = _HiddenStates(hidden)
@@ -86,6 +110,28 @@ def with_rest_on_demand(output: Any, compute: Callable[[], Any]) -> Any:
 def _whole(output: Any) -> Any:
     """The whole model's output for the same inputs, computed on first need."""
     return object.__getattribute__(output, _REST).whole()
+
+
+class _LazyFields(tuple):
+    """An output's values as ``to_tuple()`` gives them, where a value the graph left out
+    (``None``) is read from the whole model's output when it is read."""
+
+    names: tuple[str, ...] = ()
+    rest: _Rest | None = None
+
+    def _value(self, index: int) -> Any:
+        value = tuple.__getitem__(self, index)
+        if value is None and self.rest is not None:
+            return getattr(self.rest.whole(), self.names[index])
+        return value
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self._value(i) for i in range(len(self))[index])
+        return self._value(index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._value(i) for i in range(len(self)))
 
 
 class _HiddenStates(tuple):
@@ -125,16 +171,20 @@ def _on_demand_class(base: type) -> type:
             return getattr(self, key)
         return self.to_tuple()[key]
 
-    def to_tuple(self: Any) -> tuple[Any, ...]:
-        whole = _whole(self)
-        return whole.to_tuple() if hasattr(whole, "to_tuple") else tuple(whole)
-
     order = [field.name for field in dataclasses.fields(base)]
 
     def listed(self: Any) -> list[str]:
         """The keys the whole model's output has, and any set on this one, in field order."""
-        present = set(_whole(self).keys()) | set(base.keys(self))
+        rest = object.__getattribute__(self, _REST)
+        present = set(rest.keys()) | set(base.keys(self))
         return [name for name in order if name in present]
+
+    def to_tuple(self: Any) -> tuple[Any, ...]:
+        listed_names = listed(self)
+        fields = _LazyFields(base.__getattribute__(self, name) for name in listed_names)
+        fields.names = tuple(listed_names)
+        fields.rest = object.__getattribute__(self, _REST)
+        return fields
 
     def keys(self: Any) -> Any:
         return dict.fromkeys(listed(self)).keys()

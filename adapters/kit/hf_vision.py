@@ -197,6 +197,9 @@ class VisionTowerPlan(CapturePlan):
         self._parent, self._layers_name, layers = layer_list(tower, spec)
         self.depth = len(layers)
         self.feature_layers = self._held_layers(feature_layers)
+        self._whole_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
+        """The keys of the whole tower's outputs, learnt by feature outputs
+        (:func:`~layergraph_adapters.kit.feature_outputs.with_rest_on_demand`)."""
         """Indices into ``hidden_states`` (0: embeddings, i: after layer i) the feature graphs
         return, or ``None`` when graphs run the whole tower."""
         self._truncation = threading.Lock()
@@ -354,7 +357,9 @@ class VisionTowerPlan(CapturePlan):
             out = serve(*args, **kwargs)
             if self.feature_layers is None or not kwargs.get("output_hidden_states"):
                 return out
-            return with_rest_on_demand(out, lambda: self._forward(*args, **kwargs))
+            return with_rest_on_demand(
+                out, lambda: self._forward(*args, **kwargs), self._whole_keys
+            )
 
         return forward
 
