@@ -626,8 +626,8 @@ def test_a_llava_forward_reads_its_feature_graph_without_running_the_tower_again
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """LLaVA's own output turns its tower's output into a tuple (``to_tuple()``) whenever it
-    is indexed: the keys of the whole tower's output are learnt on the first call, and later
-    calls run no eager tower beside the feature graph."""
+    is indexed (transformers 5.24): the keys of the whole tower's output are learnt on the
+    first call, and later calls run no eager tower beside the feature graph."""
     import tiny_models
 
     from layergraph_adapters.kit import feature_outputs
@@ -650,5 +650,7 @@ def test_a_llava_forward_reads_its_feature_graph_without_running_the_tower_again
         for _ in range(3):
             torch.testing.assert_close(model(**prompt).logits, want, rtol=RTOL, atol=ATOL)
     assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
-    assert whole_runs == [1]  # the first call only, to learn the whole output's keys
+    # At most the first call, to learn the whole output's keys (transformers releases whose
+    # LLaVA output does not turn its tower's into a tuple run none).
+    assert len(whole_runs) <= 1
     graphed.unwrap()
