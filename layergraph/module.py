@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import inspect
 import os
@@ -99,6 +100,8 @@ def wrap(
         raise TypeError("this model is already wrapped; unwrap() it first")
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() needs an nn.Module, got {type(model).__name__}")
+    if _wrapper_of(model) is not None:
+        gc.collect()  # a wrapper dropped but kept by a reference cycle is not live
     holder = _wrapper_of(model)
     if holder is not None:
         raise TypeError(

@@ -4,6 +4,7 @@ gradients on warns once that its calls run eagerly."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -79,6 +80,24 @@ def test_a_second_wrap_of_a_wrapped_model_is_refused_until_unwrapped(kind: str) 
     graphed.unwrap()
     again = layergraph.wrap(model, backend=SimulatedGraphs())
     assert again.adapter.name == graphed.adapter.name
+    again.unwrap()
+
+
+def test_a_dropped_wrapper_kept_only_by_a_reference_cycle_does_not_refuse_a_new_wrap() -> None:
+    """A wrapper that is gone from the user's hands but not yet collected (a reference cycle,
+    such as a stored exception's traceback) is not a live wrapper: wrapping again works."""
+    model = stack()
+    gc.disable()
+    try:
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        graphed.cycle = [graphed]  # type: ignore[attr-defined]
+        del graphed
+        again = layergraph.wrap(model, backend=SimulatedGraphs())
+    finally:
+        gc.enable()
+    with torch.inference_mode():
+        x = torch.randn(2, 8)
+        assert torch.equal(again(x), model(x))
     again.unwrap()
 
 
