@@ -9,13 +9,21 @@ against SDPA's. Times are medians of ``triton.testing.do_bench`` (CUDA
 events, warm-up first); FLOPs are 4*B*H*S*S*D.
 
     python3 benchmarks/attention_kernel.py --json $OUT/attn.json
+    python3 benchmarks/attention_kernel.py --head-dims 72,80 --isolate   # each case apart
+
+``--isolate`` runs each case in a process of its own with ``CUDA_LAUNCH_BLOCKING=1``, so that
+a config that faults on the device is named (the first row of its case with an error) and the
+other cases still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
@@ -86,6 +94,7 @@ def run_case(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype
         configs += [replace(config, split_head_dim=True) for config in configs]
     for config in configs:
         row = dict(shape, impl="triton_varlen", config=asdict(config), default=config == default)
+        print(f"running {describe(row['config'])}", file=sys.stderr, flush=True)
         try:
             out.fill_(float("nan"))
             varlen_attention(q, k, v, out, cu, lens, seq, scale, config=config)
@@ -111,13 +120,55 @@ def describe(config: dict | None) -> str:
     return "m{block_m} n{block_n} w{num_warps} s{num_stages}".format(**config) + split
 
 
+def isolated(case: int, dtype: str) -> list[dict]:
+    """Case ``case``'s rows from a process of its own, kernel launches synchronous; if the
+    process dies, one row naming the config it was running."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--case", str(case), "--dtype", dtype],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"},
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    batch, seq, heads, head_dim = CASES[case]
+    running = [line for line in done.stderr.splitlines() if line.startswith("running ")]
+    last = running[-1].removeprefix("running ") if running else "before any config"
+    error = done.stderr.strip().splitlines()[-1:] or ["no output"]
+    return [
+        dict(
+            batch=batch,
+            seq=seq,
+            heads=heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            impl="triton_varlen",
+            config=None,
+            error=f"process died (exit {done.returncode}) running {last}: {error[0][:120]}",
+        )
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results to this path")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--head-dims", help="only the cases of these head dims (e.g. 72,80)")
+    parser.add_argument("--isolate", action="store_true", help="each case in its own process")
+    parser.add_argument("--case", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    rows = [row for case in CASES for row in run_case(*case, dtype)]
+    if args.case is not None:  # one case, for --isolate: its rows as one JSON line
+        print(json.dumps(run_case(*CASES[args.case], dtype)), flush=True)
+        return
+    wanted = {int(d) for d in args.head_dims.split(",")} if args.head_dims else None
+    cases = [i for i, case in enumerate(CASES) if wanted is None or case[3] in wanted]
+    if args.isolate:
+        rows = [row for i in cases for row in isolated(i, args.dtype)]
+    else:
+        rows = [row for i in cases for row in run_case(*CASES[i], dtype)]
     print(
         f"{'B':>2} {'S':>5} {'H':>3} {'D':>4}  {'impl':<14} {'config':<20} "
         f"{'ms':>8} {'TFLOP/s':>8} {'vs sdpa':>8} {'rel err':>8}"

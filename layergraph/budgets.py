@@ -240,6 +240,30 @@ class BudgetPlanner:
         self.totals[size] += 1
         self._tokens += size
 
+    def start_from(self, totals: Mapping[int, int], budgets: Collection[int] = ()) -> None:
+        """Count the calls of ``totals`` (calls by token total, as another process's planner
+        saw them: a warm start) and, unless a plan is held, take ``budgets`` (that planner's
+        plan) as the first plan, or, if they do not fit this planner's step, largest and cap
+        or leave a total out, the best plan for the totals; so that no call is observed
+        eagerly first. Totals above ``largest`` are left out."""
+        fitting = {size: calls for size, calls in totals.items() if 0 < size <= self.largest}
+        if not fitting:
+            return
+        self.totals.update(fitting)
+        self._tokens += sum(size * calls for size, calls in fitting.items())
+        if self.budgets:
+            return
+        plan = tuple(sorted(set(budgets)))
+        fits = (
+            0 < len(plan) <= self.cap
+            and all(b % self.step == 0 and 0 < b <= self.largest for b in plan)
+            and padding(self.totals, plan) is not None
+        )
+        if not fits:
+            top = top_budget(self.totals, self.step, self.largest)
+            plan = best_budgets(self.totals, self.cap, self.step, top)[0]
+        self._take(plan)
+
     @property
     def top(self) -> int | None:
         """The largest budget held (``None`` before the first call)."""

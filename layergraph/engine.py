@@ -288,7 +288,9 @@ class GraphEngine:
     ) -> GraphEntry | None:
         """Capture and measure ``key``'s graph; store and return it, or, if it was measured
         slower than eager, record the costs and return ``None``. Without ``measure`` it is
-        stored unmeasured, its costs ``None``, until :meth:`settle`.
+        stored unmeasured, its costs ``None``, until :meth:`settle`. A graph of a lookup whose
+        replay was measured before (by a warm start's process, or an earlier graph of the same
+        lookup in this one) takes that measurement instead of being measured again.
 
         The buffers come from the packing (:meth:`~layergraph.packing.Packing.allocate`) and
         the call is loaded into them. The capture seconds counted include the buffers'
@@ -320,7 +322,13 @@ class GraphEngine:
             graph, output = self.backend.capture(region, self.pool, warmup_runs)
         self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
-        costs = self._measure(graph, buffers, leaves, call, key) if measure else None
+        known = self.cache.costs(lookup)
+        if known is not None and known.graph_ms is not None:
+            costs: Costs | None = known
+        elif measure:
+            costs = self._measure(graph, buffers, leaves, call, key)
+        else:
+            costs = None
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - started
         if costs is not None and not costs.graph_pays:

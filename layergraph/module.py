@@ -83,9 +83,11 @@ def wrap(
     process: Inductor's and Triton's caches are filled from it before anything compiles, so
     the compiled layers or region of shapes compiled there start without compiling kernels,
     and the shape policy starts from what was measured there (batch sizes whose graphs were
-    slower than eager are neither captured nor compiled) when the model, adapter and options
-    are the same (:mod:`layergraph.warm_start`; a file made on another GPU or with other
-    versions is not loaded, with a warning).
+    slower than eager are neither captured nor compiled, those that pay are not measured
+    again, and a packed model's learnt token budgets are chosen from the calls seen there, so
+    its first call captures them) when the model, adapter and options are the same
+    (:mod:`layergraph.warm_start`; a file made on another GPU or with other versions is not
+    loaded, with a warning).
 
     Dynamo may keep up to :data:`~layergraph.compiling.RECOMPILE_LIMIT` compiled versions of the
     compiled layers or region (PyTorch's default limit is 8, a global setting left as it is);
@@ -171,7 +173,7 @@ def wrap(
     if warm_start is not None:
         measured = read_measurements(warm_start, fingerprint)
         if measured is not None:
-            runner.seed(measured.costs)
+            runner.seed(measured.costs, measured.token_totals, measured.token_budgets)
     graphed = GraphedModule(
         model, adapter_object, plan, runner, changes, route, budget, fingerprint
     )
@@ -431,7 +433,13 @@ class GraphedModule(nn.Module):
         Capture the shapes to serve first. Returns the bytes written; see
         :mod:`layergraph.warm_start`.
         """
-        return save_warm_start(path, Measurements(self.fingerprint, self._runner.measurements()))
+        measured = Measurements(
+            self.fingerprint,
+            self._runner.measurements(),
+            self._runner.token_totals(),
+            self.stats.budgets,
+        )
+        return save_warm_start(path, measured)
 
     @property
     def stats(self) -> GraphStats:

@@ -66,6 +66,19 @@ class PackedLane:
         """The learnt token budgets, or none while observing or with budgets given."""
         return self._planner.budgets if self._planner is not None else ()
 
+    def token_totals(self) -> tuple[tuple[int, int], ...]:
+        """The calls the learnt budgets were chosen from, by token total (for a warm start);
+        none with budgets given."""
+        return tuple(sorted(self._planner.totals.items())) if self._planner is not None else ()
+
+    def start_from(self, totals: Sequence[tuple[int, int]], budgets: Sequence[int]) -> None:
+        """Start the learnt budgets from another process's: its plan ``budgets`` and the calls
+        ``totals`` it chose them from (:meth:`token_totals`), instead of observing calls
+        first (:meth:`~layergraph.budgets.BudgetPlanner.start_from`); nothing with budgets
+        given."""
+        if self._planner is not None:
+            self._planner.start_from(dict(totals), budgets)
+
     def forget(self) -> None:
         """The model changed under the graphs: its eager times observed no longer hold."""
         self._observed_ms.clear()

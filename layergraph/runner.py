@@ -193,14 +193,32 @@ class GraphRunner:
                 kept.append((lookup, costs))
             return tuple(kept)
 
-    def seed(self, measured: Iterable[tuple[Any, Costs]]) -> None:
-        """Start from measurements made elsewhere (a warm start): lookups not measured here
-        take them, so a batch whose graph was slower than eager is not captured."""
+    def token_totals(self) -> tuple[tuple[int, int], ...]:
+        """A packed plan's calls by token total, which its learnt budgets were chosen from, for
+        a warm start; empty for batched plans and given budgets."""
+        if not isinstance(self._lane, PackedLane):
+            return ()
+        with self._engine.lock:
+            return self._lane.token_totals()
+
+    def seed(
+        self,
+        measured: Iterable[tuple[Any, Costs]],
+        token_totals: Sequence[tuple[int, int]] = (),
+        token_budgets: Sequence[int] = (),
+    ) -> None:
+        """Start from what was measured elsewhere (a warm start): lookups not measured here
+        take its measurements, so a batch whose graph was slower than eager is not captured
+        and one that pays is not measured again; a packed plan learning its budgets starts
+        from that process's ``token_budgets`` and the ``token_totals`` they were chosen from
+        (:meth:`token_totals`) instead of observing calls first."""
         cache = self._engine.cache
         with self._engine.lock:
             for lookup, costs in measured:
                 if cache.costs(lookup) is None:
                     cache.measured(lookup, costs)
+            if token_totals and isinstance(self._lane, PackedLane):
+                self._lane.start_from(token_totals, token_budgets)
 
     def accept_current_hooks(self) -> None:
         """Capture graphs with the forward hooks registered now, and let calls with them replay.

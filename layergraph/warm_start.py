@@ -16,7 +16,9 @@ kernels again. Dynamo still traces each compiled region or layer once per shape.
 The file also holds the shape policy's measurements (:class:`Measurements`: an eager call and
 a replay per batch size, :mod:`layergraph.policy`), for the same model wrapped the same way:
 a replica that loads them does not capture, nor compile, the batch sizes whose graphs were
-measured slower than eager.
+measured slower than eager, nor measure again those that pay; a packed plan that learns its
+token budgets takes them from the calls that process saw, so its first call captures them
+instead of being observed eagerly (:mod:`layergraph.budgets`).
 
 Artifacts are only good for the same GPU model and the same torch, Triton and CUDA versions:
 a file made elsewhere is not loaded, with a :class:`WarmStartMismatch` warning saying what
@@ -68,11 +70,15 @@ class WarmStartMismatch(UserWarning):
 @dataclass(frozen=True)
 class Measurements:
     """What the shape policy measured for one wrapped model, by lookup (batch size and call
-    signature), and which model that was (a fingerprint of its class, adapter, parameters
-    and options: :attr:`layergraph.GraphedModule.fingerprint`)."""
+    signature); for a packed plan learning its budgets, the budgets held and the token totals
+    of the calls they were chosen from (token total and calls, :mod:`layergraph.budgets`;
+    empty for other plans); and which model that was (a fingerprint of its class, adapter,
+    parameters and options: :attr:`layergraph.GraphedModule.fingerprint`)."""
 
     model: str
     costs: tuple[tuple[Hashable, Costs], ...]
+    token_totals: tuple[tuple[int, int], ...] = ()
+    token_budgets: tuple[int, ...] = ()
 
 
 def warm_start_origin() -> dict[str, str]:
@@ -104,12 +110,13 @@ def save_warm_start(path: str | os.PathLike[str], measurements: Measurements | N
     """
     artifacts = torch.compiler.save_cache_artifacts()
     data = artifacts[0] if artifacts is not None else b""
-    if not data and not (measurements and measurements.costs):
+    files = _bundle_cache_files()
+    measured_any = measurements is not None and (measurements.costs or measurements.token_totals)
+    if not data and not files and not measured_any:
         raise RuntimeError(
             "nothing to save: nothing was compiled in this process and nothing measured; "
             "capture the shapes a replica will serve first"
         )
-    files = _bundle_cache_files() if data else b""
     measured = pickle.dumps(measurements) if measurements is not None else b""
     sections = {"artifacts_bytes": len(data), "files_bytes": len(files)}
     header = json.dumps({"origin": warm_start_origin(), **sections}).encode()
@@ -131,6 +138,7 @@ def load_warm_start(path: str | os.PathLike[str]) -> bool:
     artifacts, files, _ = sections
     if artifacts:
         torch.compiler.load_cache_artifacts(artifacts)
+    if files:
         _unbundle_cache_files(files)
     return True
 
@@ -214,8 +222,10 @@ def _cache_directories() -> dict[str, Path]:
 
 
 def _bundle_cache_files() -> bytes:
-    """A tar of the files this process wrote into the cache directories."""
+    """A tar of the files this process wrote into the cache directories (Triton kernels
+    compiled outside Inductor included), or nothing if it wrote none."""
     buffer = io.BytesIO()
+    added = 0
     with tarfile.open(fileobj=buffer, mode="w") as bundle:
         for name, directory in _cache_directories().items():
             if not directory.is_dir():
@@ -229,7 +239,8 @@ def _bundle_cache_files() -> bytes:
                     and file.stat().st_mtime >= _STARTED
                 ):
                     bundle.add(file, arcname=f"{name}/{relative}")
-    return buffer.getvalue()
+                    added += 1
+    return buffer.getvalue() if added else b""
 
 
 def _unbundle_cache_files(files: bytes) -> None:

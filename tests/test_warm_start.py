@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import layergraph
+from layergraph import warm_start
 from layergraph.testing import SimulatedGraphs
 from layergraph.warm_start import (
     WarmStartMismatch,
@@ -119,6 +120,7 @@ def test_saving_before_anything_compiled_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    monkeypatch.setattr(warm_start, "_bundle_cache_files", lambda: b"")
     with pytest.raises(RuntimeError, match="nothing was compiled in this process and nothing"):
         save_warm_start(tmp_path / "empty.lgws")
 
