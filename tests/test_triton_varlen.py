@@ -162,34 +162,44 @@ SPLIT = VarlenConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, split_he
 @pytest.mark.parametrize(
     "dtype", [torch.float16, BF16, torch.float32], ids=["fp16", "bf16", "fp32"]
 )
-@pytest.mark.parametrize("head_dim", [40, 72, 80, 96, 112, 144])
+@pytest.mark.parametrize("head_dim", [40, 48, 72, 80, 96, 112, 144])
 def test_a_head_dim_split_in_two_tiles_matches_reference(head_dim: int, dtype: torch.dtype) -> None:
     run_case([5, 17, 1, 33], heads=2, head_dim=head_dim, dtype=dtype, config=SPLIT)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_a_split_head_dim_reads_strided_views(layout: str) -> None:
-    run_case([9, 20], heads=3, head_dim=72, dtype=torch.float16, layout=layout, config=SPLIT)
+    run_case([9, 20], heads=3, head_dim=80, dtype=torch.float16, layout=layout, config=SPLIT)
 
 
-def test_head_dim_tiles_are_narrower_than_the_next_power_of_two_or_one_tile() -> None:
-    tiles = {d: head_dim_tiles(d, split=True) for d in (16, 40, 64, 72, 80, 96, 112, 128, 144)}
+def test_a_head_dim_is_split_only_into_two_whole_tiles() -> None:
+    """No tile of a split head dim has columns past it: the kernel loads and stores both
+    without column masks."""
+    tiles = {d: head_dim_tiles(d, split=True) for d in (16, 40, 48, 64, 72, 80, 96, 112, 144)}
     assert tiles == {
         16: (16, 0),
-        40: (32, 16),
+        40: (64, 0),
+        48: (32, 16),
         64: (64, 0),
-        72: (64, 16),
+        72: (128, 0),
         80: (64, 16),
         96: (64, 32),
         112: (128, 0),
-        128: (128, 0),
         144: (128, 16),
     }
-    assert head_dim_tiles(72, split=False) == (128, 0)
+    assert head_dim_tiles(80, split=False) == (128, 0)
     for head_dim in range(16, 257, 8):
         first, second = head_dim_tiles(head_dim, split=True)
-        assert first + second >= head_dim and first >= 16
-        assert second == 0 or (16 <= second < first and first < head_dim)
+        if second:
+            assert first + second == head_dim and 16 <= second < first
+        else:
+            assert first >= head_dim and first & (first - 1) == 0
+
+
+def test_the_default_config_splits_where_the_head_dim_has_two_whole_tiles() -> None:
+    assert default_config(80).split_head_dim and default_config(96).split_head_dim
+    assert not default_config(72).split_head_dim and not default_config(128).split_head_dim
+    assert default_config(72).block_m == default_config(80).block_m == 128
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "packed", "head_major", "padded"])

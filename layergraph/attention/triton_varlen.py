@@ -56,10 +56,9 @@ class VarlenConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_head_dim: bool = False
-    """Take a head dim that is not a power of two in two tiles, the largest power of two below
-    it and the rest (72 as 64 + 16, 80 as 64 + 16, 96 as 64 + 32), where the tiles are
-    narrower together than the next power of two, which the kernel pads it to otherwise
-    (:func:`head_dim_tiles`)."""
+    """Take a head dim that is the sum of two powers of two in two tiles of those widths (80 as
+    64 + 16, 96 as 64 + 32) instead of padding it to the next power of two; other head dims
+    (72, say) are padded whatever this says (:func:`head_dim_tiles`)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -78,14 +77,21 @@ class VarlenConfig:
 def default_config(head_dim: int) -> VarlenConfig:
     """The block sizes, warps and stages used for ``head_dim`` unless a config is given.
 
-    Chosen on an H200 with ``benchmarks/attention_kernel.py`` at 1025-token sequences, bf16:
+    Chosen on an H200 with ``benchmarks/attention_kernel.py`` (docs/benchmarks.md), bf16:
     64-row query blocks (less work lost on the ragged last query block than with 128, and as
-    fast per block), 4 warps, 3 stages; 64-key blocks up to head dim 64, 32-key blocks above
-    it (a few percent faster there than 64). Untried above head dim 128.
+    fast per block), 4 warps, 3 stages; 64-key blocks up to head dim 64, 32-key blocks at 128.
+    Between 64 and 128 (measured at 72 and 80), 128-row query blocks of 64 keys, and the head
+    dim in two tiles where it is the sum of two powers of two (80 as 64 + 16). Untried above
+    head dim 128.
     """
     if head_dim <= 64:
         return VarlenConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
+    if head_dim < 128:
+        split = head_dim_tiles(head_dim, split=True)[1] > 0
+        return VarlenConfig(
+            block_m=128, block_n=64, num_warps=4, num_stages=3, split_head_dim=split
+        )
+    if head_dim == 128:
         return VarlenConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
     return VarlenConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
@@ -145,7 +151,7 @@ def _attend_block(
     v = _load_tile(v_ptrs, cols, seq_len, offs_d, HEAD_DIM, MASK_N, MASK_D)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SPLIT:
-        k2 = _load_tile(k2_ptrs, cols, seq_len, offs_d2, HEAD_DIM, MASK_N, True)
+        k2 = _load_tile(k2_ptrs, cols, seq_len, offs_d2, HEAD_DIM, MASK_N, False)
         qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PRECISION)
     qk = qk * qk_scale
     if MASK_N:
@@ -157,7 +163,7 @@ def _attend_block(
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     if SPLIT:
-        v2 = _load_tile(v2_ptrs, cols, seq_len, offs_d2, HEAD_DIM, MASK_N, True)
+        v2 = _load_tile(v2_ptrs, cols, seq_len, offs_d2, HEAD_DIM, MASK_N, False)
         acc2 = acc2 * alpha[:, None]
         acc2 = tl.dot(p.to(v2.dtype), v2, acc2, input_precision=DOT_PRECISION)
     return acc, acc2, l_i, m_new
@@ -230,7 +236,7 @@ def _varlen_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if SPLIT:
         q2_ptrs = q_base + offs_d2[None, :]
-        q2 = _load_tile(q2_ptrs, offs_m, seq_len, offs_d2, HEAD_DIM, MASK_M, True)
+        q2 = _load_tile(q2_ptrs, offs_m, seq_len, offs_d2, HEAD_DIM, MASK_M, False)
         acc2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
     else:
         q2 = q
@@ -300,7 +306,7 @@ def _varlen_fwd_kernel(
     if SPLIT:
         out2 = acc2 / l_i[:, None]
         o2_ptrs = o_base + offs_d2[None, :]
-        _store_tile(o2_ptrs, out2, offs_m, seq_len, offs_d2, HEAD_DIM, MASK_M, True)
+        _store_tile(o2_ptrs, out2, offs_m, seq_len, offs_d2, HEAD_DIM, MASK_M, False)
 
 
 @triton.jit
@@ -423,16 +429,17 @@ def varlen_attention(
 
 def head_dim_tiles(head_dim: int, split: bool) -> tuple[int, int]:
     """The widths of the kernel's head-dim tiles for ``head_dim``: one tile of the next power
-    of two (at least 16) and no second, or with ``split`` where it is narrower, the largest
-    power of two below ``head_dim`` and the rest rounded up to a power of two (at least 16,
-    what ``tl.dot`` takes): 72 as (64, 16), 80 as (64, 16), 96 as (64, 32); 112 stays (128, 0)
-    since (64, 64) is no narrower."""
+    of two (at least 16) and no second, or with ``split`` where ``head_dim`` is the largest
+    power of two below it plus a power of two of at least 16 (what ``tl.dot`` takes), those
+    two, so that neither tile has columns past the head dim: 80 as (64, 16), 96 as (64, 32),
+    48 as (32, 16); 72 stays (128, 0), its rest of 8 being too narrow for a tile of its own."""
     whole = max(16, triton.next_power_of_2(head_dim))
     if not split or whole == head_dim:
         return whole, 0
     first = whole // 2
-    second = max(16, triton.next_power_of_2(head_dim - first))
-    return (first, second) if first + second < whole else (whole, 0)
+    rest = head_dim - first
+    exact = rest >= 16 and rest & (rest - 1) == 0
+    return (first, rest) if exact else (whole, 0)
 
 
 @torch.library.custom_op("layergraph::varlen_attention", mutates_args=("out",))
