@@ -92,6 +92,7 @@ def run_case(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype
     configs = [default] + [c for c in (VarlenConfig(*a) for a in CANDIDATES) if c != default]
     if head_dim_tiles(head_dim, split=True)[1]:  # each config again, the head dim in two tiles
         configs += [replace(config, split_head_dim=True) for config in configs]
+    configs = list(dict.fromkeys(configs))  # the default may be one of the candidates
     for config in configs:
         row = dict(shape, impl="triton_varlen", config=asdict(config), default=config == default)
         print(f"running {describe(row['config'])}", file=sys.stderr, flush=True)
