@@ -79,8 +79,8 @@ def test_unrecognised_model_gets_the_list_and_how_to_name_one(
     assert "no adapter recognises torch.nn.modules.linear.Linear" in message
     assert "adapter=NAME" in message
     assert (
-        "aimv2, clip, dinov2, idefics, internvl, janus, llama4, mllama, pixtral, qwen2_vl, "
-        "sequential, siglip, siglip2, timm, vit" in message
+        "aimv2, clip, dinov2, idefics, internvl, janus, llama4, mllama, open_clip, pixtral, "
+        "qwen2_vl, sequential, siglip, siglip2, timm, vit" in message
     )
 
 
