@@ -22,7 +22,7 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, Whole
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import ChangeLedger
-from layergraph_adapters.kit.tokens import ImageTokens
+from layergraph_adapters.kit.tokens import ImageTokens, checked_images
 
 
 def _tower_classes() -> tuple[type, ...]:
@@ -100,17 +100,8 @@ class _TowerChecks:
         return ImageTokens((height // patch_h) * (width // patch_w) + prefix, height, width)
 
     def check_inputs(self, call: CallInputs) -> None:
-        if len(call.tensors) != 1:
-            raise ValueError(f"expected one image tensor, got {len(call.tensors)} tensors")
-        images = call.tensors[0]
-        if images.dim() != 4:
-            raise ValueError(
-                f"expected images of shape [batch, channels, height, width], got "
-                f"{tuple(images.shape)}"
-            )
         channels, size, _, dynamic = self._geometry()
-        if images.shape[1] != channels:
-            raise ValueError(f"expected {channels} channels, got {images.shape[1]}")
+        images = checked_images(call, channels)
         if not dynamic and tuple(images.shape[-2:]) != size:
             raise ValueError(
                 f"image size {images.shape[-2]}x{images.shape[-1]} differs from the tower's "

@@ -32,7 +32,7 @@ from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
 from layergraph_adapters.kit.patch_embedding import patch_matmul_for
-from layergraph_adapters.kit.tokens import ImageTokens
+from layergraph_adapters.kit.tokens import ImageTokens, checked_images
 
 
 def _vit_classes() -> tuple[type, ...]:
@@ -151,19 +151,9 @@ class _TimmViTPlan(WholeForward):
         return ImageTokens(grid_h * grid_w + self.owner.num_prefix_tokens, height, width)
 
     def check_inputs(self, call: CallInputs) -> None:
-        if len(call.tensors) != 1:
-            raise ValueError(f"expected one image tensor, got {len(call.tensors)} tensors")
-        images = call.tensors[0]
-        if images.dim() != 4:
-            raise ValueError(
-                f"expected images of shape [batch, channels, height, width], got "
-                f"{tuple(images.shape)}"
-            )
         patch_embed = self.owner.patch_embed
-        channels = patch_embed.proj.in_channels
-        _, got_channels, height, width = images.shape
-        if got_channels != channels:
-            raise ValueError(f"expected {channels} channels, got {got_channels}")
+        images = checked_images(call, patch_embed.proj.in_channels)
+        height, width = images.shape[-2:]
         fixed = patch_embed.img_size
         if fixed is not None and not self.owner.dynamic_img_size and (height, width) != fixed:
             raise ValueError(

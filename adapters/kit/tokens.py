@@ -1,10 +1,15 @@
-"""The sequence of a vision tower's key: tokens per image (or per tile), and the image size."""
+"""The sequence of a vision tower's key: tokens per image (or per tile), and the image size;
+and the check of a call's one image batch."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ImageTokens", "TileTokens"]
+import torch
+
+from layergraph.keys import CallInputs
+
+__all__ = ["ImageTokens", "TileTokens", "checked_images"]
 
 
 class ImageTokens(NamedTuple):
@@ -39,3 +44,19 @@ class TileTokens(NamedTuple):
             f"{self.images} image(s) x {self.tiles} tiles x {self.tokens} tokens "
             f"({self.height}x{self.width})"
         )
+
+
+def checked_images(call: CallInputs, channels: int) -> torch.Tensor:
+    """The one image batch of ``call``, ``[batch, channels, height, width]``; ``ValueError``
+    naming what is wrong otherwise (another count of tensors, rank or channel count). Image
+    sizes are the caller's to check."""
+    if len(call.tensors) != 1:
+        raise ValueError(f"expected one image tensor, got {len(call.tensors)} tensors")
+    images = call.tensors[0]
+    if images.dim() != 4:
+        raise ValueError(
+            f"expected images of shape [batch, channels, height, width], got {tuple(images.shape)}"
+        )
+    if images.shape[1] != channels:
+        raise ValueError(f"expected {channels} channels, got {images.shape[1]}")
+    return images
