@@ -6,12 +6,19 @@ blocks, attentional pooler where it has one, pooling and projection), the same f
 ``output_tokens`` towers, whose pooled and token outputs come back as eager's tuple. A whole
 model's ``visual`` is routed to the graphs, so that ``model.encode_image``, ``model(image,
 text)`` and CoCa's ``generate`` read its image features from them while the text tower runs
-eagerly. What this adapter does not do: graph the text tower, or rewrite the blocks for the
-speed options.
+eagerly.
+
+Speed options, as for the timm adapter: ``patch_matmul`` (the patch convolution as one matrix
+product) and ``fuse_norm`` (each block's residual adds and second norm through one Triton
+kernel) default to ``"auto"``, on where they fit on a GPU; ``fuse_gelu`` (the MLP's GELU in
+its up-projection's epilogue) is off unless asked, ``True`` for tanh-GELU towers (SigLIP's),
+``"approximate"`` for the exact GELU of most CLIP towers too. A timm-backed tower's trunk gets
+the timm adapter's rewrites. What this adapter does not do: graph the text tower.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -21,7 +28,12 @@ from torch import nn
 from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext, WholeForward, hookimpl
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
-from layergraph.ledger import ChangeLedger
+from layergraph.ledger import Change, ChangeLedger
+from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
+from layergraph_adapters.kit.layout import RowMajorOutput
+from layergraph_adapters.kit.patch_embedding import patch_matmul_for
 from layergraph_adapters.kit.tokens import ImageTokens, checked_images
 
 
@@ -38,9 +50,21 @@ def _is_tower(module: object) -> bool:
 
 class OpenClipAdapter(Adapter):
     """Graphs an open_clip image tower, or the image tower of an open_clip model (the module's
-    text says which and how)."""
+    text says which and how, and what the speed options do)."""
 
     name = "open_clip"
+
+    def __init__(
+        self,
+        patch_matmul: bool | str = "auto",
+        fuse_gelu: bool | str = False,
+        fuse_norm: bool | str = "auto",
+    ) -> None:
+        self.options = {
+            "patch_matmul": patch_matmul,
+            "fuse_gelu": fuse_gelu,
+            "fuse_norm": fuse_norm,
+        }
 
     def recognizes(self, model: nn.Module) -> bool:
         if "open_clip" not in sys.modules:
@@ -55,10 +79,12 @@ class OpenClipAdapter(Adapter):
                 "the open_clip adapter needs open_clip: pip install 'layergraph[open-clip]'"
             ) from error
         if isinstance(model, classes):
-            return _TowerPlan(model)
+            build = functools.partial(_TowerPlan, model)
+            return build_with_automatic_options(model, self.options, build, context)
         visual = getattr(model, "visual", None)
         if isinstance(visual, classes):
-            return _RoutedTowerPlan(visual)
+            build = functools.partial(_RoutedTowerPlan, visual)
+            return build_with_automatic_options(visual, self.options, build, context)
         raise AdapterMismatch(
             f"the open_clip adapter serves open_clip's VisionTransformer and TimmModel towers and "
             f"models whose `visual` is one (CLIP, CustomTextCLIP, CoCa); got "
@@ -109,16 +135,54 @@ class _TowerChecks:
             )
 
 
+def _rewrites(
+    tower: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str, fuse_norm: bool
+) -> list[Change]:
+    """The speed options' rewrites of ``tower``'s patch embedding and blocks; ``ValueError``
+    where one does not fit (a timm trunk that is not a ViT, an MLP whose activation is not a
+    GELU)."""
+    trunk = getattr(tower, "trunk", None)
+    if trunk is None:
+        embedding, blocks, layout = tower.conv1, list(tower.transformer.resblocks), []
+    else:
+        blocks = list(getattr(trunk, "blocks", []))
+        embedding = getattr(trunk, "patch_embed", None)
+        if not blocks or embedding is None:
+            if patch_matmul or fuse_gelu or fuse_norm:
+                raise ValueError(
+                    f"the speed options rewrite a ViT's patch embedding and blocks; this tower's "
+                    f"{type(trunk).__name__} trunk has none"
+                )
+            return []
+        prefix = getattr(trunk, "num_prefix_tokens", 1)
+        layout = [RowMajorOutput(embedding)] if prefix == 0 and hasattr(embedding, "proj") else []
+    return [
+        *layout,
+        *patch_matmul_for(embedding, patch_matmul),
+        *gelu_epilogues([block.mlp for block in blocks], fuse_gelu),
+        *fused_norms(blocks, fuse_norm),
+    ]
+
+
 class _TowerPlan(_TowerChecks, WholeForward):
     """An open_clip image tower wrapped alone: its whole forward is the region."""
+
+    def __init__(self, tower: nn.Module, **options: Any) -> None:
+        super().__init__(tower)
+        self._rewrites = _rewrites(tower, **options)
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        for rewrite in self._rewrites:
+            changes.apply(rewrite)
 
 
 class _RoutedTowerPlan(_TowerChecks, CapturePlan):
     """The image tower inside an open_clip model: its forward routed to the graphs."""
 
-    def __init__(self, tower: nn.Module) -> None:
+    def __init__(self, tower: nn.Module, **options: Any) -> None:
         self.owner = tower
         self._forward = own_forward(tower)
+        self._rewrites = _rewrites(tower, **options)
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(*args, **kwargs)
@@ -128,6 +192,8 @@ class _RoutedTowerPlan(_TowerChecks, CapturePlan):
         return self.owner
 
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        for rewrite in self._rewrites:
+            changes.apply(rewrite)
         changes.set_forward(self.owner, serve, "forward routed to the graphs")
 
 

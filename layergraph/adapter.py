@@ -18,7 +18,7 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -231,6 +231,27 @@ class PlanContext:
     compiled: bool = False
     """Whether the region or its layers will be compiled with ``torch.compile``
     (``compile_layers`` or ``compile_region``), which fuses elementwise work itself."""
+
+    part_planner: Callable[[nn.Module, Mapping[str, Any]], tuple[Adapter, CapturePlan]] | None = (
+        field(default=None, repr=False)
+    )
+    """What :meth:`plan_part` asks; set by :func:`layergraph.wrap`."""
+
+    def plan_part(
+        self, part: nn.Module, options: Mapping[str, Any] | None = None
+    ) -> tuple[Adapter, CapturePlan]:
+        """The adapter ``adapter="auto"`` chooses for ``part``, a module inside the model being
+        planned, made with ``options``, and its plan for ``part``.
+
+        For adapters of containers (a ``SentenceTransformer``, a pipeline object) whose
+        graphable part another adapter serves: the container's plan can be the part's plan
+        when that plan routes calls inside the part (``serves_forward`` false), since the
+        container's own forward then reaches the graphs through the part. Raises
+        :class:`~layergraph.plugins.UnknownAdapterError` when no adapter recognises ``part``.
+        """
+        if self.part_planner is None:
+            raise RuntimeError("this PlanContext was made without a part planner (wrap() sets one)")
+        return self.part_planner(part, dict(options or {}))
 
 
 @dataclass(frozen=True)

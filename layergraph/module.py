@@ -112,7 +112,11 @@ def wrap(
         )
     registry = get_registry()
     compiled = compile_layers is not False or compile_region is not False
-    context = PlanContext(registry, compiled=compiled)
+    context = PlanContext(
+        registry,
+        compiled=compiled,
+        part_planner=lambda part, options: _auto_plan(registry, part, dict(options), context),
+    )
     if adapter == "auto":
         adapter_object, plan = _auto_plan(registry, model, adapter_options, context)
     elif isinstance(adapter, str):

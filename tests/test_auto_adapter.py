@@ -80,7 +80,7 @@ def test_unrecognised_model_gets_the_list_and_how_to_name_one(
     assert "adapter=NAME" in message
     assert (
         "aimv2, clip, dinov2, idefics, internvl, janus, llama4, mllama, open_clip, pixtral, "
-        "qwen2_vl, sequential, siglip, siglip2, timm, vit" in message
+        "qwen2_vl, sentence_transformers, sequential, siglip, siglip2, timm, vit" in message
     )
 
 

@@ -2,16 +2,18 @@
 through wrap, against the unmodified model, and undone by unwrap().
 
 Models are small random ones (transformers' InternViT with LayerNorm and with RMSNorm, CLIP
-and SigLIP towers, timm ViTs with and without layer scale), in float32 and bfloat16. Wrapped
-outputs (simulated graphs) are held to :data:`~layergraph.validation.DEFAULT_TOLERANCE` of the
-dtype against the model's own output computed before wrapping: 1e-4 relative in float32, 2e-2
-in bfloat16 (the kernel rounds once where eager rounds after each operation). Layer scales are
-set far from 1 (0.5 to 1.5, per channel) so that leaving one out would show.
+and SigLIP towers, timm ViTs with and without layer scale, an open_clip ViT with layer scale),
+in float32 and bfloat16. Wrapped outputs (simulated graphs) are held to
+:data:`~layergraph.validation.DEFAULT_TOLERANCE` of the dtype against the model's own output
+computed before wrapping: 1e-4 relative in float32, 2e-2 in bfloat16 (the kernel rounds once
+where eager rounds after each operation). Layer scales are set far from 1 (0.5 to 1.5, per
+channel) so that leaving one out would show.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +81,22 @@ def timm_vit(init_values: float | None) -> nn.Module:
     return _scaled(model)
 
 
+def open_clip_vit() -> nn.Module:
+    from open_clip.transformer import VisionTransformer
+
+    model = VisionTransformer(
+        image_size=IMAGE,
+        patch_size=8,
+        width=64,
+        layers=2,
+        heads=2,
+        mlp_ratio=2.0,
+        ls_init_value=1e-5,
+        output_dim=16,
+    )
+    return _scaled(model)
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], str, dict[str, Any]]] = {
     "internvit layer_norm": (lambda: internvit("layer_norm"), "internvl", {"attention": "sdpa"}),
     "internvit rms_norm": (lambda: internvit("rms_norm"), "internvl", {"attention": "sdpa"}),
@@ -87,10 +105,12 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str, dict[str, Any]]] = {
     "timm vit, layer scale": (lambda: timm_vit(1e-5), "timm", {}),
     "timm vit": (lambda: timm_vit(None), "timm", {}),
 }
+if importlib.util.find_spec("open_clip") is not None:
+    MODELS["open_clip vit, layer scale"] = (open_clip_vit, "open_clip", {})
 
 
 def call(model: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
-    if adapter == "timm":
+    if adapter in ("timm", "open_clip"):
         return model(x)
     return model(pixel_values=x).last_hidden_state
 

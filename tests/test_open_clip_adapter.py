@@ -155,3 +155,41 @@ def test_open_clip_models_on_the_gpu_equal_eager(name: str) -> None:
             assert (got - want).norm() / want.norm() <= 2e-2
     assert graphed.stats.graphs >= 1
     graphed.unwrap()
+
+
+@pytest.mark.parametrize("kind", ["clip", "custom-text-clip-timm"])
+def test_speed_options_rewrite_the_tower_and_keep_its_answers(kind: str) -> None:
+    """patch_matmul and fuse_gelu asked for on the CPU (fuse_norm runs on a GPU or in Triton's
+    interpreter: tests/test_fused_norm.py): the rewrites are listed and undone, and the answers
+    stay within the tanh GELU's difference from the exact one."""
+    model = MODELS[kind]()
+    x = images(3, model.visual)
+    with torch.inference_mode():
+        want = model.encode_image(x)
+        graphed = layergraph.wrap(
+            model, backend=SimulatedGraphs(), patch_matmul=True, fuse_gelu="approximate"
+        )
+        got = model.encode_image(x)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert graphed.stats.replays == 1
+    changes = "\n".join(graphed.changes)
+    layers = len(graphed.plan.layers())
+    assert changes.count("(fuse_gelu)") == layers and changes.count("(patch_matmul)") == 1
+    graphed.unwrap()
+    with torch.inference_mode():
+        assert torch.equal(model.encode_image(x), want)
+
+
+def test_automatic_speed_options_stay_off_on_the_cpu_and_say_why() -> None:
+    graphed = layergraph.wrap(clip(), backend=SimulatedGraphs())
+    assert set(graphed.speed_options) == {"patch_matmul", "fuse_norm"}
+    assert all(value.startswith("off:") for value in graphed.speed_options.values())
+    graphed.unwrap()
+
+
+def test_a_quick_gelu_tower_refuses_fuse_gelu() -> None:
+    config = CLIPVisionCfg(layers=1, width=64, head_width=32, patch_size=16, image_size=64)
+    model = CLIP(embed_dim=32, vision_cfg=config, text_cfg=TEXT, quick_gelu=True).eval()
+    with pytest.raises(ValueError, match="fuses GELU only; Sequential's activation is QuickGELU"):
+        layergraph.wrap(model, backend=SimulatedGraphs(), fuse_gelu=True)
+    assert layergraph.wrap(model, backend=SimulatedGraphs()).unwrap() is model

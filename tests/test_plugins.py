@@ -120,8 +120,8 @@ def test_unknown_adapter_lists_available_names(
         UnknownAdapterError,
         match=(
             "no adapter named 'swin'; available: aimv2, clip, dinov2, idefics, internvl, "
-            "janus, llama4, mllama, open_clip, pixtral, qwen2_vl, sequential, siglip, siglip2, "
-            "timm, vit"
+            "janus, llama4, mllama, open_clip, pixtral, qwen2_vl, sentence_transformers, "
+            "sequential, siglip, siglip2, timm, vit"
         ),
     ):
         layergraph.wrap(torch.nn.Sequential(), adapter="swin")

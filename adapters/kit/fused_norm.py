@@ -20,9 +20,10 @@ them. Values change by rounding only: the kernel rounds once where eager rounds 
 operation.
 
 Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
-``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, the packed towers' blocks (Qwen2-VL's,
-Qwen2.5-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's ``VisionBlock``, GLM-4.1V's, GLM-4.5V's
-and GLM-OCR's, LayerNorm or RMSNorm), and timm's ``Block`` (the blocks of
+``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, open_clip's self-attention
+``ResidualAttentionBlock`` (``LayerScale`` or no layer scales), the packed towers' blocks
+(Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's ``VisionBlock``,
+GLM-4.1V's, GLM-4.5V's and GLM-OCR's, LayerNorm or RMSNorm), and timm's ``Block`` (the blocks of
 ``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Dropout and drop
 path are left out: they do nothing at inference.
 
@@ -113,8 +114,8 @@ class FusedAddNorm(InferenceForward):
         if parts is None:
             raise ValueError(
                 f"fuse_norm serves transformers' InternVLVisionLayer, CLIPEncoderLayer, "
-                f"SiglipEncoderLayer and the Qwen-VL and GLM-4.1V vision blocks, and timm's "
-                f"Block; {type(layer).__name__} is not one"
+                f"SiglipEncoderLayer and the Qwen-VL and GLM-4.1V vision blocks, timm's Block "
+                f"and open_clip's ResidualAttentionBlock; {type(layer).__name__} is not one"
             )
         self._call_layer, self._norm_name, self._scale_names = parts
         norm = getattr(layer, self._norm_name)
@@ -210,6 +211,8 @@ def _layer_parts(layer: nn.Module) -> tuple[LayerCall, str, ScaleNames] | None:
         return _clip_layer, "layer_norm2", (None, None)
     if name in _PACKED_BLOCKS:
         return _packed_block, "norm2", (None, None)
+    if _is_open_clip_block(layer):
+        return _open_clip_block, "ln_2", ("ls_1", "ls_2")
     timm_classes = _timm_classes()
     if timm_classes is None or type(layer).forward is not timm_classes[0].forward:
         return None
@@ -243,6 +246,18 @@ def _timm_classes() -> tuple[type, type] | None:
     from timm.models.vision_transformer import Block
 
     return Block, LayerScale
+
+
+def _is_open_clip_block(layer: nn.Module) -> bool:
+    """Whether ``layer`` is open_clip's self-attention ``ResidualAttentionBlock`` with layer
+    scales that are ``LayerScale`` (a ``gamma`` vector) or ``Identity``."""
+    if type(layer).__name__ != "ResidualAttentionBlock" or "open_clip" not in sys.modules:
+        return False
+    from open_clip.transformer import LayerScale, ResidualAttentionBlock
+
+    if type(layer).forward is not ResidualAttentionBlock.forward or hasattr(layer, "ln_1_kv"):
+        return False
+    return all(type(s) in (nn.Identity, LayerScale) for s in (layer.ls_1, layer.ls_2))
 
 
 def _internvit_layer(rewrite: FusedAddNorm, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -285,4 +300,19 @@ def _packed_block(
     block = rewrite.module
     attention = block.attn(block.norm1(hidden_states), *args, **kwargs)
     residual, normed = rewrite.add_norm(hidden_states, attention)
+    return rewrite.add_scaled(residual, block.mlp(normed))
+
+
+def _open_clip_block(
+    rewrite: FusedAddNorm,
+    q_x: torch.Tensor,
+    k_x: torch.Tensor | None = None,
+    v_x: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    block = rewrite.module
+    if k_x is not None or v_x is not None:
+        return rewrite._own(q_x, k_x, v_x, attn_mask)
+    attention = block.attention(q_x=block.ln_1(q_x), attn_mask=attn_mask)
+    residual, normed = rewrite.add_norm(q_x, attention)
     return rewrite.add_scaled(residual, block.mlp(normed))

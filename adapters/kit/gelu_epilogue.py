@@ -30,7 +30,7 @@ from layergraph_adapters.kit.rewrites import InferenceForward
 
 __all__ = ["GeluEpilogue", "gelu_epilogues", "gelu_kind", "mlp_parts"]
 
-_ACTIVATION_NAMES = ("act", "activation_fn", "act_fn")
+_ACTIVATION_NAMES = ("act", "activation_fn", "act_fn", "gelu")
 _HARMLESS = (nn.Identity, nn.Dropout)
 """Other children a fusable MLP may have: no-ops at inference (timm's ``drop1``, ``norm``)."""
 
@@ -95,10 +95,12 @@ def _probe(activation: nn.Module) -> Literal["exact", "tanh"] | None:
 def mlp_parts(mlp: nn.Module) -> tuple[nn.Linear, nn.Module, nn.Linear] | None:
     """``(fc1, activation, fc2)`` of an MLP that is ``fc2(activation(fc1(x)))``, else ``None``.
 
-    Accepted: linear ``fc1`` with a bias and ``fc2``, an activation named ``act``,
-    ``activation_fn`` or ``act_fn``, and no other children but dropouts and identities.
+    Accepted: linear ``fc1`` with a bias and ``fc2`` (open_clip's ``c_fc`` and ``c_proj``),
+    an activation named ``act``, ``activation_fn``, ``act_fn`` or ``gelu``, and no other
+    children but dropouts and identities.
     """
-    fc1, fc2 = getattr(mlp, "fc1", None), getattr(mlp, "fc2", None)
+    fc1 = getattr(mlp, "fc1", getattr(mlp, "c_fc", None))
+    fc2 = getattr(mlp, "fc2", getattr(mlp, "c_proj", None))
     names = [name for name in _ACTIVATION_NAMES if isinstance(getattr(mlp, name, None), nn.Module)]
     if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)) or len(names) != 1:
         return None
