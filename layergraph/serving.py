@@ -65,8 +65,9 @@ class ImageEncoder:
 
     ``warm_start`` names a file from :meth:`save_warm_start` (another process's
     measurements and compiled kernels); ``capture`` lists batch sizes to capture now, from a
-    random example of ``image_shape``, so that the first requests replay graphs. Other keyword
-    arguments go to :func:`layergraph.wrap`.
+    random example of ``image_shape``, so that the first requests replay graphs (for a model
+    off the GPU, and no ``backend`` given, nothing is captured: its calls run eagerly, as
+    :meth:`report` says). Other keyword arguments go to :func:`layergraph.wrap`.
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class ImageEncoder:
             self.graphed = wrap(self.model, warm_start=warm_start, **wrap_options)
         elif warm_start is not None or wrap_options:
             raise ValueError("warm_start and wrap options need graphed=True")
-        if capture:
+        if capture and (self.device.type == "cuda" or "backend" in wrap_options):
             assert self.graphed is not None and image_shape is not None
             example = torch.randn(1, *image_shape, device=self.device, dtype=self.dtype)
             with torch.inference_mode():

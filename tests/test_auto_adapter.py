@@ -19,6 +19,7 @@ from test_siglip_clip_adapters import built, clip_config, siglip_config, tiny_ll
 
 import layergraph  # noqa: E402
 from layergraph.plugins import AdapterRegistry  # noqa: E402
+from layergraph.testing import SimulatedGraphs  # noqa: E402
 
 SMALL_TIMM = {"depth": 1, "embed_dim": 64, "num_heads": 2}
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
@@ -95,3 +96,27 @@ def test_a_plugin_recognize_hook_comes_first() -> None:
     assert registry.recognize(timm.create_model("vit_tiny_patch16_224", **SMALL_TIMM)) == "timm"
     registry.add_plugin(Claims(), "claims")
     assert registry.recognize(torch.nn.Linear(2, 2)) == "sequential"
+
+
+def test_plan_part_plans_a_module_inside_the_model_with_the_adapter_auto_chooses() -> None:
+    """What a container's adapter asks: the part's adapter and its plan, options passed on."""
+    from layergraph.adapter import Adapter, CapturePlan, PlanContext
+
+    seen: dict[str, object] = {}
+
+    class Container(Adapter):
+        name = "container"
+
+        def plan(self, model: torch.nn.Module, context: PlanContext) -> CapturePlan:
+            adapter, plan = context.plan_part(model[1], {"stack": "0"})
+            seen["adapter"] = adapter.name
+            return plan
+
+    inner = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    model = torch.nn.Sequential(torch.nn.Identity(), inner)
+    graphed = layergraph.wrap(model, adapter=Container(), backend=SimulatedGraphs())
+    assert seen["adapter"] == "sequential"
+    assert graphed.plan.layers() == list(inner[0])
+    graphed.unwrap()
+    with pytest.raises(RuntimeError, match="without a part planner"):
+        PlanContext(registry=None).plan_part(inner)  # type: ignore[arg-type]

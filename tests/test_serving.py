@@ -70,6 +70,14 @@ def test_capture_makes_graphs_before_the_first_request(build: Any) -> None:
     assert backend.captures == 2 and backend.replays == 1
 
 
+def test_capture_off_the_gpu_is_left_out_and_calls_run_eagerly(build: Any) -> None:
+    encoder = ImageEncoder(build, capture=[1, 4], image_shape=SHAPE)
+    images = torch.randn(2, *SHAPE)
+    torch.testing.assert_close(encoder(images), eager(build, images))
+    report = encoder.report()
+    assert report["graphs"] == 0 and sum(report["eager_calls"].values()) == 1
+
+
 def test_capture_without_an_image_shape_is_refused(build: Any) -> None:
     with pytest.raises(ValueError, match="image_shape"):
         ImageEncoder(build, capture=[1])
