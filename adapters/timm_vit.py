@@ -3,7 +3,11 @@
 VisionTransformer covers vit_*, deit_*, register tokens, no class token and SigLIP-in-timm;
 Eva covers eva_* and eva02_* (rotary position embeddings). The whole forward is captured per
 (batch, image size): patch embedding, position embedding (interpolated for models built with
-``dynamic_img_size=True``), blocks, norm, pooling and head.
+``dynamic_img_size=True``), blocks, norm, pooling and head. A ``features_only=True`` model
+(timm's ``FeatureGetterNet`` around a ViT or Eva) is captured the same way: its forward, the
+feature maps of the layers asked for. The wrapper serves ``forward``; other methods called on
+it (``forward_features``) run eagerly, so for the normed tokens ``forward_features`` returns,
+reset the head first (``model.reset_classifier(0, "")``) and call the wrapper.
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ def _vit_classes() -> tuple[type, ...]:
     return (VisionTransformer, Eva)
 
 
+def _vit_of(model: nn.Module) -> nn.Module | None:
+    """The ViT or Eva that ``model`` is, or that a ``features_only`` model
+    (``FeatureGetterNet``) wraps; ``None`` for other models."""
+    classes = _vit_classes()
+    if isinstance(model, classes):
+        return model
+    from timm.models._features import FeatureGetterNet
+
+    if isinstance(model, FeatureGetterNet) and isinstance(getattr(model, "model", None), classes):
+        return model.model
+    return None
+
+
 class TimmVisionTransformerAdapter(Adapter):
     """Graphs the whole forward of a timm ``VisionTransformer`` or ``Eva``.
 
@@ -69,28 +86,29 @@ class TimmVisionTransformerAdapter(Adapter):
     def recognizes(self, model: nn.Module) -> bool:
         if "timm" not in sys.modules:
             return False
-        return isinstance(model, _vit_classes())
+        return _vit_of(model) is not None
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         try:
-            classes = _vit_classes()
+            vit = _vit_of(model)
         except ImportError as error:
             raise ImportError(
                 "the timm adapter needs timm: pip install 'layergraph[timm]'"
             ) from error
-        if not isinstance(model, classes):
+        if vit is None:
             raise AdapterMismatch(
                 f"the timm adapter serves timm VisionTransformer (vit_*, deit_*, ...) and Eva "
-                f"(eva_*, eva02_*) models; got {type(model).__module__}.{type(model).__name__}"
+                f"(eva_*, eva02_*) models, and their features_only form; got "
+                f"{type(model).__module__}.{type(model).__name__}"
             )
         return build_with_automatic_options(
-            model,
+            vit,
             {
                 "patch_matmul": self.patch_matmul,
                 "fuse_gelu": self.fuse_gelu,
                 "fuse_norm": self.fuse_norm,
             },
-            functools.partial(_TimmViTPlan, model),
+            functools.partial(_TimmViTPlan, model, vit),
             context,
         )
 
@@ -120,16 +138,26 @@ class TimmVisionTransformerAdapter(Adapter):
 
 
 class _TimmViTPlan(WholeForward):
+    """The whole forward of ``model``: ``vit`` itself, or a ``features_only`` model around it
+    (its intermediate feature maps, computed by ``vit.forward_intermediates``)."""
+
     def __init__(
-        self, model: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str, fuse_norm: bool
+        self,
+        model: nn.Module,
+        vit: nn.Module,
+        *,
+        patch_matmul: bool,
+        fuse_gelu: bool | str,
+        fuse_norm: bool,
     ) -> None:
         super().__init__(model)
-        mlps = [getattr(block, "mlp", block) for block in model.blocks]
+        self.vit = vit
+        mlps = [getattr(block, "mlp", block) for block in vit.blocks]
         self._rewrites: list[Change] = [
-            *([RowMajorOutput(model.patch_embed)] if model.num_prefix_tokens == 0 else []),
-            *patch_matmul_for(model.patch_embed, patch_matmul),
+            *([RowMajorOutput(vit.patch_embed)] if vit.num_prefix_tokens == 0 else []),
+            *patch_matmul_for(vit.patch_embed, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
-            *fused_norms(list(model.blocks), fuse_norm),
+            *fused_norms(list(vit.blocks), fuse_norm),
         ]
         """What is rewritten while wrapped, each a change made through the ledger. Without
         class or register tokens the position embedding is added to the transposed patch
@@ -143,19 +171,19 @@ class _TimmViTPlan(WholeForward):
             changes.apply(rewrite)
 
     def layers(self) -> list[nn.Module]:
-        return list(self.owner.blocks)
+        return list(self.vit.blocks)
 
     def sequence_of(self, call: CallInputs) -> Hashable:
         _, height, width = call.tensors[0].shape[1:]
-        grid_h, grid_w = self.owner.patch_embed.dynamic_feat_size((height, width))
-        return ImageTokens(grid_h * grid_w + self.owner.num_prefix_tokens, height, width)
+        grid_h, grid_w = self.vit.patch_embed.dynamic_feat_size((height, width))
+        return ImageTokens(grid_h * grid_w + self.vit.num_prefix_tokens, height, width)
 
     def check_inputs(self, call: CallInputs) -> None:
-        patch_embed = self.owner.patch_embed
+        patch_embed = self.vit.patch_embed
         images = checked_images(call, patch_embed.proj.in_channels)
         height, width = images.shape[-2:]
         fixed = patch_embed.img_size
-        if fixed is not None and not self.owner.dynamic_img_size and (height, width) != fixed:
+        if fixed is not None and not self.vit.dynamic_img_size and (height, width) != fixed:
             raise ValueError(
                 f"image size {height}x{width} differs from the model's {fixed[0]}x{fixed[1]}; "
                 f"build the model with dynamic_img_size=True to take other sizes"

@@ -193,3 +193,54 @@ def test_a_quick_gelu_tower_refuses_fuse_gelu() -> None:
     with pytest.raises(ValueError, match="fuses GELU only; Sequential's activation is QuickGELU"):
         layergraph.wrap(model, backend=SimulatedGraphs(), fuse_gelu=True)
     assert layergraph.wrap(model, backend=SimulatedGraphs()).unwrap() is model
+
+
+ARCHITECTURES = [
+    "ViT-B-32",
+    "ViT-L-14",
+    "ViT-L-14-336",
+    "ViT-H-14",
+    "ViT-SO400M-14-SigLIP",
+    "ViT-SO400M-14-SigLIP-384",
+    "coca_ViT-L-14",
+]
+"""open_clip's architectures that embedding users run most, from open_clip's own configs."""
+
+
+def one_block(name: str) -> torch.nn.Module:
+    """open_clip's ``name`` built from its configuration with one block per tower (the towers'
+    shapes, image sizes, pooling and classes as configured; depth does not change the plan)."""
+    import copy
+
+    from open_clip.coca_model import CoCa
+
+    config = copy.deepcopy(open_clip.get_model_config(name))
+    for part in ("vision_cfg", "text_cfg", "multimodal_cfg"):
+        if "layers" in config.get(part, {}):
+            config[part]["layers"] = 1
+    custom = config.pop("custom_text", False)
+    config.pop("init_logit_bias", None)
+    kind = CoCa if name.startswith("coca") else CustomTextCLIP if custom else CLIP
+    torch.manual_seed(0)
+    model = kind(**config).eval()
+    if hasattr(model.visual, "trunk"):  # a timm tower: its depth comes from timm's name
+        model.visual.trunk.blocks = model.visual.trunk.blocks[:1]
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_common_architecture_is_recognised_and_served(name: str) -> None:
+    model = one_block(name)
+    visual = model.visual
+    size = visual.image_size if hasattr(visual, "image_size") else visual.trunk.patch_embed.img_size
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    x = torch.randn(2, 3, *size)
+    with torch.inference_mode():
+        want = model.encode_image(x)
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        got = model.encode_image(x)
+    assert graphed.adapter.name == "open_clip"
+    assert_close(got, want)
+    assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
+    graphed.unwrap()

@@ -159,3 +159,47 @@ def test_check_adapter_passes(variant: str) -> None:
     model = build(name, **overrides)
     result = check_adapter(model, "timm", lambda batch: ((images(model, batch),), {}))
     assert result.graphed.stats.padded_calls == 1 and result.graph_error is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("vit_tiny_patch16_224", {"depth": 4}), ("eva02_tiny_patch14_224", {"depth": 3})],
+)
+def test_features_only_models_return_eagers_feature_maps_from_graphs(
+    name: str, overrides: dict[str, object]
+) -> None:
+    """``features_only=True``: the intermediate feature maps (NCHW) of the layers asked for,
+    from graphs of the whole feature forward; the blocks past the last one asked for pruned
+    by timm, as eagerly."""
+    torch.manual_seed(0)
+    model = timm.create_model(
+        name, pretrained=False, features_only=True, out_indices=(0, 2), **{**SMALL, **overrides}
+    ).eval()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    assert graphed.adapter.name == "timm" and len(graphed.plan.layers()) == 3
+    size = model.model.patch_embed.img_size
+    with torch.inference_mode():
+        for batch in (2, 1, 2):
+            x = torch.randn(batch, 3, *size)
+            got = graphed(x)
+            with graphed.original():
+                want = model(x)
+            assert len(got) == len(want) == 2 and got[0].dim() == 4
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
+    graphed.unwrap()
+
+
+def test_token_features_come_from_graphs_with_the_head_reset() -> None:
+    """What ``forward_features`` returns (the normed tokens) is the forward of a model whose
+    classifier and pooling are reset (``reset_classifier(0, "")``), which the graphs serve."""
+    model = build("vit_tiny_patch16_224")
+    x = images(model, 2)
+    with torch.inference_mode():
+        want = model.forward_features(x)
+        model.reset_classifier(0, "")
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        torch.testing.assert_close(graphed(x), want, rtol=1e-4, atol=1e-5)
+    assert graphed.stats.replays == 1
+    graphed.unwrap()
