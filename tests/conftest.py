@@ -69,6 +69,7 @@ SLOW_FILES = frozenset(
         "test_docs.py",
         "test_docs_render.py",
         "test_docs_site.py",
+        "test_embedding_service_bench.py",
         "test_families_benchmark.py",
         "test_fused_norm.py",
         "test_ledger.py",
