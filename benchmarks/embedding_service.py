@@ -37,6 +37,7 @@ import torch
 
 import layergraph
 from layergraph.serving import ImageEncoder, MicroBatcher
+from layergraph.timing import waited_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embedding_models import (
@@ -168,16 +169,13 @@ def sentence_transformer_rows(
         images = photos[:batch]
 
         def encode(images: list[Any] = images, batch: int = batch) -> torch.Tensor:
-            embeddings = model.encode(images, batch_size=batch, convert_to_tensor=True)
-            if embeddings.is_cuda:
-                torch.cuda.synchronize()
-            return embeddings
+            return model.encode(images, batch_size=batch, convert_to_tensor=True)
 
         with graphed.original():
             want = encode().float()
-            eager = timed_ms(encode, iters)
+            eager = waited_ms(encode, device=model.device, warmup=3, iters=iters)
         got = encode().float()
-        wrapped = timed_ms(encode, iters)
+        wrapped = waited_ms(encode, device=model.device, warmup=3, iters=iters)
         row = {
             "model": f"sentence-transformers {name}",
             "batch": batch,
@@ -195,18 +193,6 @@ def sentence_transformer_rows(
         )
     graphed.unwrap()
     return rows
-
-
-def timed_ms(fn: Any, iters: int) -> float:
-    """Median wall milliseconds of ``iters`` calls after three untimed ones."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,3 +140,23 @@ def mlp_stack() -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16), torch.nn.LayerNorm(16)
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def saved_vit_builder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], torch.nn.Module]:
+    """A builder of a two-layer timm ViT (32x32 images, patches of 8, no classifier) whose
+    weights load from a local file, so that every build, in this process or in another (a
+    Ray actor), has the same weights."""
+    timm = pytest.importorskip("timm")
+    make = functools.partial(
+        timm.create_model,
+        "vit_tiny_patch16_224",
+        img_size=32,
+        patch_size=8,
+        depth=2,
+        num_classes=0,
+    )
+    path = tmp_path_factory.mktemp("weights") / "vit.pth"
+    torch.manual_seed(0)
+    torch.save(make().state_dict(), path)
+    return functools.partial(make, pretrained=True, pretrained_cfg_overlay={"file": str(path)})

@@ -5,6 +5,8 @@ simulated on the CPU, every answer compared with eager's on fresh random images.
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,16 +197,14 @@ def test_a_quick_gelu_tower_refuses_fuse_gelu() -> None:
     assert layergraph.wrap(model, backend=SimulatedGraphs()).unwrap() is model
 
 
-ARCHITECTURES = [
-    "ViT-B-32",
-    "ViT-L-14",
-    "ViT-L-14-336",
-    "ViT-H-14",
-    "ViT-SO400M-14-SigLIP",
-    "ViT-SO400M-14-SigLIP-384",
-    "coca_ViT-L-14",
-]
-"""open_clip's architectures that embedding users run most, from open_clip's own configs."""
+def _benchmark_models() -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        return importlib.import_module("embedding_models")
+
+
+ARCHITECTURES = _benchmark_models().OPEN_CLIP_MODELS
+"""open_clip's architectures that embedding users run most (the benchmarks' list)."""
 
 
 def one_block(name: str) -> torch.nn.Module:

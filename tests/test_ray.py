@@ -4,7 +4,6 @@ the model's own embeddings on fresh random images (float32, within 1e-5)."""
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import socket
@@ -33,21 +32,8 @@ SHAPE = (3, 32, 32)
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A builder of a two-layer timm ViT whose weights load from a local file, so that the
-    replicas' models equal the one built here."""
-    make = functools.partial(
-        timm.create_model,
-        "vit_tiny_patch16_224",
-        img_size=32,
-        patch_size=8,
-        depth=2,
-        num_classes=0,
-    )
-    path = tmp_path_factory.mktemp("weights") / "vit.pth"
-    torch.manual_seed(0)
-    torch.save(make().state_dict(), path)
-    return functools.partial(make, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+def build(saved_vit_builder: Any) -> Any:
+    return saved_vit_builder
 
 
 def eager(build: Any, images: torch.Tensor) -> torch.Tensor:

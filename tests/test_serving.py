@@ -6,7 +6,6 @@ requests, and the Ray Data callable on numpy batches."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,8 @@ SHAPE = (3, 32, 32)
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A builder of a two-layer timm ViT (32x32 images) whose weights load from a local file,
-    so that every build, here or in another process, has the same weights."""
-    make = functools.partial(
-        timm.create_model,
-        "vit_tiny_patch16_224",
-        img_size=32,
-        patch_size=8,
-        depth=2,
-        num_classes=0,
-    )
-    path = tmp_path_factory.mktemp("weights") / "vit.pth"
-    torch.manual_seed(0)
-    torch.save(make().state_dict(), path)
-    return functools.partial(make, pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+def build(saved_vit_builder: Any) -> Any:
+    return saved_vit_builder
 
 
 def eager(build: Any, images: torch.Tensor) -> torch.Tensor:
