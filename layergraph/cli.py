@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument(
         "--model",
         default="vit_base_patch16_224",
-        help="an example model of an adapter (see --list-models), or timm:NAME",
+        help="an example model of an adapter (see --list-models), timm:NAME or open_clip:NAME",
     )
     bench.add_argument("--list-models", action="store_true", help="list the model names")
     bench.add_argument(
@@ -322,6 +322,19 @@ def _console(console_class: type[Console]) -> Console:
 
 def _unknown_model(command: str, name: str) -> str | None:
     """Why ``name`` is no model ``command`` can build, or ``None`` if it is one."""
+    if command != "demo" and name.startswith("open_clip:"):
+        try:
+            import open_clip
+        except ImportError:
+            return (
+                f"argument --model: {name!r} needs open_clip: pip install 'layergraph[open-clip]'"
+            )
+        if name.removeprefix("open_clip:") in open_clip.list_models():
+            return None
+        return (
+            f"argument --model: open_clip has no model {name.removeprefix('open_clip:')!r} "
+            f"(open_clip.list_models() lists them)"
+        )
     if command == "demo" or name.startswith("timm:"):
         try:
             import timm
@@ -483,6 +496,7 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
         for name in get_registry().example_model_names():
             console.print(name)
         console.print("timm:NAME (any timm VisionTransformer or Eva)")
+        console.print("open_clip:NAME (any open_clip architecture's image tower)")
         return 0
     if args.start is not None:
         return _bench_start(console, args)

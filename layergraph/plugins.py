@@ -452,7 +452,8 @@ class AdapterRegistry:
                 return example
         raise UnknownAdapterError(
             f"no adapter builds a model called {name!r}; built-in names: "
-            f"{', '.join(self.example_model_names())}, or timm:NAME for any timm ViT"
+            f"{', '.join(self.example_model_names())}, or timm:NAME for any timm ViT, "
+            f"open_clip:NAME for any open_clip architecture"
         )
 
     def example_model_names(self) -> list[str]:

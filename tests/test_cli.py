@@ -46,6 +46,7 @@ def test_version_is_the_packages() -> None:
     [
         (("bench", "--model", "no-such-model"), "argument --model: no adapter builds a model"),
         (("bench", "--model", "timm:no_such_vit"), "timm has no model 'no_such_vit'"),
+        (("bench", "--model", "open_clip:ViT-Z-99"), "open_clip has no model 'ViT-Z-99'"),
         (("demo", "--model", "no_such_vit"), "layergraph demo: error: argument --model"),
         (("bench", "--batch-sizes", "1,x"), "argument --batch-sizes: '1,x': expected"),
         (("demo", "--batch-sizes", "0"), "argument --batch-sizes: '0': expected"),

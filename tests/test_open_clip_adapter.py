@@ -244,3 +244,26 @@ def test_every_common_architecture_is_recognised_and_served(name: str) -> None:
     assert_close(got, want)
     assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
     graphed.unwrap()
+
+
+def test_any_open_clip_architecture_is_an_example_model_of_the_bench() -> None:
+    """``layergraph bench --model open_clip:NAME``: the architecture's image tower with random
+    weights, and images of its size; the listed names and unknown ones."""
+    from layergraph import UnknownAdapterError
+    from layergraph.plugins import get_registry
+
+    registry = get_registry()
+    assert "open_clip:ViT-L-14" in registry.example_model_names()
+    example = registry.example_model("open_clip:ViT-B-16-SigLIP")
+    tower = example.build(torch.float32, torch.device("cpu"))
+    (x,), _ = example.inputs(2, torch.float32, torch.device("cpu"))
+    assert x.shape == (2, 3, 224, 224) and example.adapter == "open_clip"
+    graphed = layergraph.wrap(tower, backend=SimulatedGraphs())
+    with torch.inference_mode():
+        got = graphed(x)
+        with graphed.original():
+            want = tower(x)
+    assert_close(got, want)
+    graphed.unwrap()
+    with pytest.raises(UnknownAdapterError, match="open_clip:NAME"):
+        registry.example_model("open_clip:ViT-Z-99")
