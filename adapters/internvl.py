@@ -71,6 +71,7 @@ building the towers with random weights (tests, benchmarks) without downloading 
 INTERNVL = TowerSpec(
     adapter="internvl",
     classes=("InternVLVisionModel",),
+    casts_pixels=True,
     family="InternViT",
     layers=("encoder.layer",),
     attention="attention",

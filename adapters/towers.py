@@ -43,6 +43,7 @@ SO400M = dict(
 SIGLIP = TowerSpec(
     adapter="siglip",
     classes=("SiglipVisionModel", "SiglipVisionTransformer"),
+    casts_pixels=True,
     family="SigLIP",
     fused_attention=fused_attention_forward,
     examples={
@@ -59,6 +60,7 @@ Gemma 3, Aya Vision, Cohere2Vision and DeepSeek-VL."""
 CLIP = TowerSpec(
     adapter="clip",
     classes=("CLIPVisionModel", "CLIPVisionModelWithProjection", "CLIPVisionTransformer"),
+    casts_pixels=True,
     family="CLIP",
     prefix_tokens=1,
     fused_attention=fused_attention_forward,
@@ -122,6 +124,7 @@ so images with padding are attended as eager attends them."""
 JANUS = TowerSpec(
     adapter="janus",
     classes=("JanusVisionModel",),
+    casts_pixels=True,
     family="Janus",
     examples={
         "janus-pro-384": TowerExample(
@@ -167,6 +170,7 @@ the native-resolution checkpoints (sinusoidal positions) take any image size."""
 DINOV2 = TowerSpec(
     adapter="dinov2",
     classes=("Dinov2Model", "Dinov2WithRegistersModel"),
+    casts_pixels=True,
     family="DINOv2",
     layers=("encoder.layer",),
     attention="attention",
@@ -196,6 +200,7 @@ DINOV2 = TowerSpec(
 VIT = TowerSpec(
     adapter="vit",
     classes=("ViTModel",),
+    casts_pixels=True,
     family="ViT",
     layers=("layers", "encoder.layer"),  # transformers 5.17 moved the layers to the model
     attention="attention",
@@ -233,6 +238,7 @@ out), and the pixel-shuffle adapter captured with the layers."""
 MLLAMA = TowerSpec(
     adapter="mllama",
     classes=("MllamaVisionModel",),
+    casts_pixels=True,
     family="Llama 3.2 Vision (Mllama)",
     layers=("transformer.layers",),
     embeddings=(),

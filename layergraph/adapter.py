@@ -85,6 +85,13 @@ class CapturePlan:
     (:meth:`key_state` is not asked), and calls reach the other methods as
     :class:`~layergraph.packing.PackedCall` objects."""
 
+    casts_inputs: bool = False
+    """True when the region casts its floating-point inputs to the owner's dtype before using
+    them (most transformers patch embeddings do): a call whose floating inputs have another
+    dtype (float32 pixels from a processor in front of bfloat16 weights) is then served by
+    graphs of that input dtype, which capture the cast. False: such a call runs eagerly, and
+    the model's own error, if it raises one, is explained."""
+
     speed_options: Mapping[str, str] = MappingProxyType({})
     """What each speed option of the adapter that made this plan became: ``"on"``, ``"off"``,
     or ``"off: why"`` for one left to ``"auto"`` that does not fit here. Empty for adapters

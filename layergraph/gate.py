@@ -60,6 +60,7 @@ class EagerGate:
                 return f"input on {tensor.device}, model on {device}"
             if (
                 reference is not None
+                and not self.plan.casts_inputs
                 and tensor.is_floating_point()
                 and reference.is_floating_point()
                 and tensor.dtype != reference.dtype

@@ -79,6 +79,23 @@ def test_encode_embeds_images_from_graphs_and_texts_eagerly(clip_directory: Path
     torch.testing.assert_close(model.encode(images, batch_size=2, convert_to_tensor=True), want)
 
 
+def test_a_bfloat16_model_embeds_its_processors_float32_pixels_from_graphs(
+    clip_directory: Path,
+) -> None:
+    """The processor makes float32 pixels whatever the model's dtype; CLIP's tower casts them,
+    and so do its graphs (bfloat16's tolerance, 2e-2)."""
+    model = sentence_transformers.SentenceTransformer(
+        str(clip_directory), device="cpu", model_kwargs={"dtype": torch.bfloat16}
+    )
+    images = photos(3)
+    want = model.encode(images, batch_size=2, convert_to_tensor=True).float()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    got = model.encode(images, batch_size=2, convert_to_tensor=True).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+    graphed.unwrap()
+
+
 def test_auto_prefers_it_to_the_generic_sequential_adapter(clip_directory: Path) -> None:
     from layergraph.plugins import get_registry
 

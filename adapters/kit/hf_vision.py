@@ -188,6 +188,7 @@ class VisionTowerPlan(CapturePlan):
         config = tower.config
         self.owner = tower
         self.spec = spec
+        self.casts_inputs = spec.casts_pixels
         self.prefix_tokens = spec.prefix_for(config)
         self.image_sizes = spec.sizes_for(config)
         self.patch_size = pair(config.patch_size)

@@ -130,6 +130,11 @@ class TowerSpec:
     """The attention forward ``fuse_qkv`` routes each layer's attention to (it takes q, k and v
     from one product); ``None``: the family's attention has no such forward, and ``fuse_qkv``
     is refused."""
+    casts_pixels: bool = False
+    """Whether the tower casts the pixels it is given to its weights' dtype before using them,
+    as most transformers patch embeddings do: float32 pixels from a processor then reach the
+    graphs of a bfloat16 tower (:attr:`~layergraph.adapter.CapturePlan.casts_inputs`) instead
+    of running eagerly."""
     feature_settings: tuple[str, ...] = ("vision_feature_layer", "vision_feature_layers")
     """The settings of a larger model's configuration that may name the hidden states it reads
     from the tower (the first it has; VipLLaVA's was ``vision_feature_layers`` before
