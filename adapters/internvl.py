@@ -103,7 +103,7 @@ class InternVLAdapter(VisionTowerAdapter):
         feature_layers: int | list[int] | None = None,
         fuse_qkv: bool | str = "auto",
         patch_matmul: bool | str = "auto",
-        fuse_gelu: bool | str = False,
+        fuse_gelu: bool | str = "auto",
         fuse_norm: bool | str = "auto",
     ) -> None:
         super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu, fuse_norm)

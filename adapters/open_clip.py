@@ -9,11 +9,12 @@ text)`` and CoCa's ``generate`` read its image features from them while the text
 eagerly.
 
 Speed options, as for the timm adapter: ``patch_matmul`` (the patch convolution as one matrix
-product) and ``fuse_norm`` (each block's residual adds and second norm through one Triton
-kernel) default to ``"auto"``, on where they fit on a GPU; ``fuse_gelu`` (the MLP's GELU in
-its up-projection's epilogue) is off unless asked, ``True`` for tanh-GELU towers (SigLIP's),
-``"approximate"`` for the exact GELU of most CLIP towers too. A timm-backed tower's trunk gets
-the timm adapter's rewrites. What this adapter does not do: graph the text tower.
+product), ``fuse_norm`` (each block's residual adds and second norm through one Triton
+kernel) and ``fuse_gelu`` (the MLP's GELU in its up-projection's epilogue) default to
+``"auto"``, on where they fit on a GPU; ``fuse_gelu`` fits tanh-GELU towers (SigLIP's), and
+takes the exact GELU of most CLIP towers only when given ``"approximate"``. A timm-backed
+tower's trunk gets the timm adapter's rewrites. What this adapter does not do: graph the text
+tower.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class OpenClipAdapter(Adapter):
     def __init__(
         self,
         patch_matmul: bool | str = "auto",
-        fuse_gelu: bool | str = False,
+        fuse_gelu: bool | str = "auto",
         fuse_norm: bool | str = "auto",
     ) -> None:
         self.options = {

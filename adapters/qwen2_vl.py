@@ -65,7 +65,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import CapturePlan, PlanContext, hookimpl
+from layergraph import AdapterMismatch, CapturePlan, PlanContext, hookimpl
 from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
@@ -74,6 +74,7 @@ from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
@@ -322,10 +323,17 @@ class Qwen2VLPlan(PackedTowerPlan):
         kind: _TowerKind,
         align_mlp: bool = False,
         fuse_norm: bool = False,
+        fuse_gelu: bool | str = False,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
+        if align_mlp and fuse_gelu:
+            raise AdapterMismatch(
+                "fuse_gelu and align_mlp both rewrite each block's MLP; choose one"
+            )
         self.alignments = [AlignedMLP(block.mlp) for block in tower.blocks] if align_mlp else []
         """One :class:`AlignedMLP` per block with ``align_mlp``; empty without."""
+        self.gelu_rewrites = gelu_epilogues([block.mlp for block in tower.blocks], fuse_gelu)
+        """One :class:`GeluEpilogue` per block with ``fuse_gelu``; empty without."""
         self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm)
         """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
         self.windows = kind.windows
@@ -368,7 +376,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         for alignment in self.alignments:
             changes.apply(alignment)
             changes.apply(AlignedForward(alignment))
-        for rewrite in self.norm_rewrites:
+        for rewrite in (*self.gelu_rewrites, *self.norm_rewrites):
             changes.apply(rewrite)
 
     # ---- packing -----------------------------------------------------------------------------
@@ -664,7 +672,10 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
     and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
     block's residual add and second norm through one Triton kernel
-    (:mod:`~layergraph_adapters.kit.fused_norm`; ``"auto"``: on a CUDA device).
+    (:mod:`~layergraph_adapters.kit.fused_norm`; ``"auto"``: on a CUDA device). ``fuse_gelu``:
+    each block's up-projection and tanh GELU as one product with a GELU epilogue
+    (:mod:`~layergraph_adapters.kit.gelu_epilogue`; ``"auto"``: on a CUDA device, for the
+    towers whose MLP is ``fc2(gelu_tanh(fc1(x)))``: Qwen3-VL's and Qwen3.5's).
     """
 
     name = "qwen2_vl"
@@ -678,17 +689,19 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         budget_step: int = 16,
         align_mlp: bool | str = "auto",
         fuse_norm: bool | str = "auto",
+        fuse_gelu: bool | str = "auto",
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
         self.align_mlp = align_mlp
         self.fuse_norm = fuse_norm
+        self.fuse_gelu = fuse_gelu
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         tower, family = self.find(model)
         require_transformers(self.name, family.checked)
         return build_with_automatic_options(
             tower,
-            {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm},
+            {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm, "fuse_gelu": self.fuse_gelu},
             functools.partial(Qwen2VLPlan, tower, self, context, family),
             context,
         )

@@ -67,8 +67,8 @@ class TimmVisionTransformerAdapter(Adapter):
     in its up-projection's epilogue (:mod:`layergraph_adapters.kit.gelu_epilogue`): ``True`` where
     the GELU is the tanh approximation, ``"approximate"`` for the exact GELU of most timm ViTs
     too; ``fuse_norm=True`` computes each ``Block``'s residual adds and second norm with one
-    Triton kernel, on CUDA (:mod:`layergraph_adapters.kit.fused_norm`; not Eva's blocks). All are
-    off by default.
+    Triton kernel, on CUDA (:mod:`layergraph_adapters.kit.fused_norm`; not Eva's blocks). All
+    default to ``"auto"``, on where they fit on a GPU (``fuse_gelu`` for tanh GELUs only).
     """
 
     name = "timm"
@@ -76,7 +76,7 @@ class TimmVisionTransformerAdapter(Adapter):
     def __init__(
         self,
         patch_matmul: bool | str = "auto",
-        fuse_gelu: bool | str = False,
+        fuse_gelu: bool | str = "auto",
         fuse_norm: bool | str = "auto",
     ) -> None:
         self.patch_matmul = patch_matmul

@@ -58,6 +58,7 @@ def test_on_the_cpu_every_automatic_option_is_off_and_says_why() -> None:
         "fuse_qkv": "off: the model is on cpu, not a CUDA device",
         "patch_matmul": "off: the model is on cpu, not a CUDA device",
         "fuse_norm": "off: the model is on cpu, not a CUDA device",
+        "fuse_gelu": "off: the model is on cpu, not a CUDA device",
     }
     assert not any("fuse_norm" in change or "patch_matmul" in change for change in graphed.changes)
 
@@ -67,7 +68,9 @@ def test_on_the_cpu_every_automatic_option_is_off_and_says_why() -> None:
 def test_on_a_gpu_internvit_takes_every_option_and_answers_as_before(norm_type: str) -> None:
     model = internvit(norm_type).eval()
     graphed = layergraph.wrap(model, backend=SimulatedGraphs())
-    assert graphed.speed_options == {"fuse_qkv": "on", "patch_matmul": "on", "fuse_norm": "on"}
+    options = dict(graphed.speed_options)
+    assert options.pop("fuse_gelu").startswith("off: InternVLVisionMLP uses the exact (erf) GELU")
+    assert options == {"fuse_qkv": "on", "patch_matmul": "on", "fuse_norm": "on"}
     changes = "\n".join(graphed.changes)
     assert "fuse_norm" in changes and "patch_matmul" in changes
     check_equal(graphed, model)
@@ -109,7 +112,63 @@ def test_options_set_by_hand_are_kept_and_bad_values_refused() -> None:
     graphed = layergraph.wrap(
         timm_vit(None).eval(), adapter="timm", backend=SimulatedGraphs(), fuse_norm=False
     )
-    assert graphed.speed_options == {"patch_matmul": "on", "fuse_norm": "off"}
+    options = dict(graphed.speed_options)
+    assert options.pop("fuse_gelu").startswith("off: Mlp uses the exact (erf) GELU")
+    assert options == {"patch_matmul": "on", "fuse_norm": "off"}
     graphed.unwrap()
     with pytest.raises(ValueError, match="fuse_norm='yes': choose True, False or 'auto'"):
         layergraph.wrap(timm_vit(None).eval(), adapter="timm", fuse_norm="yes")
+    with pytest.raises(ValueError, match="fuse_gelu='yes': choose True, False, 'auto' or 'app"):
+        layergraph.wrap(timm_vit(None).eval(), adapter="timm", fuse_gelu="yes")
+    graphed = layergraph.wrap(
+        timm_vit(None).eval(), adapter="timm", backend=SimulatedGraphs(), fuse_gelu="approximate"
+    )
+    assert graphed.speed_options["fuse_gelu"] == "on"
+    graphed.unwrap()
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+def test_a_tanh_gelu_tower_takes_fuse_gelu_and_answers_within_rounding() -> None:
+    """SigLIP's MLPs compute the tanh GELU, cuBLASLt's epilogue's own function: on by default
+    (off the GPU the same tanh GELU follows the product), outputs within float32's tolerance."""
+    config = transformers.SiglipVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE,
+        patch_size=8,
+    )
+    model = transformers.SiglipVisionModel(config).eval()
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    assert graphed.speed_options["fuse_gelu"] == "on"
+    assert any("fuse_gelu" in change for change in graphed.changes)
+    check_equal(graphed, model)
+    graphed.unwrap()
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+def test_options_are_tried_with_those_taken_before_them() -> None:
+    """An option that fits alone but not beside one taken earlier stays off, with the reason:
+    the plan returned is always one that was built."""
+    from layergraph.adapter import AdapterMismatch, PlanContext
+
+    built: list[dict[str, object]] = []
+
+    class Plan(layergraph.CapturePlan):
+        def __init__(self, **options: object) -> None:
+            if options.get("fuse_gelu") and options.get("align_mlp"):
+                raise AdapterMismatch("fuse_gelu and align_mlp both rewrite each block's MLP")
+            built.append(options)
+
+    plan = automatic.build_with_automatic_options(
+        torch.nn.Linear(2, 2),
+        {"fuse_gelu": "auto", "align_mlp": "auto"},
+        Plan,
+        PlanContext(registry=None),  # type: ignore[arg-type]
+    )
+    assert plan.speed_options == {
+        "fuse_gelu": "on",
+        "align_mlp": "off: fuse_gelu and align_mlp both rewrite each block's MLP",
+    }
+    assert built[-1] == {"fuse_gelu": True, "align_mlp": False}

@@ -184,7 +184,7 @@ def test_speed_options_rewrite_the_tower_and_keep_its_answers(kind: str) -> None
 
 def test_automatic_speed_options_stay_off_on_the_cpu_and_say_why() -> None:
     graphed = layergraph.wrap(clip(), backend=SimulatedGraphs())
-    assert set(graphed.speed_options) == {"patch_matmul", "fuse_norm"}
+    assert set(graphed.speed_options) == {"patch_matmul", "fuse_norm", "fuse_gelu"}
     assert all(value.startswith("off:") for value in graphed.speed_options.values())
     graphed.unwrap()
 

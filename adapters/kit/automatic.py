@@ -1,9 +1,11 @@
 """Speed options on by default where they fit: the value ``"auto"``.
 
-``fuse_qkv``, ``patch_matmul``, ``fuse_norm`` and ``align_mlp`` change a tower's values by
-rounding only and take GPU time off every call, graphed or eager; the transformers adapters
-(every family of :mod:`layergraph_adapters.towers`, and ``internvl``) and ``timm`` default the
-first three to ``"auto"``, ``qwen2_vl`` the last.
+``fuse_qkv``, ``patch_matmul``, ``fuse_norm``, ``fuse_gelu`` and ``align_mlp`` change a
+tower's values by rounding only and take GPU time off every call, graphed or eager; the
+transformers adapters (every family of :mod:`layergraph_adapters.towers`, and ``internvl``),
+``timm`` and ``open_clip`` default the first four to ``"auto"``, ``qwen2_vl`` the last three.
+``fuse_gelu`` left to ``"auto"`` takes MLPs whose GELU is the tanh approximation only (the
+epilogue's own function); an exact-GELU MLP keeps its GELU unless ``"approximate"`` is asked.
 :func:`build_with_automatic_options` turns each ``"auto"`` into ``True`` when the tower's
 parameters are on a CUDA device and the plan accepts that option alone (the family has the
 projections, the patch convolution or the layers it rewrites, and Triton runs for
@@ -30,8 +32,11 @@ from layergraph.adapter import AdapterMismatch, CapturePlan, PlanContext
 
 __all__ = ["AUTOMATIC_OPTIONS", "build_with_automatic_options", "not_on_a_gpu"]
 
-AUTOMATIC_OPTIONS = ("fuse_qkv", "patch_matmul", "fuse_norm", "align_mlp")
+AUTOMATIC_OPTIONS = ("fuse_qkv", "patch_matmul", "fuse_norm", "fuse_gelu", "align_mlp")
 """The options whose default is ``"auto"``, in the order they are tried."""
+
+_OTHER_VALUES = {"fuse_gelu": ("approximate",)}
+"""Values an automatic option takes besides ``True``, ``False`` and ``"auto"``."""
 
 Plan = TypeVar("Plan", bound=CapturePlan)
 
@@ -44,14 +49,17 @@ def build_with_automatic_options(
 ) -> Plan:
     """The plan ``build(**options)`` makes with each ``"auto"`` option resolved for ``module``.
 
-    Each automatic option is tried alone (``build`` with it ``True`` and the other automatic
-    ones ``False``); a ``ValueError`` or :class:`~layergraph.adapter.AdapterMismatch` from
+    Each automatic option is tried in :data:`AUTOMATIC_OPTIONS`' order, with those taken before
+    it (``build`` with it and them ``True``, the others ``False``), so the plan returned is one
+    that was built; a ``ValueError`` or :class:`~layergraph.adapter.AdapterMismatch` from
     ``build`` leaves it off with the error as the reason. ``build`` must not change the model
     (plans change it later, through the ledger).
     """
     for name, value in options.items():
-        if name in AUTOMATIC_OPTIONS and value not in (True, False, "auto"):
-            raise ValueError(f"{name}={value!r}: choose True, False or 'auto'")
+        others = _OTHER_VALUES.get(name, ())
+        if name in AUTOMATIC_OPTIONS and value not in (True, False, "auto", *others):
+            choices = ["True", "False", "'auto'", *(repr(v) for v in others)]
+            raise ValueError(f"{name}={value!r}: choose {', '.join(choices[:-1])} or {choices[-1]}")
     asked = [name for name in AUTOMATIC_OPTIONS if options.get(name) == "auto"]
     settled = {**options, **dict.fromkeys(asked, False)}
     outcome: dict[str, str] = {}
@@ -63,8 +71,9 @@ def build_with_automatic_options(
         if name == "fuse_norm" and context.compiled:
             outcome[name] = "off: the layers are compiled, and torch.compile fuses adds and norms"
             continue
+        taken = {other: True for other, became in outcome.items() if became == "on"}
         try:
-            build(**{**settled, name: True})
+            build(**{**settled, **taken, name: True})
         except (ValueError, AdapterMismatch) as refusal:
             outcome[name] = f"off: {refusal}"
         else:

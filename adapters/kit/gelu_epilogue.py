@@ -31,6 +31,8 @@ from layergraph_adapters.kit.rewrites import InferenceForward
 __all__ = ["GeluEpilogue", "gelu_epilogues", "gelu_kind", "mlp_parts"]
 
 _ACTIVATION_NAMES = ("act", "activation_fn", "act_fn", "gelu")
+_UP_NAMES = ("fc1", "c_fc", "linear_fc1")
+_DOWN_NAMES = ("fc2", "c_proj", "linear_fc2")
 _HARMLESS = (nn.Identity, nn.Dropout)
 """Other children a fusable MLP may have: no-ops at inference (timm's ``drop1``, ``norm``)."""
 
@@ -95,12 +97,13 @@ def _probe(activation: nn.Module) -> Literal["exact", "tanh"] | None:
 def mlp_parts(mlp: nn.Module) -> tuple[nn.Linear, nn.Module, nn.Linear] | None:
     """``(fc1, activation, fc2)`` of an MLP that is ``fc2(activation(fc1(x)))``, else ``None``.
 
-    Accepted: linear ``fc1`` with a bias and ``fc2`` (open_clip's ``c_fc`` and ``c_proj``),
-    an activation named ``act``, ``activation_fn``, ``act_fn`` or ``gelu``, and no other
-    children but dropouts and identities.
+    Accepted: linear ``fc1`` with a bias and ``fc2`` (open_clip's ``c_fc`` and ``c_proj``,
+    Qwen3-VL's ``linear_fc1`` and ``linear_fc2``), an activation named ``act``,
+    ``activation_fn``, ``act_fn`` or ``gelu``, and no other children but dropouts and
+    identities.
     """
-    fc1 = getattr(mlp, "fc1", getattr(mlp, "c_fc", None))
-    fc2 = getattr(mlp, "fc2", getattr(mlp, "c_proj", None))
+    fc1 = next((getattr(mlp, n) for n in _UP_NAMES if hasattr(mlp, n)), None)
+    fc2 = next((getattr(mlp, n) for n in _DOWN_NAMES if hasattr(mlp, n)), None)
     names = [name for name in _ACTIVATION_NAMES if isinstance(getattr(mlp, name, None), nn.Module)]
     if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)) or len(names) != 1:
         return None

@@ -79,8 +79,9 @@ class VisionTowerAdapter(Adapter):
     (:mod:`layergraph_adapters.kit.gelu_epilogue`); ``fuse_norm=True`` computes each layer's
     residual adds and second norm with one Triton kernel, on CUDA
     (:mod:`layergraph_adapters.kit.fused_norm`). All of them change values by rounding only
-    (and ``"approximate"`` by the approximation), and are off by default; a family whose
-    layers do not fit one of them refuses it with the reason.
+    (and ``"approximate"`` by the approximation) and default to ``"auto"``: on where they fit
+    on a GPU (:mod:`layergraph_adapters.kit.automatic`; ``fuse_gelu`` for tanh GELUs only); a
+    family whose layers do not fit one of them given ``True`` refuses it with the reason.
     """
 
     spec: ClassVar[TowerSpec]
@@ -91,7 +92,7 @@ class VisionTowerAdapter(Adapter):
         feature_layers: int | list[int] | None = None,
         fuse_qkv: bool | str = "auto",
         patch_matmul: bool | str = "auto",
-        fuse_gelu: bool | str = False,
+        fuse_gelu: bool | str = "auto",
         fuse_norm: bool | str = "auto",
     ) -> None:
         self.feature_layers = feature_layers
