@@ -74,6 +74,7 @@ from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
@@ -324,6 +325,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         align_mlp: bool = False,
         fuse_norm: bool = False,
         fuse_gelu: bool | str = False,
+        fuse_rotary: bool = False,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
         if align_mlp and fuse_gelu:
@@ -334,6 +336,17 @@ class Qwen2VLPlan(PackedTowerPlan):
         """One :class:`AlignedMLP` per block with ``align_mlp``; empty without."""
         self.gelu_rewrites = gelu_epilogues([block.mlp for block in tower.blocks], fuse_gelu)
         """One :class:`GeluEpilogue` per block with ``fuse_gelu``; empty without."""
+        if fuse_rotary not in (False, True):
+            raise ValueError(f"fuse_rotary={fuse_rotary!r}: choose False or True")
+        attention_class = type(tower.blocks[0].attn)
+        own_rotation = sys.modules[attention_class.__module__].apply_rotary_pos_emb_vision
+        self.rotation: Callable[..., tuple[torch.Tensor, torch.Tensor]] = (
+            FusedRotary(own_rotation, next(tower.parameters()).device)
+            if fuse_rotary
+            else own_rotation
+        )
+        """What the routed attention rotates q and k with: the family's
+        ``apply_rotary_pos_emb_vision``, or with ``fuse_rotary`` its fused kernel."""
         self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm)
         """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
         self.windows = kind.windows
@@ -646,9 +659,9 @@ class Qwen2VLPlan(PackedTowerPlan):
     ) -> torch.Tensor:
         """A vision attention module over the packed tokens: q, k and v from its fused
         projection, q and k normalised (GLM-OCR's, GLM-5-Next's) and rotated by the module's
-        own ``apply_rotary_pos_emb_vision``, handed to the full-attention backend, or to the
+        own ``apply_rotary_pos_emb_vision`` (or its fused kernel, ``fuse_rotary``), handed to
+        the full-attention backend, or to the
         windowed one where the tower passes the window boundaries."""
-        rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb_vision
         metadata, backend = buffers.full, buffers.backend
         if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
             metadata, backend = buffers.window.metadata, buffers.window.backend
@@ -656,7 +669,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
         if self.qk_norms:
             q, k = module.q_norm(q), module.k_norm(k)
-        q, k = rotate(q, k, *position_embeddings)
+        q, k = self.rotation(q, k, *position_embeddings)
         out = self.attend(buffers, q, k, v, module.scaling, metadata, backend)
         return module.proj(out.reshape(tokens, -1))
 
@@ -675,7 +688,9 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     (:mod:`~layergraph_adapters.kit.fused_norm`; ``"auto"``: on a CUDA device). ``fuse_gelu``:
     each block's up-projection and tanh GELU as one product with a GELU epilogue
     (:mod:`~layergraph_adapters.kit.gelu_epilogue`; ``"auto"``: on a CUDA device, for the
-    towers whose MLP is ``fc2(gelu_tanh(fc1(x)))``: Qwen3-VL's and Qwen3.5's).
+    towers whose MLP is ``fc2(gelu_tanh(fc1(x)))``: Qwen3-VL's and Qwen3.5's). ``fuse_rotary``:
+    q and k rotated by one Triton kernel in every layer instead of the family's composition of
+    small kernels (:mod:`~layergraph_adapters.kit.fused_rotary`; off by default).
     """
 
     name = "qwen2_vl"
@@ -690,11 +705,13 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         align_mlp: bool | str = "auto",
         fuse_norm: bool | str = "auto",
         fuse_gelu: bool | str = "auto",
+        fuse_rotary: bool = False,
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
         self.align_mlp = align_mlp
         self.fuse_norm = fuse_norm
         self.fuse_gelu = fuse_gelu
+        self.fuse_rotary = fuse_rotary
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         tower, family = self.find(model)
@@ -702,7 +719,9 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         return build_with_automatic_options(
             tower,
             {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm, "fuse_gelu": self.fuse_gelu},
-            functools.partial(Qwen2VLPlan, tower, self, context, family),
+            functools.partial(
+                Qwen2VLPlan, tower, self, context, family, fuse_rotary=self.fuse_rotary
+            ),
             context,
         )
 

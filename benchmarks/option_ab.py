@@ -5,10 +5,11 @@
         [--json results.json]
 
 Each model is built once in bfloat16 with random weights; two copies are wrapped, one with
-``OPTION=False`` and one with ``wrap``'s defaults, and a float32 copy is the reference. Fixed
-towers (``--models``: ``layergraph bench --list-models`` names) are timed per batch size,
-packed towers (``--towers``: the packed towers benchmark's names) on one image of each size;
-both wrappers capture first, then are timed in turns with the eager model
+``OPTION=False`` and one with ``wrap``'s defaults (or ``OPTION=VALUE`` with ``--value``, for an
+option off by default; the rows call that side ``default`` either way), and a float32 copy is
+the reference. Fixed towers (``--models``: ``layergraph bench --list-models`` names) are timed
+per batch size, packed towers (``--towers``: the packed towers benchmark's names) on one image
+of each size; both wrappers capture first, then are timed in turns with the eager model
 (:func:`layergraph.timing.interleaved_waited_ms`, waited calls, CUDA events). Errors are
 relative to the float32 reference. ``--device cpu`` with ``-tiny`` towers is a smoke run of
 the script (its calls run eagerly). What this does not do: time capture, or streams.
@@ -58,14 +59,14 @@ def compare(
 
 
 def fixed_rows(
-    name: str, option: str, batches: list[int], device: torch.device
+    name: str, option: str, batches: list[int], device: torch.device, chosen: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """Rows of one example model, one per batch size."""
     example = get_registry().example_model(name)
     model = example.build(torch.bfloat16, device)
     reference = copy.deepcopy(model).float()
     off = layergraph.wrap(copy.deepcopy(model), **{option: False})
-    default = layergraph.wrap(copy.deepcopy(model))
+    default = layergraph.wrap(copy.deepcopy(model), **chosen)
     rows = []
     for batch in batches:
         args, kwargs = example.inputs(batch, torch.bfloat16, device)
@@ -90,7 +91,11 @@ def fixed_rows(
 
 
 def packed_rows(
-    name: str, option: str, sizes: list[tuple[int, int]], device: torch.device
+    name: str,
+    option: str,
+    sizes: list[tuple[int, int]],
+    device: torch.device,
+    chosen: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Rows of one packed tower, one per image size."""
     tiny = name.endswith("-tiny")
@@ -99,7 +104,7 @@ def packed_rows(
     reference = copy.deepcopy(model).float()
     options = {"adapter": qwen_towers.ADAPTER, "observe_calls": 0}
     off = layergraph.wrap(copy.deepcopy(model), **options, **{option: False})
-    default = layergraph.wrap(copy.deepcopy(model), **options)
+    default = layergraph.wrap(copy.deepcopy(model), **options, **chosen)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for width, height in sizes:
@@ -144,17 +149,23 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--towers", default="", help="comma-separated packed tower names")
     parser.add_argument("--sizes", default="448x448,896x896")
+    parser.add_argument(
+        "--value", default=None, help="the option's value on the second side: true or a string"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
+    chosen: dict[str, Any] = {}
+    if args.value is not None:
+        chosen[args.option] = True if args.value.lower() == "true" else args.value
     batches = [int(b) for b in args.batch_sizes.split(",")]
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     rows: list[dict[str, Any]] = []
     for name in filter(None, args.models.split(",")):
-        rows += fixed_rows(name, args.option, batches, device)
+        rows += fixed_rows(name, args.option, batches, device, chosen)
     for name in filter(None, args.towers.split(",")):
-        rows += packed_rows(name, args.option, sizes, device)  # type: ignore[arg-type]
+        rows += packed_rows(name, args.option, sizes, device, chosen)  # type: ignore[arg-type]
     if args.json:
         record = {
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "-",

@@ -46,7 +46,13 @@ from torch import nn
 
 from layergraph_adapters.kit.rewrites import InferenceForward
 
-__all__ = ["FusedAddNorm", "fused_norm_unavailable", "fused_norms", "norm_kind"]
+__all__ = [
+    "FusedAddNorm",
+    "fused_norm_unavailable",
+    "fused_norms",
+    "norm_kind",
+    "triton_unavailable",
+]
 
 _RMS_NORM_CLASSES = (
     "InternVLVisionRMSNorm",
@@ -61,11 +67,17 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def fused_norm_unavailable(device: torch.device) -> str | None:
     """Why the fused kernel cannot run for a model on ``device``, or ``None`` if it can."""
+    return triton_unavailable("fuse_norm", device)
+
+
+def triton_unavailable(option: str, device: torch.device) -> str | None:
+    """Why the Triton kernel of the speed option ``option`` cannot run for a model on
+    ``device``, or ``None`` if it can."""
     if importlib.util.find_spec("triton") is None:
-        return "fuse_norm runs a Triton kernel and triton is not installed"
+        return f"{option} runs a Triton kernel and triton is not installed"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return (
-            f"fuse_norm runs a Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 "
+            f"{option} runs a Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 "
             f"on the CPU); the model is on {device}"
         )
     return None

@@ -1,0 +1,93 @@
+"""fuse_rotary in the qwen2_vl adapter, on the CPU through Triton's interpreter: every packed
+tower's q and k rotated by the fused kernel inside the routed attention, against the
+unmodified tower; the families' own rotations probed before they are replaced.
+
+Answers (simulated graphs, float32, several images and a video) are held to the qwen2_vl
+tests' 1e-4 relative error against the tower's own output computed before wrapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+from layergraph.validation import relative_error
+from layergraph_adapters.kit import fused_rotary
+from layergraph_adapters.kit.fused_norm import triton_unavailable
+from layergraph_adapters.kit.fused_rotary import FusedRotary, rotates_halves
+
+pytest.importorskip("transformers")
+from test_qwen2_vl_streams import TOLERANCE, call, entries, model
+
+KINDS = ["qwen2_5_vl", "qwen3_vl", "glm_ocr"]
+"""One tower of each rotation path: windowed layers (Qwen2.5-VL), interpolated positions
+(Qwen3-VL), q and k normalised before the rotation (GLM-OCR); each takes 15 to 25 s in
+Triton's interpreter."""
+GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
+needs_the_kernel = pytest.mark.skipif(
+    triton_unavailable("fuse_rotary", torch.device("cpu")) is not None,
+    reason="runs the kernel on CPU tensors, through Triton's interpreter",
+)
+
+
+@pytest.mark.slow
+@needs_the_kernel
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_rotation_answers_as_the_tower(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list[int] = []
+    kernel = fused_rotary.FusedRotary.__call__
+
+    def counted(self: FusedRotary, *args: Any) -> Any:
+        launches.append(int(self._fits(*args[:3])))
+        return kernel(self, *args)
+
+    monkeypatch.setattr(fused_rotary.FusedRotary, "__call__", counted)
+    reference = model(kind)
+    inputs = [call(entries(kind, grids)) for grids in GRIDS]
+    with torch.inference_mode():
+        want = [reference(p, grid_thw=g).pooler_output for p, g in inputs]
+    graphed = layergraph.wrap(
+        reference,
+        adapter="qwen2_vl",
+        backend=SimulatedGraphs(),
+        observe_calls=0,
+        fuse_norm=False,
+        fuse_rotary=True,
+        budget_step=32,
+    )
+    with torch.inference_mode():
+        for (pixels, grid), expected in zip(inputs, want):
+            got = graphed(pixels, grid_thw=grid).pooler_output
+            assert relative_error(got, expected) <= TOLERANCE
+    assert launches and all(launches)  # every rotation went through the kernel
+    assert graphed.stats.replays == 2
+    graphed.unwrap()
+
+
+def test_off_the_gpu_without_the_interpreter_it_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="fuse_rotary runs a Triton kernel, which needs a CUDA"):
+        layergraph.wrap(model("qwen3_vl"), adapter="qwen2_vl", fuse_rotary=True)
+
+
+def test_only_the_rotate_half_rotation_is_taken() -> None:
+    def interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+
+        return q * cos[:, None] + turn(q) * sin[:, None], k * cos[:, None] + turn(k) * sin[:, None]
+
+    transformers = pytest.importorskip("transformers")
+    own = transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.apply_rotary_pos_emb_vision
+    assert rotates_halves(own)
+    assert not rotates_halves(interleaved)
+    with pytest.raises(ValueError, match="computes another"):
+        FusedRotary(interleaved, torch.device("cuda"))
+    with pytest.raises(ValueError, match="choose False or True"):
+        layergraph.wrap(model("qwen3_vl"), adapter="qwen2_vl", fuse_rotary="auto")
