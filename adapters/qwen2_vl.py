@@ -326,14 +326,21 @@ class Qwen2VLPlan(PackedTowerPlan):
         fuse_norm: bool = False,
         fuse_gelu: bool | str = False,
         fuse_rotary: bool = False,
+        fuse_gate: bool = False,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
-        if align_mlp and fuse_gelu:
-            raise AdapterMismatch(
-                "fuse_gelu and align_mlp both rewrite each block's MLP; choose one"
-            )
-        self.alignments = [AlignedMLP(block.mlp) for block in tower.blocks] if align_mlp else []
-        """One :class:`AlignedMLP` per block with ``align_mlp``; empty without."""
+        if (align_mlp or fuse_gate) and fuse_gelu:
+            rewriter = "align_mlp" if align_mlp else "fuse_gate"
+            raise AdapterMismatch(f"fuse_gelu and {rewriter} both rewrite each block's MLP")
+        if fuse_gate not in (False, True):
+            raise ValueError(f"fuse_gate={fuse_gate!r}: choose False or True")
+        self.alignments = (
+            [AlignedMLP(block.mlp, fuse_activation=fuse_gate) for block in tower.blocks]
+            if align_mlp or fuse_gate
+            else []
+        )
+        """One :class:`AlignedMLP` per block with ``align_mlp`` or ``fuse_gate``; empty
+        without."""
         self.gelu_rewrites = gelu_epilogues([block.mlp for block in tower.blocks], fuse_gelu)
         """One :class:`GeluEpilogue` per block with ``fuse_gelu``; empty without."""
         if fuse_rotary not in (False, True):
@@ -691,6 +698,9 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     towers whose MLP is ``fc2(gelu_tanh(fc1(x)))``: Qwen3-VL's and Qwen3.5's). ``fuse_rotary``:
     q and k rotated by one Triton kernel in every layer instead of the family's composition of
     small kernels (:mod:`~layergraph_adapters.kit.fused_rotary`; off by default).
+    ``fuse_gate``: a gated MLP's (Qwen2.5-VL's, GLM's) gate and up as one product and
+    ``silu(gate) * up`` as one Triton kernel, padded where ``align_mlp`` would pad
+    (:mod:`~layergraph_adapters.kit.aligned_mlp`; off by default).
     """
 
     name = "qwen2_vl"
@@ -706,12 +716,14 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         fuse_norm: bool | str = "auto",
         fuse_gelu: bool | str = "auto",
         fuse_rotary: bool = False,
+        fuse_gate: bool = False,
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
         self.align_mlp = align_mlp
         self.fuse_norm = fuse_norm
         self.fuse_gelu = fuse_gelu
         self.fuse_rotary = fuse_rotary
+        self.fuse_gate = fuse_gate
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         tower, family = self.find(model)
@@ -720,7 +732,13 @@ class Qwen2VLAdapter(PackedTowerAdapter):
             tower,
             {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm, "fuse_gelu": self.fuse_gelu},
             functools.partial(
-                Qwen2VLPlan, tower, self, context, family, fuse_rotary=self.fuse_rotary
+                Qwen2VLPlan,
+                tower,
+                self,
+                context,
+                family,
+                fuse_rotary=self.fuse_rotary,
+                fuse_gate=self.fuse_gate,
             ),
             context,
         )

@@ -18,12 +18,19 @@ tensors; the module's own forward still works on the views. Undone, each paramet
 own storage back, holding the values it holds then; re-allocated parameters are padded again by
 :meth:`AlignedMLP.refresh`.
 
+With ``fuse_activation`` (the ``fuse_gate`` option), a gated MLP whose activation is SiLU also
+computes ``silu(gate) * up`` from the one product's two halves with one Triton kernel
+(:func:`layergraph.kernels.gated.silu_and_mul`) where a call fits it (no gradients, float16,
+bfloat16 or float32, CUDA or Triton's interpreter), and takes a hidden width that is already
+aligned (joining gate and up without padding).
+
 What this does not do: pad an MLP whose hidden width is already a multiple of 8 (there is
 nothing to gain), or combine with tensor-parallel (DTensor) weights.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.ledger import Change
+from layergraph_adapters.kit.fused_norm import triton_unavailable
 from layergraph_adapters.kit.rewrites import InferenceForward, give_back_storage
 
 __all__ = ["MLP_LAYOUTS", "AlignedForward", "AlignedMLP", "mlp_layout"]
@@ -90,7 +98,7 @@ class AlignedMLP(Change):
     up_bias: torch.Tensor | None
     down_weight: torch.Tensor
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, fuse_activation: bool = False) -> None:
         layout = mlp_layout(module)
         if layout is None:
             raise ValueError(
@@ -101,7 +109,12 @@ class AlignedMLP(Change):
         self.target = module
         projections = self._up()
         hidden = projections[0].out_features
-        if hidden % 8 == 0:
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = getattr(module, layout.activation)
+        if fuse_activation:
+            _check_fusable(module, layout, self.activation, projections[0].weight.device)
+        self.fuse_activation = fuse_activation
+        """Whether ``silu(gate) * up`` runs as one kernel (``fuse_gate``)."""
+        if hidden % 8 == 0 and not fuse_activation:
             raise ValueError(
                 f"align_mlp: {type(module).__name__}'s hidden width {hidden} is already a "
                 f"multiple of 8, so its products are aligned"
@@ -109,13 +122,19 @@ class AlignedMLP(Change):
         if any(hasattr(p.weight, "to_local") for p in (*projections, self._down())):
             raise ValueError("align_mlp does not combine with tensor-parallel (DTensor) weights")
         self.hidden = hidden
-        self.padded = _round_up(hidden)
-        self.activation: Callable[[torch.Tensor], torch.Tensor] = getattr(module, layout.activation)
-        self.what = (
-            f"MLP hidden width {hidden} padded to {self.padded} with zeros"
-            + (", gate and up in one product" if layout.gated else "")
-            + " (align_mlp)"
-        )
+        self.padded = _round_up(hidden) if hidden % 8 else hidden
+        parts = [f"MLP hidden width {hidden} padded to {self.padded} with zeros"]
+        if self.padded == hidden:
+            parts = [f"MLP of hidden width {hidden}"]
+        if layout.gated:
+            parts.append("gate and up in one product")
+        if fuse_activation:
+            parts.append("SiLU and product in one kernel")
+        options = ["align_mlp"] if self.padded != hidden else []
+        options += ["fuse_gate"] if fuse_activation else []
+        self.options = ", ".join(options)
+        """The options this change serves, as its descriptions name them."""
+        self.what = f"{', '.join(parts)} ({self.options})"
         self._own: list[torch.Tensor] = []
         """The parameters' own data from before :meth:`apply`."""
 
@@ -181,10 +200,53 @@ class AlignedMLP(Change):
         inner = F.linear(hidden_states, self.up_weight, self.up_bias)
         if self.layout.gated:
             gate, up = inner.split(self.padded, dim=-1)
-            inner = self.activation(gate) * up
+            if self.fuse_activation and _kernel_takes(gate):
+                from layergraph.kernels.gated import silu_and_mul
+
+                rows = (-1, self.padded)
+                inner = silu_and_mul(gate.reshape(rows), up.reshape(rows)).view(gate.shape)
+            else:
+                inner = self.activation(gate) * up
         else:
             inner = self.activation(inner)
         return F.linear(inner, self.down_weight, self._down().bias)
+
+
+def _check_fusable(
+    module: nn.Module,
+    layout: MLPLayout,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Raise ``ValueError`` unless ``fuse_gate`` can serve ``module``: a gated MLP whose
+    activation computes SiLU (checked on points in [-8, 8]), on a device Triton runs on."""
+    name = type(module).__name__
+    if not layout.gated:
+        raise ValueError(
+            f"fuse_gate needs a gated MLP (gate_proj, up_proj, down_proj); {name} is not"
+        )
+    probe = torch.linspace(-8, 8, 65)
+    try:
+        with torch.no_grad():
+            silu = torch.allclose(activation(probe), F.silu(probe), rtol=0, atol=1e-6)
+    except Exception:  # whatever the failure, an activation that fails the probe is no SiLU
+        silu = False
+    if not silu:
+        raise ValueError(
+            f"fuse_gate fuses SiLU only; {name}'s activation is {type(activation).__name__}"
+        )
+    reason = triton_unavailable("fuse_gate", device)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _kernel_takes(gate: torch.Tensor) -> bool:
+    """Whether the fused kernel serves a call whose gate half is ``gate``."""
+    if torch.is_grad_enabled() and gate.requires_grad:
+        return False
+    if gate.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    return gate.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _fits(tensor: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> bool:
@@ -205,7 +267,9 @@ class AlignedForward(InferenceForward):
     applied after its :class:`AlignedMLP`."""
 
     def __init__(self, alignment: AlignedMLP) -> None:
-        super().__init__(alignment.target, "MLP computed from its padded weights (align_mlp)")
+        super().__init__(
+            alignment.target, f"MLP computed from its joined weights ({alignment.options})"
+        )
         self.alignment = alignment
 
     def compute(self, hidden_states: torch.Tensor) -> torch.Tensor:
