@@ -379,6 +379,13 @@ class Qwen2VLPlan(PackedTowerPlan):
         """Which backend serves each budget's full-attention layers and, for a tower with
         windows, its windowed layers (``attention="auto"`` times them apart)."""
 
+    @property
+    def attention_routing(self) -> str:
+        routing = super().attention_routing
+        if isinstance(self.rotation, FusedRotary):
+            return f"{routing}, q and k rotated by one kernel (fuse_rotary)"
+        return routing
+
     # ---- what the runner asks ----------------------------------------------------------------
 
     def region(self, *args: Any, **kwargs: Any) -> Any:

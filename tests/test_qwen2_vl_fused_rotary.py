@@ -58,6 +58,8 @@ def test_fused_rotation_answers_as_the_tower(kind: str, monkeypatch: pytest.Monk
         fuse_rotary=True,
         budget_step=32,
     )
+    routed = [line for line in graphed.changes if "fuse_rotary" in line]
+    assert len(routed) == len(reference.blocks)
     with torch.inference_mode():
         for (pixels, grid), expected in zip(inputs, want):
             got = graphed(pixels, grid_thw=grid).pooler_output

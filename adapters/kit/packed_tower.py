@@ -261,11 +261,12 @@ class PackedTowerPlan(CapturePlan, Packing):
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         changes.set_forward(self.owner, self.tower_forward(serve), "forward routed to the graphs")
         for module in self.attentions:
-            changes.set_forward(
-                module,
-                self.routed_attention(module),
-                "q, k and v of the packed images handed to the attention backend",
-            )
+            changes.set_forward(module, self.routed_attention(module), self.attention_routing)
+
+    @property
+    def attention_routing(self) -> str:
+        """What the routed attention forward does, for ``GraphedModule.changes``."""
+        return "q, k and v of the packed images handed to the attention backend"
 
     def tower_forward(self, serve: Callable[..., Any]) -> Callable[..., Any]:
         """The tower's forward while wrapped: ``serve`` (the runner) itself."""
