@@ -58,7 +58,7 @@ import itertools
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -254,6 +254,9 @@ class PackedBuffers:
     loaded: tuple[tuple[int, int, int], ...] | None = None
     """The grids whose metadata the buffers hold (``None`` before the first load): a call of
     the same grids writes only its pixels."""
+    prepared: set[int] = field(default_factory=set)
+    """The metadata (by ``id``) whose backend's per-forward work (a dense backend's block
+    mask) the forward running now has done; emptied at its first layer."""
 
 
 def _grid_beside_pixels(
@@ -315,6 +318,9 @@ class _CallParts:
 class Qwen2VLPlan(PackedTowerPlan):
     """The tower's whole forward per token budget, with attention routed to a backend that
     reads the budget's boundaries."""
+
+    dense = True
+    dense_in_auto = False
 
     def __init__(
         self,
@@ -679,6 +685,11 @@ class Qwen2VLPlan(PackedTowerPlan):
         metadata, backend = buffers.full, buffers.backend
         if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
             metadata, backend = buffers.window.metadata, buffers.window.backend
+        if module is self.attentions[0]:
+            buffers.prepared.clear()
+        if id(metadata) not in buffers.prepared:
+            backend.prepare(metadata, hidden_states)
+            buffers.prepared.add(id(metadata))
         tokens = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
         if self.qk_norms:
@@ -692,9 +703,13 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V,
     GLM-4.6V, GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
 
-    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
-    sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
-    (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
+    ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, ``sdpa_dense_masked`` (a GPU: the
+    budget's tokens under one block-diagonal mask per kind of attention, frames or windows, up
+    to 4,096 tokens; served only where named), a registered backend that reads sequence
+    boundaries at run time, or ``auto`` (the fastest of the others, timed per budget and kind
+    of attention). ``max_tokens``: the
+    largest budget learnt (larger calls are split by images); ``budget_step``: learnt budgets
+    are multiples of it.
     ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
     (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
     and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each

@@ -193,6 +193,9 @@ class PackedTowerPlan(CapturePlan, Packing):
     inputs: ClassVar[tuple[str, ...]] = ()
     options: ClassVar[frozenset[str]] = frozenset()
     dense: ClassVar[bool] = False
+    dense_in_auto: ClassVar[bool] = True
+    """Whether ``attention="auto"`` times the dense block-mask backend too (with
+    :attr:`dense`); ``False``: it serves only where named."""
     serves_hidden_states: ClassVar[bool] = False
 
     def __init__(
@@ -220,6 +223,8 @@ class PackedTowerPlan(CapturePlan, Packing):
         self._backends = packed_backends(
             context.registry.attention_backends(), adapter.attention, dense=self.dense
         )
+        if adapter.attention == "auto" and not self.dense_in_auto:
+            self._backends = tuple(b for b in self._backends if b.name != "sdpa_dense_masked")
         self._registry = context.registry
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's attention."""
