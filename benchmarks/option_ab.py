@@ -5,14 +5,16 @@
         [--json results.json]
 
 Each model is built once in bfloat16 with random weights; two copies are wrapped, one with
-``OPTION=False`` and one with ``wrap``'s defaults (or ``OPTION=VALUE`` with ``--value``, for an
-option off by default; the rows call that side ``default`` either way), and a float32 copy is
-the reference. Fixed towers (``--models``: ``layergraph bench --list-models`` names) are timed
-per batch size, packed towers (``--towers``: the packed towers benchmark's names) on one image
-of each size; both wrappers capture first, then are timed in turns with the eager model
-(:func:`layergraph.timing.interleaved_waited_ms`, waited calls, CUDA events). Errors are
-relative to the float32 reference. ``--device cpu`` with ``-tiny`` towers is a smoke run of
-the script (its calls run eagerly). What this does not do: time capture, or streams.
+``OPTION=False`` (or ``--baseline``'s value, e.g. ``--option attention --baseline auto``,
+called ``OPTION_off`` in the rows either way) and one with ``wrap``'s defaults (or
+``OPTION=VALUE`` with ``--value``, for an option off by default; called ``default`` either
+way), and a float32 copy is the reference. Fixed towers (``--models``: ``layergraph bench
+--list-models`` names) are timed per batch size, packed towers (``--towers``: the packed
+towers benchmark's names) on one image of each size; both wrappers capture first, then are
+timed in turns with the eager model (:func:`layergraph.timing.interleaved_waited_ms`, waited
+calls, CUDA events). Errors are relative to the float32 reference. ``--device cpu`` with
+``-tiny`` towers is a smoke run of the script (its calls run eagerly). What this does not
+do: time capture, or streams.
 """
 
 from __future__ import annotations
@@ -59,13 +61,18 @@ def compare(
 
 
 def fixed_rows(
-    name: str, option: str, batches: list[int], device: torch.device, chosen: dict[str, Any]
+    name: str,
+    option: str,
+    batches: list[int],
+    device: torch.device,
+    baseline: dict[str, Any],
+    chosen: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Rows of one example model, one per batch size."""
     example = get_registry().example_model(name)
     model = example.build(torch.bfloat16, device)
     reference = copy.deepcopy(model).float()
-    off = layergraph.wrap(copy.deepcopy(model), **{option: False})
+    off = layergraph.wrap(copy.deepcopy(model), **baseline)
     default = layergraph.wrap(copy.deepcopy(model), **chosen)
     rows = []
     for batch in batches:
@@ -95,6 +102,7 @@ def packed_rows(
     option: str,
     sizes: list[tuple[int, int]],
     device: torch.device,
+    baseline: dict[str, Any],
     chosen: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Rows of one packed tower, one per image size."""
@@ -103,7 +111,7 @@ def packed_rows(
     model = qwen_towers.build(tower, torch.bfloat16, device)
     reference = copy.deepcopy(model).float()
     options = {"adapter": qwen_towers.ADAPTER, "observe_calls": 0}
-    off = layergraph.wrap(copy.deepcopy(model), **options, **{option: False})
+    off = layergraph.wrap(copy.deepcopy(model), **options, **baseline)
     default = layergraph.wrap(copy.deepcopy(model), **options, **chosen)
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -142,6 +150,11 @@ def summary(row: dict[str, Any], option: str, shape: str) -> str:
     )
 
 
+def parsed(value: str) -> bool | str:
+    """A command line's option value: ``true`` and ``false`` as booleans, others as given."""
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--option", required=True, help="a speed option, e.g. fuse_gelu")
@@ -152,20 +165,22 @@ def main() -> None:
     parser.add_argument(
         "--value", default=None, help="the option's value on the second side: true or a string"
     )
+    parser.add_argument(
+        "--baseline", default="false", help="the option's value on the first side (false)"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
-    chosen: dict[str, Any] = {}
-    if args.value is not None:
-        chosen[args.option] = True if args.value.lower() == "true" else args.value
+    chosen = {} if args.value is None else {args.option: parsed(args.value)}
+    baseline = {args.option: parsed(args.baseline)}
     batches = [int(b) for b in args.batch_sizes.split(",")]
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     rows: list[dict[str, Any]] = []
     for name in filter(None, args.models.split(",")):
-        rows += fixed_rows(name, args.option, batches, device, chosen)
+        rows += fixed_rows(name, args.option, batches, device, baseline, chosen)
     for name in filter(None, args.towers.split(",")):
-        rows += packed_rows(name, args.option, sizes, device, chosen)  # type: ignore[arg-type]
+        rows += packed_rows(name, args.option, sizes, device, baseline, chosen)  # type: ignore[arg-type]
     if args.json:
         record = {
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "-",
