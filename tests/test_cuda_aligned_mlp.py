@@ -50,11 +50,14 @@ def tower() -> torch.nn.Module:
     return Qwen2_5_VisionTransformerPretrainedModel(config).eval()
 
 
-def test_qwen25_tower_with_padded_mlps_is_as_close_to_float32_as_eager() -> None:
-    reference = tower().cuda()
-    model = copy.deepcopy(reference).to(torch.bfloat16)
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0)
-    assert graphed.speed_options["align_mlp"] == "on"
+def check_against_float32(
+    graphed: layergraph.GraphedModule,
+    reference: torch.nn.Module,
+    model: torch.nn.Module,
+    factor: float,
+) -> None:
+    """On fresh images and a video, ``graphed``'s error against the float32 ``reference`` at
+    most bf16's tolerance or ``factor`` times the bf16 ``model``'s own, whichever is larger."""
     for grids in ([[1, 32, 32]], [[1, 16, 24], [2, 8, 8]]):
         grid = torch.tensor(grids, device="cuda")
         pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 14 * 14, device="cuda")
@@ -64,8 +67,16 @@ def test_qwen25_tower_with_padded_mlps_is_as_close_to_float32_as_eager() -> None
             with graphed.original():
                 eager = model(pixels.bfloat16(), grid_thw=grid).pooler_output
         eager_error = relative_error(eager, want)
-        assert relative_error(got, want) <= max(TOLERANCE, 1.25 * eager_error), grids
+        assert relative_error(got, want) <= max(TOLERANCE, factor * eager_error), grids
     assert graphed.stats.replays == 2
+
+
+def test_qwen25_tower_with_padded_mlps_is_as_close_to_float32_as_eager() -> None:
+    reference = tower().cuda()
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0)
+    assert graphed.speed_options["align_mlp"] == "on"
+    check_against_float32(graphed, reference, model, 1.25)
 
 
 def test_padded_products_are_faster_than_the_misaligned_ones() -> None:

@@ -17,13 +17,10 @@ import torch
 import layergraph
 from layergraph.attention.backends import DenseMaskedAttention
 from layergraph.testing import SimulatedGraphs
-from layergraph.validation import relative_error
 from layergraph_adapters.qwen2_vl import Qwen2VLPlan
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_streams import TOLERANCE, call, entries, model
-
-GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
+from test_qwen2_vl_streams import check_answers, model, option_calls, wrapped_with
 
 
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "glm4v"])
@@ -46,21 +43,9 @@ def test_block_masks_answer_as_the_tower(kind: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(DenseMaskedAttention, "prepare", counted)
     monkeypatch.setattr(Qwen2VLPlan, "attend_packed", attend_counted)
     tower = model(kind)
-    inputs = [call(entries(kind, grids)) for grids in GRIDS]
-    with torch.inference_mode():
-        want = [tower(p, grid_thw=g).pooler_output for p, g in inputs]
-    graphed = layergraph.wrap(
-        tower,
-        adapter="qwen2_vl",
-        backend=SimulatedGraphs(),
-        observe_calls=0,
-        attention="sdpa_dense_masked",
-        budget_step=32,
-    )
-    with torch.inference_mode():
-        for (pixels, grid), expected in zip(inputs, want):
-            got = graphed(pixels, grid_thw=grid).pooler_output
-            assert relative_error(got, expected) <= TOLERANCE
+    inputs, want = option_calls(kind)
+    graphed = wrapped_with(kind, attention="sdpa_dense_masked")
+    check_answers(graphed, inputs, want)
     kinds = 2 if kind == "qwen2_5_vl" else 1  # windows and frames, or frames
     forwards = len(attended) // len(tower.blocks)  # warm-ups, captures and timings
     assert forwards and len(prepared) == kinds * forwards  # one mask per kind per forward

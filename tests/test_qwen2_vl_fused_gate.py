@@ -15,14 +15,11 @@ import torch
 
 import layergraph
 from layergraph.kernels import gated
-from layergraph.testing import SimulatedGraphs
-from layergraph.validation import relative_error
 from layergraph_adapters.kit.fused_norm import triton_unavailable
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_streams import TOLERANCE, call, entries, model
+from test_qwen2_vl_streams import check_answers, model, option_calls, wrapped_with
 
-GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
 needs_the_kernel = pytest.mark.skipif(
     triton_unavailable("fuse_gate", torch.device("cpu")) is not None,
     reason="runs the kernel on CPU tensors, through Triton's interpreter",
@@ -42,24 +39,10 @@ def test_gated_mlps_answer_as_the_tower(kind: str, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(gated, "silu_and_mul", counted)
     tower = model(kind)
-    inputs = [call(entries(kind, grids)) for grids in GRIDS]
-    with torch.inference_mode():
-        want = [tower(p, grid_thw=g).pooler_output for p, g in inputs]
-    graphed = layergraph.wrap(
-        tower,
-        adapter="qwen2_vl",
-        backend=SimulatedGraphs(),
-        observe_calls=0,
-        fuse_norm=False,
-        align_mlp=False,
-        fuse_gate=True,
-        budget_step=32,
-    )
+    inputs, want = option_calls(kind)
+    graphed = wrapped_with(kind, fuse_norm=False, align_mlp=False, fuse_gate=True)
     assert sum("fuse_gate" in line for line in graphed.changes) == 2 * len(tower.blocks)
-    with torch.inference_mode():
-        for (pixels, grid), expected in zip(inputs, want):
-            got = graphed(pixels, grid_thw=grid).pooler_output
-            assert relative_error(got, expected) <= TOLERANCE
+    check_answers(graphed, inputs, want)
     assert len(launches) >= len(tower.blocks)
     assert graphed.stats.replays == 2
     graphed.unwrap()

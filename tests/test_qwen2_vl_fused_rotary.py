@@ -13,20 +13,17 @@ import pytest
 import torch
 
 import layergraph
-from layergraph.testing import SimulatedGraphs
-from layergraph.validation import relative_error
 from layergraph_adapters.kit import fused_rotary
 from layergraph_adapters.kit.fused_norm import triton_unavailable
 from layergraph_adapters.kit.fused_rotary import FusedRotary, rotates_halves
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_streams import TOLERANCE, call, entries, model
+from test_qwen2_vl_streams import check_answers, model, option_calls, wrapped_with
 
 KINDS = ["qwen2_5_vl", "qwen3_vl", "glm_ocr"]
 """One tower of each rotation path: windowed layers (Qwen2.5-VL), interpolated positions
 (Qwen3-VL), q and k normalised before the rotation (GLM-OCR); each takes 15 to 25 s in
 Triton's interpreter."""
-GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
 needs_the_kernel = pytest.mark.skipif(
     triton_unavailable("fuse_rotary", torch.device("cpu")) is not None,
     reason="runs the kernel on CPU tensors, through Triton's interpreter",
@@ -45,25 +42,11 @@ def test_fused_rotation_answers_as_the_tower(kind: str, monkeypatch: pytest.Monk
         return kernel(self, *args)
 
     monkeypatch.setattr(fused_rotary.FusedRotary, "__call__", counted)
-    reference = model(kind)
-    inputs = [call(entries(kind, grids)) for grids in GRIDS]
-    with torch.inference_mode():
-        want = [reference(p, grid_thw=g).pooler_output for p, g in inputs]
-    graphed = layergraph.wrap(
-        reference,
-        adapter="qwen2_vl",
-        backend=SimulatedGraphs(),
-        observe_calls=0,
-        fuse_norm=False,
-        fuse_rotary=True,
-        budget_step=32,
-    )
+    inputs, want = option_calls(kind)
+    graphed = wrapped_with(kind, fuse_norm=False, fuse_rotary=True)
     routed = [line for line in graphed.changes if "fuse_rotary" in line]
-    assert len(routed) == len(reference.blocks)
-    with torch.inference_mode():
-        for (pixels, grid), expected in zip(inputs, want):
-            got = graphed(pixels, grid_thw=grid).pooler_output
-            assert relative_error(got, expected) <= TOLERANCE
+    assert len(routed) == len(model(kind).blocks)
+    check_answers(graphed, inputs, want)
     assert launches and all(launches)  # every rotation went through the kernel
     assert graphed.stats.replays == 2
     graphed.unwrap()

@@ -86,6 +86,38 @@ def entries(kind: str, grids: list[tuple[int, int, int]]) -> list[tuple[int, int
     return [(1, h, w) for t, h, w in grids for _ in range(t)]
 
 
+OPTION_GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
+"""Two calls for the speed options' tests: several images, and a video beside an image."""
+
+
+def option_calls(kind: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Fresh inputs of :data:`OPTION_GRIDS` for the tower of ``kind``, and its own merged
+    features for them, computed before anything is wrapped."""
+    inputs = [call(entries(kind, grids)) for grids in OPTION_GRIDS]
+    with torch.inference_mode():
+        want = [model(kind)(p, grid_thw=g).pooler_output for p, g in inputs]
+    return inputs, want
+
+
+def wrapped_with(kind: str, **options: Any) -> layergraph.GraphedModule:
+    """The tower of ``kind`` wrapped by qwen2_vl with simulated graphs, every call served by a
+    graph (``observe_calls=0``), and ``options``."""
+    settings = dict(backend=SimulatedGraphs(), observe_calls=0, budget_step=32)
+    return layergraph.wrap(model(kind), adapter="qwen2_vl", **{**settings, **options})
+
+
+def check_answers(
+    graphed: layergraph.GraphedModule,
+    inputs: list[tuple[torch.Tensor, torch.Tensor]],
+    want: list[torch.Tensor],
+) -> None:
+    """Each call's merged features from ``graphed`` within :data:`TOLERANCE` of ``want``."""
+    with torch.inference_mode():
+        for (pixels, grid), expected in zip(inputs, want):
+            got = graphed(pixels, grid_thw=grid).pooler_output
+            assert relative_error(got, expected) <= TOLERANCE
+
+
 def answer(output: Any) -> list[torch.Tensor]:
     """What a caller reads: merged features, the last hidden state (Qwen2-VL's tower returns
     none) and Qwen3-VL's deep-stack features."""
