@@ -29,8 +29,9 @@ def as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(automatic, "not_on_a_gpu", lambda module: None)
 
 
-def dinov2() -> torch.nn.Module:
-    config = transformers.Dinov2Config(
+def small(config_class: type) -> object:
+    """A two-layer configuration of ``config_class`` for images of ``IMAGE`` pixels."""
+    return config_class(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -38,7 +39,10 @@ def dinov2() -> torch.nn.Module:
         image_size=IMAGE,
         patch_size=8,
     )
-    return transformers.Dinov2Model(config).eval()
+
+
+def dinov2() -> torch.nn.Module:
+    return transformers.Dinov2Model(small(transformers.Dinov2Config)).eval()
 
 
 def check_equal(graphed: layergraph.GraphedModule, model: torch.nn.Module) -> None:
@@ -131,15 +135,7 @@ def test_options_set_by_hand_are_kept_and_bad_values_refused() -> None:
 def test_a_tanh_gelu_tower_takes_fuse_gelu_and_answers_within_rounding() -> None:
     """SigLIP's MLPs compute the tanh GELU, cuBLASLt's epilogue's own function: on by default
     (off the GPU the same tanh GELU follows the product), outputs within float32's tolerance."""
-    config = transformers.SiglipVisionConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE,
-        patch_size=8,
-    )
-    model = transformers.SiglipVisionModel(config).eval()
+    model = transformers.SiglipVisionModel(small(transformers.SiglipVisionConfig)).eval()
     graphed = layergraph.wrap(model, backend=SimulatedGraphs())
     assert graphed.speed_options["fuse_gelu"] == "on"
     assert any("fuse_gelu" in change for change in graphed.changes)
