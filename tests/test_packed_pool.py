@@ -27,7 +27,13 @@ from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_adapter import ENTRIES, TOLERANCE, call, qwen2_vl, tower
+from test_qwen2_vl_adapter import ENTRIES, call, qwen2_vl, tower
+
+STREAM_TOLERANCE = 1e-3
+"""The answers' relative error over a stream, float32: the tower's attention is sharpened
+(:func:`test_qwen2_vl_adapter.sharpen`), so the summation order of a padded budget's products
+reaches 1e-4 on rare random inputs where it is 1e-5 on most (the adapter's own tests hold
+fixed calls to 1e-4); this test is about the pool, and holds every answer to this bound."""
 
 WORKING_SET = 13
 """A capture's intermediates, in blocks the size of its outputs: Qwen2.5-VL-7B's tower
@@ -127,7 +133,7 @@ def test_learnt_budgets_share_a_pool_within_a_fifth_of_the_top_alone(
                 got = graphed(pixels, grid_thw=grid).pooler_output
                 with graphed.original():
                     want = tower(pixels, grid_thw=grid).pooler_output
-            assert relative_error(got, want) <= TOLERANCE, grids
+            assert relative_error(got, want) <= STREAM_TOLERANCE, grids
         stats = graphed.stats
         observed = sum(n for reason, n in stats.eager_calls.items() if "observing" in reason)
         assert observed == OBSERVED and stats.eager_total == observed
