@@ -680,8 +680,9 @@ class Qwen2VLPlan(PackedTowerPlan):
         """A vision attention module over the packed tokens: q, k and v from its fused
         projection, q and k normalised (GLM-OCR's, GLM-5-Next's) and rotated by the module's
         own ``apply_rotary_pos_emb_vision`` (or its fused kernel, ``fuse_rotary``), handed to
-        the full-attention backend, or to the
-        windowed one where the tower passes the window boundaries."""
+        the full-attention backend, or to the windowed one where the tower passes the window
+        boundaries. Each backend's per-forward work (:meth:`AttentionBackend.prepare`) is done
+        once per forward, at the first layer that uses it."""
         metadata, backend = buffers.full, buffers.backend
         if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
             metadata, backend = buffers.window.metadata, buffers.window.backend
@@ -707,10 +708,9 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     budget's tokens under one block-diagonal mask per kind of attention, frames or windows, up
     to 4,096 tokens; served only where named), a registered backend that reads sequence
     boundaries at run time, or ``auto`` (the fastest of the others, timed per budget and kind
-    of attention). ``max_tokens``: the
-    largest budget learnt (larger calls are split by images); ``budget_step``: learnt budgets
-    are multiples of it.
-    ``align_mlp``: pad each block's MLP to a hidden width that is a multiple of 64, with zeros
+    of attention). ``max_tokens``: the largest budget learnt (larger calls are split by
+    images); ``budget_step``: learnt budgets are multiples of it. ``align_mlp``: pad each
+    block's MLP to a hidden width that is a multiple of 64, with zeros
     (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
     and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
     block's residual add and second norm through one Triton kernel

@@ -15,7 +15,7 @@ import torch
 
 import layergraph
 from layergraph.kernels import gated
-from layergraph_adapters.kit.fused_norm import triton_unavailable
+from layergraph_adapters.kit.triton_kernels import triton_unavailable
 
 pytest.importorskip("transformers")
 from test_qwen2_vl_streams import check_answers, model, option_calls, wrapped_with

@@ -20,9 +20,9 @@ own storage back, holding the values it holds then; re-allocated parameters are 
 
 With ``fuse_activation`` (the ``fuse_gate`` option), a gated MLP whose activation is SiLU also
 computes ``silu(gate) * up`` from the one product's two halves with one Triton kernel
-(:func:`layergraph.kernels.gated.silu_and_mul`) where a call fits it (no gradients, float16,
-bfloat16 or float32, CUDA or Triton's interpreter), and takes a hidden width that is already
-aligned (joining gate and up without padding).
+(:func:`layergraph.kernels.gated.silu_and_mul`) where a call fits it
+(:func:`~layergraph_adapters.kit.triton_kernels.kernel_takes`), and takes a hidden width
+that is already aligned (joining gate and up without padding).
 
 What this does not do: pad an MLP whose hidden width is already a multiple of 8 (there is
 nothing to gain), or combine with tensor-parallel (DTensor) weights.
@@ -30,7 +30,6 @@ nothing to gain), or combine with tensor-parallel (DTensor) weights.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.ledger import Change
-from layergraph_adapters.kit.fused_norm import triton_unavailable
 from layergraph_adapters.kit.rewrites import InferenceForward, give_back_storage
+from layergraph_adapters.kit.triton_kernels import kernel_takes, triton_unavailable
 
 __all__ = ["MLP_LAYOUTS", "AlignedForward", "AlignedMLP", "mlp_layout"]
 
@@ -200,7 +199,7 @@ class AlignedMLP(Change):
         inner = F.linear(hidden_states, self.up_weight, self.up_bias)
         if self.layout.gated:
             gate, up = inner.split(self.padded, dim=-1)
-            if self.fuse_activation and _kernel_takes(gate):
+            if self.fuse_activation and kernel_takes(gate):
                 from layergraph.kernels.gated import silu_and_mul
 
                 rows = (-1, self.padded)
@@ -238,15 +237,6 @@ def _check_fusable(
     reason = triton_unavailable("fuse_gate", device)
     if reason is not None:
         raise ValueError(reason)
-
-
-def _kernel_takes(gate: torch.Tensor) -> bool:
-    """Whether the fused kernel serves a call whose gate half is ``gate``."""
-    if torch.is_grad_enabled() and gate.requires_grad:
-        return False
-    if gate.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return False
-    return gate.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _fits(tensor: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> bool:

@@ -35,8 +35,6 @@ float32; a CPU tensor outside Triton's interpreter). The kernel needs Triton and
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, Literal
@@ -45,14 +43,9 @@ import torch
 from torch import nn
 
 from layergraph_adapters.kit.rewrites import InferenceForward
+from layergraph_adapters.kit.triton_kernels import kernel_takes, triton_unavailable
 
-__all__ = [
-    "FusedAddNorm",
-    "fused_norm_unavailable",
-    "fused_norms",
-    "norm_kind",
-    "triton_unavailable",
-]
+__all__ = ["FusedAddNorm", "fused_norm_unavailable", "fused_norms", "norm_kind"]
 
 _RMS_NORM_CLASSES = (
     "InternVLVisionRMSNorm",
@@ -62,25 +55,11 @@ _RMS_NORM_CLASSES = (
     "GlmOcrRMSNorm",
 )
 """RMSNorm classes computing ``weight * (x * rsqrt(mean(x^2) + variance_epsilon))``."""
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def fused_norm_unavailable(device: torch.device) -> str | None:
     """Why the fused kernel cannot run for a model on ``device``, or ``None`` if it can."""
     return triton_unavailable("fuse_norm", device)
-
-
-def triton_unavailable(option: str, device: torch.device) -> str | None:
-    """Why the Triton kernel of the speed option ``option`` cannot run for a model on
-    ``device``, or ``None`` if it can."""
-    if importlib.util.find_spec("triton") is None:
-        return f"{option} runs a Triton kernel and triton is not installed"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (
-            f"{option} runs a Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 "
-            f"on the CPU); the model is on {device}"
-        )
-    return None
 
 
 def norm_kind(norm: nn.Module) -> Literal["layer_norm", "rms_norm"] | None:
@@ -153,7 +132,7 @@ class FusedAddNorm(InferenceForward):
         super().__init__(layer, "residual adds and second norm through one kernel (fuse_norm)")
 
     def compute(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not _fusable(hidden_states):
+        if not kernel_takes(hidden_states):
             return self._own(hidden_states, *args, **kwargs)
         return self._call_layer(self, hidden_states, *args, **kwargs)
 
@@ -193,16 +172,6 @@ class FusedAddNorm(InferenceForward):
         if scale is None or isinstance(scale, nn.Identity):
             return None
         return scale.gamma if isinstance(scale, nn.Module) else scale
-
-
-def _fusable(hidden_states: torch.Tensor) -> bool:
-    """Whether this call goes through the kernel (see the module docstring)."""
-    if hidden_states.dtype not in _KERNEL_DTYPES or torch.is_grad_enabled():
-        return False
-    device = hidden_states.device.type
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return not torch.is_autocast_enabled(device)
 
 
 LayerCall = Callable[..., torch.Tensor]

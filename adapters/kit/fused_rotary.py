@@ -8,9 +8,9 @@ attention and computes the same rotation with :func:`layergraph.kernels.rotary
 
 A family's function is taken only if it computes the rotate-half rotation: it is evaluated
 once on small random float32 inputs on the CPU against the formula (:func:`rotates_halves`),
-whatever its source says. Calls the kernel does not take (gradients enabled, a dtype other
-than float16, bfloat16 and float32, angles that do not cover the whole head, a CPU tensor
-outside Triton's interpreter) run the family's own function.
+whatever its source says. Calls the kernel does not take (angles that do not cover the whole
+head, and those :func:`~layergraph_adapters.kit.triton_kernels.kernel_takes` refuses) run the
+family's own function.
 
 What this does not do: rewrite anything by itself (a plan calls it where it rotates), or
 serve interleaved (GPT-J) rotations.
@@ -18,19 +18,17 @@ serve interleaved (GPT-J) rotations.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
-from layergraph_adapters.kit.fused_norm import triton_unavailable
+from layergraph_adapters.kit.triton_kernels import kernel_takes, triton_unavailable
 
 __all__ = ["FusedRotary", "rotates_halves"]
 
 Rotate = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def rotates_halves(rotate: Rotate) -> bool:
@@ -84,10 +82,6 @@ class FusedRotary:
 
     @staticmethod
     def _fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            return False
         if q.dim() != 3 or q.shape != k.shape or cos.shape != (q.shape[0], q.shape[2]):
             return False
-        if q.dtype not in _KERNEL_DTYPES or k.dtype not in _KERNEL_DTYPES:
-            return False
-        return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        return kernel_takes(q, k)

@@ -221,10 +221,11 @@ class PackedTowerPlan(CapturePlan, Packing):
         self.head_dim = self.attentions[0].head_dim
         self.attention = adapter.attention
         self._backends = packed_backends(
-            context.registry.attention_backends(), adapter.attention, dense=self.dense
+            context.registry.attention_backends(),
+            adapter.attention,
+            dense=self.dense,
+            dense_in_auto=self.dense_in_auto,
         )
-        if adapter.attention == "auto" and not self.dense_in_auto:
-            self._backends = tuple(b for b in self._backends if b.name != "sdpa_dense_masked")
         self._registry = context.registry
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's attention."""

@@ -459,19 +459,24 @@ PackedTimer = Callable[[AttentionBackend, PackedLayout, tuple[int, ...]], float]
 
 
 def packed_backends(
-    registered: Iterable[AttentionBackend], attention: str, dense: bool = False
+    registered: Iterable[AttentionBackend],
+    attention: str,
+    dense: bool = False,
+    dense_in_auto: bool = True,
 ) -> tuple[AttentionBackend, ...]:
     """The backends a packed plan may use: the masked SDPA, which reads ``cu_seqlens`` on the
     device, with ``dense`` the whole room under one block-diagonal mask on a GPU
     (:class:`DenseMaskedAttention`, offered where the plan
-    calls its backends' :meth:`~AttentionBackend.prepare`), then every registered backend that
-    reads boundaries at run time. Raises ``ValueError`` when ``attention`` names none of them
-    and is not ``"auto"``."""
+    calls its backends' :meth:`~AttentionBackend.prepare`; with ``dense_in_auto=False`` only
+    where ``attention`` names it), then every registered backend that reads boundaries at run
+    time. Raises ``ValueError`` when ``attention`` names none of them and is not ``"auto"``."""
     offered = (SdpaMaskedAttention(), *((DenseMaskedAttention(),) if dense else ()))
     candidates = (*offered, *(b for b in registered if b.reads_boundaries))
     names = (*(b.name for b in candidates), "auto")
     if attention not in names:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")
+    if attention == "auto" and not dense_in_auto:
+        return tuple(b for b in candidates if not isinstance(b, DenseMaskedAttention))
     return candidates
 
 
