@@ -335,11 +335,6 @@ class Qwen2VLPlan(PackedTowerPlan):
         fuse_gate: bool = False,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
-        if (align_mlp or fuse_gate) and fuse_gelu:
-            rewriter = "align_mlp" if align_mlp else "fuse_gate"
-            raise AdapterMismatch(f"fuse_gelu and {rewriter} both rewrite each block's MLP")
-        if fuse_gate not in (False, True):
-            raise ValueError(f"fuse_gate={fuse_gate!r}: choose False or True")
         self.alignments = (
             [AlignedMLP(block.mlp, fuse_activation=fuse_gate) for block in tower.blocks]
             if align_mlp or fuse_gate
@@ -347,10 +342,11 @@ class Qwen2VLPlan(PackedTowerPlan):
         )
         """One :class:`AlignedMLP` per block with ``align_mlp`` or ``fuse_gate``; empty
         without."""
+        if self.alignments and fuse_gelu:
+            rewriter = "align_mlp" if align_mlp else "fuse_gate"
+            raise AdapterMismatch(f"fuse_gelu and {rewriter} both rewrite each block's MLP")
         self.gelu_rewrites = gelu_epilogues([block.mlp for block in tower.blocks], fuse_gelu)
         """One :class:`GeluEpilogue` per block with ``fuse_gelu``; empty without."""
-        if fuse_rotary not in (False, True):
-            raise ValueError(f"fuse_rotary={fuse_rotary!r}: choose False or True")
         attention_class = type(tower.blocks[0].attn)
         own_rotation = sys.modules[attention_class.__module__].apply_rotary_pos_emb_vision
         self.rotation: Callable[..., tuple[torch.Tensor, torch.Tensor]] = (
@@ -719,10 +715,12 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     (:mod:`~layergraph_adapters.kit.gelu_epilogue`; ``"auto"``: on a CUDA device, for the
     towers whose MLP is ``fc2(gelu_tanh(fc1(x)))``: Qwen3-VL's and Qwen3.5's). ``fuse_rotary``:
     q and k rotated by one Triton kernel in every layer instead of the family's composition of
-    small kernels (:mod:`~layergraph_adapters.kit.fused_rotary`; off by default).
+    small kernels (:mod:`~layergraph_adapters.kit.fused_rotary`; ``"auto"``: on a CUDA device,
+    for the families whose rotation is the rotate-half one: all of them).
     ``fuse_gate``: a gated MLP's (Qwen2.5-VL's, GLM's) gate and up as one product and
     ``silu(gate) * up`` as one Triton kernel, padded where ``align_mlp`` would pad
-    (:mod:`~layergraph_adapters.kit.aligned_mlp`; off by default).
+    (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: on a CUDA device, for the towers
+    with a gated SiLU MLP).
     """
 
     name = "qwen2_vl"
@@ -737,8 +735,8 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         align_mlp: bool | str = "auto",
         fuse_norm: bool | str = "auto",
         fuse_gelu: bool | str = "auto",
-        fuse_rotary: bool = False,
-        fuse_gate: bool = False,
+        fuse_rotary: bool | str = "auto",
+        fuse_gate: bool | str = "auto",
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
         self.align_mlp = align_mlp
@@ -752,16 +750,14 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         require_transformers(self.name, family.checked)
         return build_with_automatic_options(
             tower,
-            {"align_mlp": self.align_mlp, "fuse_norm": self.fuse_norm, "fuse_gelu": self.fuse_gelu},
-            functools.partial(
-                Qwen2VLPlan,
-                tower,
-                self,
-                context,
-                family,
-                fuse_rotary=self.fuse_rotary,
-                fuse_gate=self.fuse_gate,
-            ),
+            {
+                "align_mlp": self.align_mlp,
+                "fuse_norm": self.fuse_norm,
+                "fuse_gelu": self.fuse_gelu,
+                "fuse_gate": self.fuse_gate,
+                "fuse_rotary": self.fuse_rotary,
+            },
+            functools.partial(Qwen2VLPlan, tower, self, context, family),
             context,
         )
 

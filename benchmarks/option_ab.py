@@ -12,7 +12,8 @@ way), and a float32 copy is the reference. Fixed towers (``--models``: ``layergr
 --list-models`` names) are timed per batch size, packed towers (``--towers``: the packed
 towers benchmark's names) on one image of each size; both wrappers capture first, then are
 timed in turns with the eager model (:func:`layergraph.timing.interleaved_waited_ms`, waited
-calls, CUDA events). Errors are relative to the float32 reference. ``--device cpu`` with
+calls, CUDA events). Errors are relative to the float32 reference. ``--profile`` adds each
+side's call by kernel class (:func:`layergraph.bench.profile.profile_call`). ``--device cpu`` with
 ``-tiny`` towers is a smoke run of the script (its calls run eagerly). What this does not
 do: time capture, or streams.
 """
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 import layergraph
+from layergraph.bench.profile import profile_call
 from layergraph.plugins import get_registry
 from layergraph.timing import interleaved_waited_ms
 from layergraph.validation import relative_error
@@ -46,18 +48,39 @@ def first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output.to_tuple()[0]
 
 
+PROFILE = False
+"""Whether rows hold each call's kernels by class (``--profile``)."""
+
+
 def compare(
     calls: dict[str, Callable[[], Any]],
     reference: Callable[[], Any],
     read: Callable[[Any], Any],
     device: torch.device,
 ) -> dict[str, Any]:
-    """Each call's waited median and error against ``reference``, timed in turns."""
+    """Each call's waited median and error against ``reference``, timed in turns, and with
+    :data:`PROFILE` its milliseconds by kernel class."""
     with torch.inference_mode():
         want = read(reference()).float()
         errors = {name: relative_error(read(fn()).float(), want) for name, fn in calls.items()}
         times = interleaved_waited_ms(calls, device=device)
-    return {"ms": times, "error_vs_float32": errors}
+        row: dict[str, Any] = {"ms": times, "error_vs_float32": errors}
+        if PROFILE:
+            row["profile"] = {name: profiled(fn, device) for name, fn in calls.items()}
+    return row
+
+
+def profiled(call: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """``call``'s busy milliseconds, and per kernel class its milliseconds and longest
+    kernels."""
+    found = profile_call(call, device=device, longest=4)
+    return {
+        "busy_ms": found.busy_ms,
+        "kernels": found.kernels,
+        "classes": {
+            entry.name: {"ms": entry.ms, "longest": entry.longest} for entry in found.classes
+        },
+    }
 
 
 def fixed_rows(
@@ -142,12 +165,16 @@ def packed_rows(
 def summary(row: dict[str, Any], option: str, shape: str) -> str:
     ms, errors = row["ms"], row["error_vs_float32"]
     off, default = ms[f"{option}_off"], ms["default"]
-    return (
+    line = (
         f"{row['model']:<20} {shape:>10}  eager {ms['eager']:8.3f}  {option} off {off:8.3f}  "
         f"default {default:8.3f} ms  ({off / default:.3f}x)  errors eager "
         f"{errors['eager']:.2e} off {errors[f'{option}_off']:.2e} default "
         f"{errors['default']:.2e}  [{option}: {row['speed_options'].get(option, '-')}]"
     )
+    for name, found in row.get("profile", {}).items():
+        classes = ", ".join(f"{c} {v['ms']:.2f}" for c, v in found["classes"].items())
+        line += f"\n    {name:<16} busy {found['busy_ms']:7.2f} ms: {classes}"
+    return line
 
 
 def parsed(value: str) -> bool | str:
@@ -169,8 +196,11 @@ def main() -> None:
         "--baseline", default="false", help="the option's value on the first side (false)"
     )
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (no graphs)")
+    parser.add_argument("--profile", action="store_true", help="each call by kernel class")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     device = torch.device(args.device)
     chosen = {} if args.value is None else {args.option: parsed(args.value)}
     baseline = {args.option: parsed(args.baseline)}

@@ -15,6 +15,7 @@ import torch
 
 import layergraph
 from layergraph.kernels import gated
+from layergraph_adapters.kit import automatic
 from layergraph_adapters.kit.triton_kernels import triton_unavailable
 
 pytest.importorskip("transformers")
@@ -63,3 +64,23 @@ def test_off_the_gpu_without_the_interpreter_it_is_refused(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="fuse_gate runs a Triton kernel, which needs a CUDA"):
         layergraph.wrap(model("qwen2_5_vl"), adapter="qwen2_vl", fuse_gate=True)
+
+
+@needs_the_kernel
+@pytest.mark.parametrize(
+    ("kind", "outcome"),
+    [
+        ("qwen2_5_vl", "on"),
+        ("glm4v", "on"),
+        ("qwen2_vl", "off: fuse_gate needs a gated MLP"),
+        ("qwen3_vl", "off: fuse_gate needs a gated MLP"),
+    ],
+)
+def test_left_to_auto_the_gated_towers_take_it_on_a_gpu(
+    kind: str, outcome: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(automatic, "not_on_a_gpu", lambda module: None)
+    graphed = wrapped_with(kind, fuse_norm=False, fuse_rotary=False)
+    assert graphed.speed_options["fuse_gate"].startswith(outcome)
+    assert any("fuse_gate" in line for line in graphed.changes) == (outcome == "on")
+    graphed.unwrap()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import layergraph
-from layergraph_adapters.kit import fused_rotary
+from layergraph_adapters.kit import automatic, fused_rotary
 from layergraph_adapters.kit.fused_rotary import FusedRotary, rotates_halves
 from layergraph_adapters.kit.triton_kernels import triton_unavailable
 
@@ -74,5 +74,24 @@ def test_only_the_rotate_half_rotation_is_taken() -> None:
     assert not rotates_halves(interleaved)
     with pytest.raises(ValueError, match="computes another"):
         FusedRotary(interleaved, torch.device("cuda"))
-    with pytest.raises(ValueError, match="choose False or True"):
-        layergraph.wrap(model("qwen3_vl"), adapter="qwen2_vl", fuse_rotary="auto")
+    with pytest.raises(ValueError, match="fuse_rotary='yes': choose True, False or 'auto'"):
+        layergraph.wrap(model("qwen3_vl"), adapter="qwen2_vl", fuse_rotary="yes")
+
+
+@needs_the_kernel
+@pytest.mark.parametrize("kind", ["qwen2_vl", *KINDS, "glm4v", "qwen3_5"])
+def test_left_to_auto_every_family_takes_it_on_a_gpu(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(automatic, "not_on_a_gpu", lambda module: None)
+    graphed = wrapped_with(kind, fuse_norm=False)
+    assert graphed.speed_options["fuse_rotary"] == "on"
+    assert sum("fuse_rotary" in line for line in graphed.changes) == len(model(kind).blocks)
+    graphed.unwrap()
+
+
+def test_left_to_auto_it_stays_off_on_the_cpu_with_the_reason() -> None:
+    graphed = wrapped_with("qwen2_5_vl")
+    assert graphed.speed_options["fuse_rotary"] == "off: the model is on cpu, not a CUDA device"
+    assert not any("fuse_rotary" in line for line in graphed.changes)
+    graphed.unwrap()

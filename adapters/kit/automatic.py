@@ -1,17 +1,18 @@
 """Speed options on by default where they fit: the value ``"auto"``.
 
-``fuse_qkv``, ``patch_matmul``, ``fuse_norm``, ``fuse_gelu`` and ``align_mlp`` change a
-tower's values by rounding only and take GPU time off every call, graphed or eager; the
-transformers adapters (every family of :mod:`layergraph_adapters.towers`, and ``internvl``),
-``timm`` and ``open_clip`` default the first four to ``"auto"``, ``qwen2_vl`` the last three.
+``fuse_qkv``, ``patch_matmul``, ``fuse_norm``, ``fuse_gelu``, ``align_mlp``, ``fuse_gate``
+and ``fuse_rotary`` change a tower's values by rounding only and take GPU time off every call,
+graphed or eager; the transformers adapters (every family of
+:mod:`layergraph_adapters.towers`, and ``internvl``), ``timm`` and ``open_clip`` default the
+first four to ``"auto"``, ``qwen2_vl`` the last five.
 ``fuse_gelu`` left to ``"auto"`` takes MLPs whose GELU is the tanh approximation only (the
 epilogue's own function); an exact-GELU MLP keeps its GELU unless ``"approximate"`` is asked.
 :func:`build_with_automatic_options` turns each ``"auto"`` into ``True`` when the tower's
-parameters are on a CUDA device and the plan accepts that option alone (the family has the
-projections, the patch convolution or the layers it rewrites, and Triton runs for
-``fuse_norm``), and into ``False`` otherwise, keeping the reason. ``True`` still raises where an
-option does not fit, and ``False`` turns it off. What each became is the plan's
-:attr:`~layergraph.adapter.CapturePlan.speed_options`, shown by
+parameters are on a CUDA device and the plan accepts that option (the family has the
+projections, the patch convolution, the layers or the rotation it rewrites, and Triton runs for
+the options that launch its kernels), and into ``False`` otherwise, keeping the reason.
+``True`` still raises where an option does not fit, and ``False`` turns it off. What each
+became is the plan's :attr:`~layergraph.adapter.CapturePlan.speed_options`, shown by
 :attr:`GraphedModule.speed_options <layergraph.GraphedModule.speed_options>`; what was
 applied is listed in ``graphed.changes`` and undone by ``unwrap()`` like any change.
 
@@ -32,8 +33,24 @@ from layergraph.adapter import AdapterMismatch, CapturePlan, PlanContext
 
 __all__ = ["AUTOMATIC_OPTIONS", "build_with_automatic_options", "not_on_a_gpu"]
 
-AUTOMATIC_OPTIONS = ("fuse_qkv", "patch_matmul", "fuse_norm", "fuse_gelu", "align_mlp")
-"""The options whose default is ``"auto"``, in the order they are tried."""
+AUTOMATIC_OPTIONS = (
+    "fuse_qkv",
+    "patch_matmul",
+    "fuse_norm",
+    "fuse_gelu",
+    "align_mlp",
+    "fuse_gate",
+    "fuse_rotary",
+)
+"""The options whose default is ``"auto"`` in some adapter, in the order they are tried."""
+
+_LEFT_TO_THE_COMPILER = {
+    "fuse_norm": "torch.compile fuses adds and norms",
+    "fuse_gate": "torch.compile fuses the gate's activation and product",
+    "fuse_rotary": "torch.compile fuses the rotation",
+}
+"""The options off with compiled layers, and why: their Triton kernels do elementwise work that
+Inductor fuses by itself."""
 
 _OTHER_VALUES = {"fuse_gelu": ("approximate",)}
 """Values an automatic option takes besides ``True``, ``False`` and ``"auto"``."""
@@ -68,8 +85,8 @@ def build_with_automatic_options(
         if elsewhere is not None:
             outcome[name] = f"off: {elsewhere}"
             continue
-        if name == "fuse_norm" and context.compiled:
-            outcome[name] = "off: the layers are compiled, and torch.compile fuses adds and norms"
+        if name in _LEFT_TO_THE_COMPILER and context.compiled:
+            outcome[name] = f"off: the layers are compiled, and {_LEFT_TO_THE_COMPILER[name]}"
             continue
         taken = {other: True for other, became in outcome.items() if became == "on"}
         try:
