@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from layergraph.kernels.add_norm import MAX_WIDTH, add_norm, add_scaled
+from layergraph.kernels.add_norm import MAX_WIDTH, add_norm, add_scaled, norm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -108,6 +108,40 @@ def test_add_norm_equals_the_eager_composition(
     torch.testing.assert_close(normed.float(), want, **tolerance(dtype))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    width=st.sampled_from(WIDTHS),
+    rows=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    kind=st.sampled_from(["layer_norm", "rms_norm"]),
+    has=st.tuples(st.booleans(), st.booleans()),
+    seed=st.integers(0, 2**16),
+)
+def test_norm_alone_equals_the_reference(
+    dtype: torch.dtype,
+    width: int,
+    rows: list[int],
+    kind: str,
+    has: tuple[bool, bool],
+    seed: int,
+) -> None:
+    """The norm-only path: any leading shape, width, dtype and norm, weight and bias each
+    present or not (weights in float32, as transformers' RMSNorms keep them under autocast)."""
+    torch.manual_seed(seed)
+    x = (2 + 3 * torch.randn(*rows, width)).to(DEVICE, dtype)
+    weight, bias = (vector(p, width, torch.float32, o) for p, o in zip(has, (1.0, 0.0)))
+    normed = norm(x, weight, bias, 1e-6, kind)
+    assert normed.shape == x.shape and normed.dtype == dtype
+    want = normalised(x, weight, bias, 1e-6, kind)
+    torch.testing.assert_close(normed.float(), want, **tolerance(dtype))
+    assert norm(
+        torch.empty(0, width, device=DEVICE, dtype=dtype), weight, None, 1e-6, kind
+    ).shape == (
+        0,
+        width,
+    )
+
+
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 def test_a_wrong_norm_is_caught(kind: str) -> None:
     """The references tell the two norms apart, so the test above can fail."""
@@ -168,5 +202,10 @@ def test_the_operator_passes_pytorchs_checks() -> None:
     torch.library.opcheck(
         torch.ops.layergraph.add_norm.default,
         (x, h, None, weight, bias, 1e-6, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    torch.library.opcheck(
+        torch.ops.layergraph.norm.default,
+        (x, weight, None, 1e-6, True),
         test_utils=("test_schema", "test_faketensor"),
     )

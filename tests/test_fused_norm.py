@@ -166,10 +166,12 @@ def test_rewritten_layers_equal_the_model(
         assert kernel_calls[-len(layers) :] == kinds
         with graphed.original() as original:
             assert torch.equal(call(original, adapter, inputs[1]), expected[1])
+    first_too = {"rms_norm": ", first norm through another", "layer_norm": ""}
     assert [c for c in graphed.changes if "fuse_norm" in c] == [
-        f"{path}: residual adds and second norm through one kernel (fuse_norm)"
-        for path, module in model.named_modules()
-        if any(module is layer for layer in layers)
+        f"{path}: residual adds and second norm through one kernel{first_too[kind]} (fuse_norm)"
+        for kind, (path, module) in zip(
+            kinds, ((p, m) for p, m in model.named_modules() if any(m is x for x in layers))
+        )
     ]
     own = {id(layer): type(layer).forward for layer in layers}
     graphed.unwrap()

@@ -1,7 +1,8 @@
 """fuse_norm in the qwen2_vl adapter, on the CPU through Triton's interpreter: each packed
 tower's blocks (Qwen2-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's LayerNorm, Qwen2.5-VL's
 and the GLM towers' RMSNorm)
-rewritten through wrap, against the unmodified tower, and undone by unwrap().
+rewritten through wrap (the RMSNorm towers' first norms through the kernel's norm-only path
+too), against the unmodified tower, and undone by unwrap().
 
 In float32, answers (simulated graphs) are held to the qwen2_vl tests' 1e-4 relative error
 against the tower's own output computed before wrapping. In bfloat16 (attention blunted back
@@ -66,6 +67,14 @@ def test_packed_blocks_with_fused_norms_equal_the_tower(
         return launch(*args)
 
     monkeypatch.setattr(kernel, "add_norm", counted)
+    first_norms: list[str] = []
+    norm_alone = kernel.norm
+
+    def counted_alone(*args: Any) -> torch.Tensor:
+        first_norms.append(args[-1])
+        return norm_alone(*args)
+
+    monkeypatch.setattr(kernel, "norm", counted_alone)
     reference = model(kind)
     if dtype != torch.float32:
         reference = blunted(reference)
@@ -102,6 +111,8 @@ def test_packed_blocks_with_fused_norms_equal_the_tower(
     depth = len(tower.blocks)
     norm = "rms_norm" if "RMSNorm" in type(tower.blocks[0].norm2).__name__ else "layer_norm"
     assert calls[-depth:] == [norm] * depth
+    # the first norms too where eager splits them (transformers' RMSNorm classes)
+    assert first_norms[-depth:] == ([norm] * depth if norm == "rms_norm" else [])
     assert graphed.stats.replays == 2
     assert sum("fuse_norm" in line for line in graphed.changes) == depth
     graphed.unwrap()

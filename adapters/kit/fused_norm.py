@@ -108,7 +108,7 @@ class FusedAddNorm(InferenceForward):
                 f"SiglipEncoderLayer and the Qwen-VL and GLM-4.1V vision blocks, timm's Block "
                 f"and open_clip's ResidualAttentionBlock; {type(layer).__name__} is not one"
             )
-        self._call_layer, self._norm_name, self._scale_names = parts
+        self._call_layer, (first_name, self._norm_name), self._scale_names = parts
         norm = getattr(layer, self._norm_name)
         kind = norm_kind(norm)
         if kind is None:
@@ -128,13 +128,31 @@ class FusedAddNorm(InferenceForward):
                 f"their weights directly, so it does not combine with hooks on them or with "
                 f"tensor-parallel (DTensor) weights"
             )
+        first = getattr(layer, first_name)
+        self._first_kind = _decomposed_rms_norm(first)
+        """``"rms_norm"`` where the first norm is an RMSNorm module that eager runs as several
+        kernels and the kernel computes alone; ``None``: the module is called."""
+        self._first_name = first_name
         self._own = type(layer).forward.__get__(layer)
-        super().__init__(layer, "residual adds and second norm through one kernel (fuse_norm)")
+        what = "residual adds and second norm through one kernel"
+        if self._first_kind is not None:
+            what += ", first norm through another"
+        super().__init__(layer, f"{what} (fuse_norm)")
 
     def compute(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not kernel_takes(hidden_states):
             return self._own(hidden_states, *args, **kwargs)
         return self._call_layer(self, hidden_states, *args, **kwargs)
+
+    def first_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's first norm of ``x``: an RMSNorm class eager splits into several kernels
+        through the kernel's norm-only path, any other norm by calling its module."""
+        module = getattr(self.module, self._first_name)
+        if self._first_kind is None:
+            return module(x)
+        from layergraph.kernels.add_norm import norm
+
+        return norm(x, module.weight, None, _rms_eps(module, x.dtype), "rms_norm")
 
     def add_norm(
         self, residual: torch.Tensor, h: torch.Tensor
@@ -143,11 +161,7 @@ class FusedAddNorm(InferenceForward):
         from layergraph.kernels.add_norm import add_norm
 
         norm = getattr(self.module, self._norm_name)
-        if self._kind == "layer_norm":
-            eps = norm.eps
-        else:
-            eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
-            eps = torch.finfo(residual.dtype).eps if eps is None else eps
+        eps = norm.eps if self._kind == "layer_norm" else _rms_eps(norm, residual.dtype)
         return add_norm(
             residual,
             h,
@@ -174,26 +188,48 @@ class FusedAddNorm(InferenceForward):
         return scale.gamma if isinstance(scale, nn.Module) else scale
 
 
+def _rms_eps(norm: nn.Module, dtype: torch.dtype) -> float:
+    """An RMSNorm module's epsilon (``variance_epsilon`` in transformers, ``eps`` in torch,
+    where ``None`` means the dtype's)."""
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    return torch.finfo(dtype).eps if eps is None else eps
+
+
+def _decomposed_rms_norm(norm: nn.Module) -> Literal["rms_norm"] | None:
+    """``"rms_norm"`` for an RMSNorm class of transformers (:data:`_RMS_NORM_CLASSES`, written
+    as several PyTorch operations) without hooks, DTensor weights or a weight of another
+    width; ``None`` otherwise."""
+    if type(norm).__name__ not in _RMS_NORM_CLASSES or norm_kind(norm) != "rms_norm":
+        return None
+    weight = getattr(norm, "weight", None)
+    if norm._forward_hooks or norm._forward_pre_hooks or hasattr(weight, "to_local"):
+        return None
+    return "rms_norm" if isinstance(weight, torch.Tensor) and weight.dim() == 1 else None
+
+
 LayerCall = Callable[..., torch.Tensor]
 """A layer's inference call written with :meth:`FusedAddNorm.add_norm` and ``add_scaled``;
 it takes the rewrite, then the layer's arguments."""
+NormNames = tuple[str, str]
+"""The attributes holding a layer's first norm (before attention) and second (before the
+MLP)."""
 ScaleNames = tuple[str | None, str | None]
 """The attributes holding a layer's two layer scales (a vector parameter, a ``LayerScale``
 or an ``Identity``), ``None`` for a layer without."""
 
 
-def _layer_parts(layer: nn.Module) -> tuple[LayerCall, str, ScaleNames] | None:
-    """How ``layer`` is computed fused, the attribute holding its second norm and those
+def _layer_parts(layer: nn.Module) -> tuple[LayerCall, NormNames, ScaleNames] | None:
+    """How ``layer`` is computed fused, the attributes holding its two norms and those
     holding its layer scales, or ``None`` for a layer that is not served."""
     name = type(layer).__name__
     if name == "InternVLVisionLayer":
-        return _internvit_layer, "layernorm_after", ("lambda_1", "lambda_2")
+        return _internvit_layer, ("layernorm_before", "layernorm_after"), ("lambda_1", "lambda_2")
     if name in ("CLIPEncoderLayer", "SiglipEncoderLayer"):
-        return _clip_layer, "layer_norm2", (None, None)
+        return _clip_layer, ("layer_norm1", "layer_norm2"), (None, None)
     if name in _PACKED_BLOCKS:
-        return _packed_block, "norm2", (None, None)
+        return _packed_block, ("norm1", "norm2"), (None, None)
     if _is_open_clip_block(layer):
-        return _open_clip_block, "ln_2", ("ls_1", "ls_2")
+        return _open_clip_block, ("ln_1", "ln_2"), ("ls_1", "ls_2")
     timm_classes = _timm_classes()
     if timm_classes is None or type(layer).forward is not timm_classes[0].forward:
         return None
@@ -201,7 +237,7 @@ def _layer_parts(layer: nn.Module) -> tuple[LayerCall, str, ScaleNames] | None:
         isinstance(s, nn.Identity) or type(s) is timm_classes[1] for s in (layer.ls1, layer.ls2)
     ):
         return None
-    return _timm_block, "norm2", ("ls1", "ls2")
+    return _timm_block, ("norm1", "norm2"), ("ls1", "ls2")
 
 
 _PACKED_BLOCKS = (
@@ -243,7 +279,7 @@ def _is_open_clip_block(layer: nn.Module) -> bool:
 
 def _internvit_layer(rewrite: FusedAddNorm, hidden_states: torch.Tensor) -> torch.Tensor:
     layer = rewrite.module
-    attention, _ = layer.attention(layer.layernorm_before(hidden_states))
+    attention, _ = layer.attention(rewrite.first_norm(hidden_states))
     residual, normed = rewrite.add_norm(hidden_states, attention)
     return rewrite.add_scaled(residual, layer.dropout(layer.mlp(normed)))
 
@@ -256,7 +292,7 @@ def _clip_layer(
 ) -> torch.Tensor:
     layer = rewrite.module
     attention, _ = layer.self_attn(
-        hidden_states=layer.layer_norm1(hidden_states), attention_mask=attention_mask, **kwargs
+        hidden_states=rewrite.first_norm(hidden_states), attention_mask=attention_mask, **kwargs
     )
     residual, normed = rewrite.add_norm(hidden_states, attention)
     return rewrite.add_scaled(residual, layer.mlp(normed))
@@ -271,7 +307,7 @@ def _timm_block(
     block = rewrite.module
     if attn_mask is not None:
         kwargs["attn_mask"] = attn_mask
-    residual, normed = rewrite.add_norm(x, block.attn(block.norm1(x), **kwargs))
+    residual, normed = rewrite.add_norm(x, block.attn(rewrite.first_norm(x), **kwargs))
     return rewrite.add_scaled(residual, block.mlp(normed))
 
 
@@ -279,7 +315,7 @@ def _packed_block(
     rewrite: FusedAddNorm, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
     block = rewrite.module
-    attention = block.attn(block.norm1(hidden_states), *args, **kwargs)
+    attention = block.attn(rewrite.first_norm(hidden_states), *args, **kwargs)
     residual, normed = rewrite.add_norm(hidden_states, attention)
     return rewrite.add_scaled(residual, block.mlp(normed))
 
@@ -294,6 +330,6 @@ def _open_clip_block(
     block = rewrite.module
     if k_x is not None or v_x is not None:
         return rewrite._own(q_x, k_x, v_x, attn_mask)
-    attention = block.attention(q_x=block.ln_1(q_x), attn_mask=attn_mask)
+    attention = block.attention(q_x=rewrite.first_norm(q_x), attn_mask=attn_mask)
     residual, normed = rewrite.add_norm(q_x, attention)
     return rewrite.add_scaled(residual, block.mlp(normed))

@@ -18,6 +18,7 @@ CUDA graph. It is the PyTorch operator ``torch.ops.layergraph.add_norm``, which
 ``torch.compile`` keeps as one opaque call inside a compiled layer. It runs on CUDA, and on
 the CPU under ``TRITON_INTERPRET=1`` (for tests).
 
+:func:`norm` is the normalisation alone, for norms that eager runs as several kernels.
 :func:`add_scaled` is the layer's last residual add, ``residual + scale * h``: PyTorch's
 ``addcmul`` is already one kernel for it, so it is not a Triton kernel.
 
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_WIDTH", "add_norm", "add_scaled"]
+__all__ = ["MAX_WIDTH", "add_norm", "add_scaled", "norm"]
 
 MAX_WIDTH = 8192
 """The widest row :func:`add_norm` takes: a row lives in one program's registers."""
@@ -51,6 +52,7 @@ def _add_norm_kernel(
     normed_ptr,
     width,
     eps,
+    ADD: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -61,12 +63,15 @@ def _add_norm_kernel(
     columns = tl.arange(0, BLOCK_D)
     inside = columns < width
     residual = tl.load(residual_ptr + start + columns, mask=inside, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + start + columns, mask=inside, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        h = h * tl.load(scale_ptr + columns, mask=inside, other=0.0).to(tl.float32)
-    summed = (residual + h).to(residual_out_ptr.dtype.element_ty)
-    tl.store(residual_out_ptr + start + columns, summed, mask=inside)
-    x = summed.to(tl.float32)
+    if ADD:
+        h = tl.load(h_ptr + start + columns, mask=inside, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            h = h * tl.load(scale_ptr + columns, mask=inside, other=0.0).to(tl.float32)
+        summed = (residual + h).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + start + columns, summed, mask=inside)
+        x = summed.to(tl.float32)
+    else:
+        x = residual
     if RMS:
         variance = tl.sum(x * x, axis=0) / width
         y = x * tl.rsqrt(variance + eps)
@@ -103,6 +108,24 @@ def add_norm(
     return torch.ops.layergraph.add_norm(
         residual, h, scale, weight, bias, float(eps), kind == "rms_norm"
     )
+
+
+def norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    kind: Literal["layer_norm", "rms_norm"],
+) -> torch.Tensor:
+    """``norm(x) * weight + bias`` over the last dimension, a new tensor: the normalisation
+    :func:`add_norm` computes, without the add, in one kernel.
+
+    For the norms eager PyTorch runs as several kernels (an RMSNorm module written as a float32
+    cast, a mean of squares, a reciprocal root and two products); ``nn.LayerNorm`` is one kernel
+    already. Takes what :func:`add_norm` takes; raises ``ValueError`` likewise.
+    """
+    _check(x, x, (weight, bias), kind)
+    return torch.ops.layergraph.norm(x, weight, bias, float(eps), kind == "rms_norm")
 
 
 def add_scaled(residual: torch.Tensor, h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -151,23 +174,51 @@ def _add_norm_op(
     rms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel launch as a PyTorch operator, opaque to ``torch.compile``."""
-    width = residual.shape[-1]
     residual, h = residual.contiguous(), h.contiguous()
     residual_out, normed = torch.empty_like(residual), torch.empty_like(residual)
-    rows = residual.numel() // width
-    if rows == 0:
+    if residual.numel() == 0:
         return residual_out, normed
+    _launch(residual, h, scale, weight, bias, residual_out, normed, eps, rms)
+    return residual_out, normed
+
+
+@torch.library.custom_op("layergraph::norm", mutates_args=())
+def _norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool
+) -> torch.Tensor:
+    """The norm-only launch as a PyTorch operator, opaque to ``torch.compile``."""
+    x = x.contiguous()
+    normed = torch.empty_like(x)
+    if x.numel():
+        _launch(x, None, None, weight, bias, None, normed, eps, rms)
+    return normed
+
+
+def _launch(
+    residual: torch.Tensor,
+    h: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+    normed: torch.Tensor,
+    eps: float,
+    rms: bool,
+) -> None:
+    """One program per row of contiguous ``residual``; without ``h``, the norm alone."""
+    width = residual.shape[-1]
     block = triton.next_power_of_2(width)
-    _add_norm_kernel[(rows,)](
+    _add_norm_kernel[(residual.numel() // width,)](
         residual,
-        h,
+        residual if h is None else h,
         _contiguous(scale, residual),
         _contiguous(weight, residual),
         _contiguous(bias, residual),
-        residual_out,
+        normed if residual_out is None else residual_out,
         normed,
         width,
         eps,
+        ADD=h is not None,
         HAS_SCALE=scale is not None,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
@@ -175,7 +226,6 @@ def _add_norm_op(
         BLOCK_D=block,
         num_warps=min(max(block // 256, 1), 8),
     )
-    return residual_out, normed
 
 
 def _contiguous(vector: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -195,3 +245,10 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual.contiguous()
     return torch.empty_like(residual), torch.empty_like(residual)
+
+
+@_norm_op.register_fake
+def _(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool
+) -> torch.Tensor:
+    return torch.empty_like(x.contiguous())
