@@ -24,6 +24,7 @@ from .backends import (
     packed_backends,
     packed_timer,
 )
+from .cudnn_ragged import CudnnRaggedAttention
 from .layout import (
     AttentionMetadata,
     PackedLayout,
@@ -36,6 +37,7 @@ from .layout import (
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "CudnnRaggedAttention",
     "DenseMaskedAttention",
     "Fa3Attention",
     "PackedLayout",

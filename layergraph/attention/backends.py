@@ -65,6 +65,9 @@ class AttentionBackend(ABC):
     """Whether the kernel reads where sequences start from the metadata's tensors when it
     runs, trusting ``max_seqlen`` as a bound only: then one graph serves every packing of a
     token budget, the metadata written in place before each replay (packed plans)."""
+    needs_prepare: ClassVar[bool] = False
+    """Whether the backend serves only plans that call :meth:`prepare` once per forward (it
+    derives per-call tensors there); packed plans offer it only where they do."""
     largest_room: ClassVar[int | None] = None
     """The most tokens a packed graph's room may hold for this backend (one whose memory grows
     with the square of the room's tokens sets it); ``None``: no limit."""
@@ -465,13 +468,23 @@ def packed_backends(
     dense_in_auto: bool = True,
 ) -> tuple[AttentionBackend, ...]:
     """The backends a packed plan may use: the masked SDPA, which reads ``cu_seqlens`` on the
-    device, with ``dense`` the whole room under one block-diagonal mask on a GPU
-    (:class:`DenseMaskedAttention`, offered where the plan
-    calls its backends' :meth:`~AttentionBackend.prepare`; with ``dense_in_auto=False`` only
-    where ``attention`` names it), then every registered backend that reads boundaries at run
-    time. Raises ``ValueError`` when ``attention`` names none of them and is not ``"auto"``."""
-    offered = (SdpaMaskedAttention(), *((DenseMaskedAttention(),) if dense else ()))
-    candidates = (*offered, *(b for b in registered if b.reads_boundaries))
+    device; with ``dense`` (the plan calls its backends' :meth:`~AttentionBackend.prepare`
+    once per forward) the whole room under one block-diagonal mask on a GPU
+    (:class:`DenseMaskedAttention`; with ``dense_in_auto=False`` only where ``attention``
+    names it) and cuDNN's ragged SDPA (:class:`~layergraph.attention.cudnn_ragged
+    .CudnnRaggedAttention`); then every registered backend that reads boundaries at run time
+    (those that need ``prepare`` only with ``dense``). Raises ``ValueError`` when ``attention``
+    names none of them and is not ``"auto"``."""
+    from .cudnn_ragged import CudnnRaggedAttention
+
+    offered = (
+        SdpaMaskedAttention(),
+        *((DenseMaskedAttention(), CudnnRaggedAttention()) if dense else ()),
+    )
+    candidates = (
+        *offered,
+        *(b for b in registered if b.reads_boundaries and (dense or not b.needs_prepare)),
+    )
     names = (*(b.name for b in candidates), "auto")
     if attention not in names:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")
