@@ -84,6 +84,7 @@ from layergraph_adapters.kit.packed_tower import (
     image_slots,
     workspace,
 )
+from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
@@ -333,8 +334,11 @@ class Qwen2VLPlan(PackedTowerPlan):
         fuse_gelu: bool | str = False,
         fuse_rotary: bool = False,
         fuse_gate: bool = False,
+        patch_matmul: bool = False,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
+        self.patch_rewrites = packed_patch_matmul_for(tower.patch_embed, patch_matmul)
+        """The patch embedding as one matrix product with ``patch_matmul``; empty without."""
         self.alignments = (
             [AlignedMLP(block.mlp, fuse_activation=fuse_gate) for block in tower.blocks]
             if align_mlp or fuse_gate
@@ -405,7 +409,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         for alignment in self.alignments:
             changes.apply(alignment)
             changes.apply(AlignedForward(alignment))
-        for rewrite in (*self.gelu_rewrites, *self.norm_rewrites):
+        for rewrite in (*self.patch_rewrites, *self.gelu_rewrites, *self.norm_rewrites):
             changes.apply(rewrite)
 
     # ---- packing -----------------------------------------------------------------------------
@@ -720,7 +724,10 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     ``fuse_gate``: a gated MLP's (Qwen2.5-VL's, GLM's) gate and up as one product and
     ``silu(gate) * up`` as one Triton kernel, padded where ``align_mlp`` would pad
     (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: on a CUDA device, for the towers
-    with a gated SiLU MLP).
+    with a gated SiLU MLP). ``patch_matmul``: the patch embedding's ``Conv3d`` as one matrix
+    product of the rows of pixels with its filters
+    (:class:`~layergraph_adapters.kit.patch_embedding.PackedPatchMatmul`; off by default,
+    ``"auto"``: on a CUDA device).
     """
 
     name = "qwen2_vl"
@@ -737,8 +744,10 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         fuse_gelu: bool | str = "auto",
         fuse_rotary: bool | str = "auto",
         fuse_gate: bool | str = "auto",
+        patch_matmul: bool | str = False,
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
+        self.patch_matmul = patch_matmul
         self.align_mlp = align_mlp
         self.fuse_norm = fuse_norm
         self.fuse_gelu = fuse_gelu
@@ -751,6 +760,7 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         return build_with_automatic_options(
             tower,
             {
+                "patch_matmul": self.patch_matmul,
                 "align_mlp": self.align_mlp,
                 "fuse_norm": self.fuse_norm,
                 "fuse_gelu": self.fuse_gelu,

@@ -110,12 +110,13 @@ def check_answers(
     graphed: layergraph.GraphedModule,
     inputs: list[tuple[torch.Tensor, torch.Tensor]],
     want: list[torch.Tensor],
+    tolerance: float = TOLERANCE,
 ) -> None:
-    """Each call's merged features from ``graphed`` within :data:`TOLERANCE` of ``want``."""
+    """Each call's merged features from ``graphed`` within ``tolerance`` of ``want``."""
     with torch.inference_mode():
         for (pixels, grid), expected in zip(inputs, want):
             got = graphed(pixels, grid_thw=grid).pooler_output
-            assert relative_error(got, expected) <= TOLERANCE
+            assert relative_error(got, expected) <= tolerance
 
 
 def answer(output: Any) -> list[torch.Tensor]:

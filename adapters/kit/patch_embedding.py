@@ -11,8 +11,11 @@ convolution, converting layouts on the way; on an H200 the product took 0.006 in
 convolution's shape and values (up to rounding: the sums run in another order); it is stored
 channels-last, so the usual ``flatten(2).transpose(1, 2)`` that follows gives a row-major token
 sequence without a copy. The weight is used through a view, so in-place weight updates reach
-it. Training calls run the convolution. It is a change made through the wrapper's ledger
-(:class:`~layergraph_adapters.kit.rewrites.InferenceForward`).
+it. Training calls run the convolution. :class:`PackedPatchMatmul` does the same for the packed
+towers' patch embeddings (Qwen2-VL to Qwen3.5, the GLM towers), whose input is already one row
+of pixels per patch, so that their ``Conv3d`` is one product of those rows with its filters,
+which cuDNN runs as a general implicit convolution. Each is a change made through the wrapper's
+ledger (:class:`~layergraph_adapters.kit.rewrites.InferenceForward`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from torch import nn
 
 from layergraph_adapters.kit.rewrites import InferenceForward
 
-__all__ = ["PatchMatmul", "is_patch_convolution", "patch_matmul_for"]
+__all__ = [
+    "PackedPatchMatmul",
+    "PatchMatmul",
+    "is_patch_convolution",
+    "packed_patch_matmul_for",
+    "patch_matmul_for",
+]
 
 
 def is_patch_convolution(module: nn.Module) -> bool:
@@ -90,3 +99,47 @@ def patch_product(
     patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch * rows * columns, -1)
     out = F.linear(patches, weight.reshape(filters, -1), bias)
     return out.view(batch, rows, columns, filters).permute(0, 3, 1, 2)
+
+
+_PACKED_PATCH_ATTRIBUTES = ("proj", "in_channels", "temporal_patch_size", "patch_size", "embed_dim")
+"""What a packed tower's patch embedding holds: its ``Conv3d`` and the sizes its forward views
+the rows of pixels with."""
+
+
+def packed_patch_matmul_for(patch_embed: nn.Module, setting: bool) -> list[PackedPatchMatmul]:
+    """The :class:`PackedPatchMatmul` for a packed adapter's ``patch_matmul`` option, or none
+    without it. Raises ``ValueError`` where ``patch_embed`` is not such a patch embedding."""
+    return [PackedPatchMatmul(patch_embed)] if setting else []
+
+
+class PackedPatchMatmul(InferenceForward):
+    """Runs a packed tower's patch embedding (``[patches, channels x frames x height x width]``
+    rows of pixels through a ``Conv3d`` whose kernel is one patch) as one matrix product with
+    the filters viewed as a matrix, in the filters' dtype, while applied.
+
+    Raises ``ValueError`` for a module without the attributes of one
+    (:data:`_PACKED_PATCH_ATTRIBUTES`) or whose convolution is not one patch per output.
+    """
+
+    def __init__(self, patch_embed: nn.Module) -> None:
+        conv = getattr(patch_embed, "proj", None)
+        if not all(hasattr(patch_embed, name) for name in _PACKED_PATCH_ATTRIBUTES) or not (
+            isinstance(conv, nn.Conv3d)
+            and conv.kernel_size == conv.stride
+            and conv.padding in ((0, 0, 0), "valid")
+            and conv.dilation == (1, 1, 1)
+            and conv.groups == 1
+            and conv.kernel_size
+            == (patch_embed.temporal_patch_size, patch_embed.patch_size, patch_embed.patch_size)
+        ):
+            raise ValueError(
+                f"patch_matmul needs a patch embedding whose Conv3d kernel is one patch "
+                f"(stride = kernel, no padding, dilation or groups); "
+                f"{type(patch_embed).__name__} is not one"
+            )
+        super().__init__(patch_embed, "patch convolution as one matrix product (patch_matmul)")
+
+    def compute(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        conv = self.module.proj
+        rows = hidden_states.reshape(-1, conv.weight[0].numel()).to(conv.weight.dtype)
+        return F.linear(rows, conv.weight.reshape(conv.out_channels, -1), conv.bias)
