@@ -85,6 +85,7 @@ from layergraph_adapters.kit.packed_tower import (
     workspace,
 )
 from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
+from layergraph_adapters.kit.position_resampling import resampled_positions_for
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
@@ -335,10 +336,15 @@ class Qwen2VLPlan(PackedTowerPlan):
         fuse_rotary: bool = False,
         fuse_gate: bool = False,
         patch_matmul: bool = False,
+        positions_matmul: bool = False,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
-        self.patch_rewrites = packed_patch_matmul_for(tower.patch_embed, patch_matmul)
-        """The patch embedding as one matrix product with ``patch_matmul``; empty without."""
+        self.patch_rewrites = [
+            *packed_patch_matmul_for(tower.patch_embed, patch_matmul),
+            *resampled_positions_for(getattr(tower, "embeddings", None), positions_matmul),
+        ]
+        """The patch embedding as one matrix product with ``patch_matmul``, the position table
+        resampled as one with ``positions_matmul``; empty without either."""
         self.alignments = (
             [AlignedMLP(block.mlp, fuse_activation=fuse_gate) for block in tower.blocks]
             if align_mlp or fuse_gate
@@ -727,7 +733,10 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     with a gated SiLU MLP). ``patch_matmul``: the patch embedding's ``Conv3d`` as one matrix
     product of the rows of pixels with its filters
     (:class:`~layergraph_adapters.kit.patch_embedding.PackedPatchMatmul`; off by default,
-    ``"auto"``: on a CUDA device).
+    ``"auto"``: on a CUDA device). ``positions_matmul``: GLM-4.1V's and GLM-4.5V's learned
+    position table resampled to each patch as one matrix product of bicubic weights instead of
+    ``grid_sample`` (:mod:`~layergraph_adapters.kit.position_resampling`; off by default,
+    ``"auto"``: on a CUDA device, for those towers).
     """
 
     name = "qwen2_vl"
@@ -745,9 +754,11 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         fuse_rotary: bool | str = "auto",
         fuse_gate: bool | str = "auto",
         patch_matmul: bool | str = False,
+        positions_matmul: bool | str = False,
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
         self.patch_matmul = patch_matmul
+        self.positions_matmul = positions_matmul
         self.align_mlp = align_mlp
         self.fuse_norm = fuse_norm
         self.fuse_gelu = fuse_gelu
@@ -761,6 +772,7 @@ class Qwen2VLAdapter(PackedTowerAdapter):
             tower,
             {
                 "patch_matmul": self.patch_matmul,
+                "positions_matmul": self.positions_matmul,
                 "align_mlp": self.align_mlp,
                 "fuse_norm": self.fuse_norm,
                 "fuse_gelu": self.fuse_gelu,

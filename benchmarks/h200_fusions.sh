@@ -3,7 +3,8 @@
 # the first argument, the kernels' and options' CUDA tests (the cudnn backend's with
 # nvidia-cudnn-frontend, installed from build/wheels when carried there); then, in turns
 # (benchmarks/option_ab.py, one image of each size, each call profiled by kernel class), the
-# packed patch product against the convolution, and attention "auto" (cuDNN's ragged SDPA
+# packed patch product against the convolution, GLM's position table resampled by a product
+# against grid_sample, and attention "auto" (cuDNN's ragged SDPA
 # among its candidates) against the varlen flash kernel; and the attention kernels alone
 # (benchmarks/ragged_attention.py).
 # Each step under its own time limit; writes log.txt and one JSON per step under $OUT (or
@@ -23,6 +24,8 @@ if [[ ${1:-tests} == tests ]]; then
 fi
 step 200 python3 benchmarks/option_ab.py --option patch_matmul --value true --profile \
   --towers qwen2.5-vl-7b,qwen3-vl-8b,glm-4.1v-9b --sizes "$sizes" --json "$out/patch-matmul-ab.json"
+step 100 python3 benchmarks/option_ab.py --option positions_matmul --value true --profile \
+  --towers glm-4.1v-9b --sizes "$sizes" --json "$out/positions-matmul-ab.json"
 step 150 python3 benchmarks/option_ab.py --option attention --baseline fa3 --value auto \
   --towers qwen3-vl-8b,qwen3.5 --sizes "$sizes" --json "$out/cudnn-auto-ab.json"
 step 100 python3 benchmarks/ragged_attention.py --json "$out/ragged-attention.json"

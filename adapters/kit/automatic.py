@@ -1,10 +1,12 @@
 """Speed options on by default where they fit: the value ``"auto"``.
 
-``fuse_qkv``, ``patch_matmul``, ``fuse_norm``, ``fuse_gelu``, ``align_mlp``, ``fuse_gate``
-and ``fuse_rotary`` change a tower's values by rounding only and take GPU time off every call,
-graphed or eager; the transformers adapters (every family of
-:mod:`layergraph_adapters.towers`, and ``internvl``), ``timm`` and ``open_clip`` default the
-first four to ``"auto"``, ``qwen2_vl`` the last five.
+``fuse_qkv``, ``patch_matmul``, ``positions_matmul``, ``fuse_norm``, ``fuse_gelu``,
+``align_mlp``, ``fuse_gate`` and ``fuse_rotary`` change a tower's values by rounding only and
+take GPU time off every call, graphed or eager; the transformers adapters (every family of
+:mod:`layergraph_adapters.towers`, and ``internvl``), ``timm`` and ``open_clip`` default
+``fuse_qkv``, ``patch_matmul``, ``fuse_norm`` and ``fuse_gelu`` to ``"auto"``, ``qwen2_vl``
+the last five (its ``patch_matmul`` and ``positions_matmul`` take ``"auto"`` and default to
+off).
 ``fuse_gelu`` left to ``"auto"`` takes MLPs whose GELU is the tanh approximation only (the
 epilogue's own function); an exact-GELU MLP keeps its GELU unless ``"approximate"`` is asked.
 :func:`build_with_automatic_options` turns each ``"auto"`` into ``True`` when the tower's
@@ -36,6 +38,7 @@ __all__ = ["AUTOMATIC_OPTIONS", "build_with_automatic_options", "not_on_a_gpu"]
 AUTOMATIC_OPTIONS = (
     "fuse_qkv",
     "patch_matmul",
+    "positions_matmul",
     "fuse_norm",
     "fuse_gelu",
     "align_mlp",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .backends import AttentionBackend
+from .base import AttentionBackend
 from .layout import AttentionMetadata, PackedLayout, SequenceLayout, build_metadata
 
 __all__ = ["CudnnRaggedAttention", "ragged_offsets"]
