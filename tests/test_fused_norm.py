@@ -200,7 +200,11 @@ def test_other_rewrites_combine_with_fuse_norm(kernel_calls: list[str]) -> None:
         )
         got = call(graphed, "internvl", x)
     assert relative_error(got, expected) <= DEFAULT_TOLERANCE[torch.float32]
-    assert kernel_calls and set(kernel_calls) == {"layer_norm"} and len(kernel_calls) % 2 == 0
+    # per forward: each layer's second norm, and each layer's first norm but the first's,
+    # computed with the residual add before it
+    per_forward = 2 * len(graphed.plan.layers()) - 1
+    assert kernel_calls and set(kernel_calls) == {"layer_norm"}
+    assert len(kernel_calls) % per_forward == 0
     assert graphed.plan.attention_by_key  # the Triton attention backend served the graph
     assert sum("fuse_qkv" in change for change in graphed.changes) == 2
     graphed.unwrap()
@@ -281,3 +285,18 @@ def test_compiled_layers_keep_the_kernel_as_one_operator(kernel_calls: list[str]
     assert "layergraph.add_norm" in traced
     assert not any("triton_kernel_wrapper" in target for target in traced)
     assert kernel_calls and set(kernel_calls) == {"rms_norm"}
+
+
+def test_a_layer_given_other_states_than_those_handed_over_norms_them_itself() -> None:
+    """A forward hook that replaces a layer's output: the next layer's first norm is computed
+    from what it is given, not taken from the layer before."""
+    torch.manual_seed(0)
+    model = timm_vit(0.5).eval()
+    model.blocks[0].register_forward_hook(lambda module, args, out: out * 0.5 + 1.0)
+    x = torch.randn(2, 3, IMAGE, IMAGE)
+    with torch.inference_mode():
+        expected = model(x)
+        graphed = layergraph.wrap(model, adapter="timm", backend=SimulatedGraphs(), fuse_norm=True)
+        got = graphed(x)
+    assert relative_error(got, expected) <= DEFAULT_TOLERANCE[torch.float32]
+    graphed.unwrap()

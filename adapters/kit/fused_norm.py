@@ -14,10 +14,15 @@ layer as::
     x, normed = add_norm(x, h, ls1, norm2)   # one Triton kernel
     x = addcmul(x, mlp(normed), ls2)         # one PyTorch kernel
 
-(:mod:`layergraph.kernels.add_norm`). ``norm1``, the attention and the MLP are called as
-modules, so the other rewrites (``fuse_qkv``, ``fuse_gelu``, routed attention) still apply to
-them. Values change by rounding only: the kernel rounds once where eager rounds after each
-operation.
+(:mod:`layergraph.kernels.add_norm`). In a stack of such layers, the last residual add is
+computed by the same kernel together with the next layer's ``norm1`` where that is a LayerNorm
+or RMSNorm, and the norm is handed over to that layer, which takes it when it is given the
+same tensor (else it norms what it is given); the first layer's ``norm1``, where it is one of
+transformers' RMSNorm classes (several PyTorch kernels in eager), runs through the kernel's
+norm-only path. The attention and the MLP are called as modules, so the other rewrites
+(``fuse_qkv``, ``fuse_gelu``, routed attention) still apply to them. Values change by rounding
+only: the kernel rounds once where eager rounds after each operation. While ``torch.compile``
+traces a layer nothing is handed over (Inductor fuses the add and the norm itself).
 
 Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
 ``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, open_clip's self-attention
@@ -35,6 +40,7 @@ float32; a CPU tensor outside Triton's interpreter). The kernel needs Triton and
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable
 from typing import Any, Literal
@@ -89,7 +95,10 @@ def fused_norms(layers: list[nn.Module], setting: bool) -> list[FusedAddNorm]:
     )
     if reason is not None:
         raise ValueError(reason)
-    return [FusedAddNorm(layer) for layer in layers]
+    rewrites = [FusedAddNorm(layer) for layer in layers]
+    for rewrite, following in itertools.pairwise(rewrites):
+        rewrite.next_layer = following if following.kernel_first_norm() else None
+    return rewrites
 
 
 class FusedAddNorm(InferenceForward):
@@ -133,6 +142,12 @@ class FusedAddNorm(InferenceForward):
         """``"rms_norm"`` where the first norm is an RMSNorm module that eager runs as several
         kernels and the kernel computes alone; ``None``: the module is called."""
         self._first_name = first_name
+        self.next_layer: FusedAddNorm | None = None
+        """The rewrite of the layer after this one, set by :func:`fused_norms` where that
+        layer's first norm is one the kernel computes: this layer's last residual add then
+        computes it too, and hands it over (:meth:`add_scaled`)."""
+        self._handed: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The hidden states and their first norm handed over by the layer before."""
         self._own = type(layer).forward.__get__(layer)
         what = "residual adds and second norm through one kernel"
         if self._first_kind is not None:
@@ -141,12 +156,28 @@ class FusedAddNorm(InferenceForward):
 
     def compute(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not kernel_takes(hidden_states):
+            self._handed = None
             return self._own(hidden_states, *args, **kwargs)
         return self._call_layer(self, hidden_states, *args, **kwargs)
 
+    def kernel_first_norm(self) -> tuple[Literal["layer_norm", "rms_norm"], nn.Module] | None:
+        """The first norm's kind and module where the kernel computes that norm (a LayerNorm
+        or RMSNorm without hooks or DTensor weights), else ``None``."""
+        norm = getattr(self.module, self._first_name)
+        kind = norm_kind(norm)
+        if kind is None or norm._forward_hooks or norm._forward_pre_hooks:
+            return None
+        if any(hasattr(p, "to_local") for p in norm.parameters()):
+            return None
+        return kind, norm
+
     def first_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's first norm of ``x``: an RMSNorm class eager splits into several kernels
-        through the kernel's norm-only path, any other norm by calling its module."""
+        """The layer's first norm of ``x``: the one the layer before handed over with ``x``
+        where it did; an RMSNorm class eager splits into several kernels through the kernel's
+        norm-only path; any other norm by calling its module."""
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[0] is x:
+            return handed[1]
         module = getattr(self.module, self._first_name)
         if self._first_kind is None:
             return module(x)
@@ -161,7 +192,7 @@ class FusedAddNorm(InferenceForward):
         from layergraph.kernels.add_norm import add_norm
 
         norm = getattr(self.module, self._norm_name)
-        eps = norm.eps if self._kind == "layer_norm" else _rms_eps(norm, residual.dtype)
+        eps = _norm_eps(norm, self._kind, residual.dtype)
         return add_norm(
             residual,
             h,
@@ -173,10 +204,27 @@ class FusedAddNorm(InferenceForward):
         )
 
     def add_scaled(self, residual: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """``residual + ls2 * h``."""
-        from layergraph.kernels.add_norm import add_scaled
+        """``residual + ls2 * h``; with a :attr:`next_layer` (and not while ``torch.compile``
+        traces, which fuses the two itself), computed by the fused kernel together with that
+        layer's first norm of it, which is handed over to that layer."""
+        from layergraph.kernels.add_norm import add_norm, add_scaled
 
-        return add_scaled(residual, h, self._scale(1))
+        following = self.next_layer
+        first = following.kernel_first_norm() if following is not None else None
+        if first is None or torch.compiler.is_compiling():
+            return add_scaled(residual, h, self._scale(1))
+        kind, norm = first
+        summed, normed = add_norm(
+            residual,
+            h,
+            self._scale(1),
+            getattr(norm, "weight", None),
+            getattr(norm, "bias", None),
+            _norm_eps(norm, kind, residual.dtype),
+            kind,
+        )
+        following._handed = (summed, normed)
+        return summed
 
     def _scale(self, index: int) -> torch.Tensor | None:
         """Layer scale ``index`` (0: after attention, 1: after the MLP) as a vector, or
@@ -186,6 +234,11 @@ class FusedAddNorm(InferenceForward):
         if scale is None or isinstance(scale, nn.Identity):
             return None
         return scale.gamma if isinstance(scale, nn.Module) else scale
+
+
+def _norm_eps(norm: nn.Module, kind: str, dtype: torch.dtype) -> float:
+    """A LayerNorm's or RMSNorm's epsilon for inputs of ``dtype``."""
+    return norm.eps if kind == "layer_norm" else _rms_eps(norm, dtype)
 
 
 def _rms_eps(norm: nn.Module, dtype: torch.dtype) -> float:
