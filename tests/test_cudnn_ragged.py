@@ -107,3 +107,11 @@ def test_heads_and_channels_made_dense_only_where_they_are_not() -> None:
     spread = torch.randn(10, 8, 4).transpose(1, 2)  # heads not dense
     made = cudnn_ragged._heads_contiguous(spread)
     assert made.is_contiguous() and torch.equal(made, spread)
+
+
+def test_a_call_without_prepare_is_refused_with_the_reason() -> None:
+    backend = CudnnRaggedAttention()
+    metadata = backend.default_metadata(PackedLayout(8, 2, 8), torch.device("cpu"))
+    q = torch.zeros(8, 2, 8)
+    with pytest.raises(RuntimeError, match="call its prepare once per forward"):
+        backend(q, q, q, layout=None, metadata=metadata, workspace=None, scale=1.0)

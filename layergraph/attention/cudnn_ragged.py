@@ -110,6 +110,11 @@ class CudnnRaggedAttention(AttentionBackend):
         workspace: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
+        if "cudnn_lengths" not in metadata.scratch:
+            raise RuntimeError(
+                "the cudnn backend reads lengths that prepare() writes: call its prepare once "
+                "per forward before the attention layers (packed plans that do say so)"
+            )
         q, k, v = (_heads_contiguous(t) for t in (q, k, v))
         out = (
             workspace
