@@ -175,3 +175,38 @@ def test_a_named_packed_backend_must_read_boundaries_and_auto_keeps_the_fastest(
     assert choose("auto", None) == "sdpa_varlen"  # nothing timed: the first that runs
     with pytest.raises(ValueError, match="unknown attention backend 'sdpa'"):
         choose("sdpa", None)  # dense SDPA cannot serve every packing of a budget
+
+
+def test_a_backend_that_fails_while_timed_is_passed_over_with_a_warning() -> None:
+    """A kernel that raises on a room (a library refusing the shape, say) leaves the choice to
+    the others; when every one fails, the error says so."""
+    from layergraph.attention import AttentionBackendFailed, choose_packed_backend
+
+    layout, lengths = PackedLayout(48, 4, 48), (16, 32)
+    candidates = (SdpaMaskedAttention(), Named("broken"), Named("fine"))
+
+    def timer(backend: Any, *_: Any) -> float:
+        if backend.name != "fine":
+            raise RuntimeError(f"{backend.name} refuses this room")
+        return 1.0
+
+    def choose(timer: Any) -> str:
+        return choose_packed_backend(
+            "auto",
+            torch.device("cpu"),
+            torch.float32,
+            16,
+            layout,
+            lengths,
+            backends=candidates,
+            timer=timer,
+        ).name
+
+    with pytest.warns(AttentionBackendFailed, match="'broken' failed on a room of 48 tokens"):
+        assert choose(timer) == "fine"
+
+    def failing(backend: Any, *_: Any) -> float:
+        raise RuntimeError("no")
+
+    with pytest.warns(AttentionBackendFailed), pytest.raises(RuntimeError, match="every attent"):
+        choose(failing)

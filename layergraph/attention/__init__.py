@@ -12,6 +12,7 @@ adapters use it.
 
 from .backends import (
     AttentionBackend,
+    AttentionBackendFailed,
     DenseMaskedAttention,
     Fa3Attention,
     PackedTimer,
@@ -36,6 +37,7 @@ from .layout import (
 
 __all__ = [
     "AttentionBackend",
+    "AttentionBackendFailed",
     "AttentionMetadata",
     "CudnnRaggedAttention",
     "DenseMaskedAttention",

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..timing import captured_ms
+from ..warn import warn
 from .base import AttentionBackend
 from .cudnn_ragged import CudnnRaggedAttention
 from .layout import (
@@ -36,6 +37,7 @@ from .layout import (
 
 __all__ = [
     "AttentionBackend",
+    "AttentionBackendFailed",
     "DenseMaskedAttention",
     "Fa3Attention",
     "PackedTimer",
@@ -47,6 +49,12 @@ __all__ = [
     "choose_packed_backend",
     "packed_timer",
 ]
+
+
+class AttentionBackendFailed(UserWarning):
+    """An attention backend raised while ``attention="auto"`` timed it for a packed graph's
+    room (a library refusing that shape, say): it was passed over, and the fastest of the
+    others serves."""
 
 
 class SdpaAttention(AttentionBackend):
@@ -474,7 +482,21 @@ def choose_packed_backend(
         raise RuntimeError(f"no attention backend that reads boundaries can run here ({why})")
     if timer is None or len(usable) == 1:
         return usable[0]
-    return min(usable, key=lambda backend: timer(backend, layout, lengths))
+    timed: dict[AttentionBackend, float] = {}
+    for backend in usable:
+        try:
+            timed[backend] = timer(backend, layout, lengths)
+        except Exception as failure:  # whatever a kernel raises, the others still serve
+            warn(
+                f"attention backend {backend.name!r} failed on a room of {layout.tokens} tokens "
+                f"and is passed over: {type(failure).__name__}: {failure}",
+                AttentionBackendFailed,
+            )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    if not timed:
+        raise RuntimeError(f"every attention backend failed on a room of {layout.tokens} tokens")
+    return min(timed, key=timed.__getitem__)
 
 
 def _room_reason(backend: AttentionBackend, layout: PackedLayout) -> str | None:
