@@ -35,6 +35,7 @@ states, pass other arguments, or whose mask does not mark each image's first
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,10 +45,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import hookimpl
+from layergraph import CapturePlan, PlanContext, hookimpl
 from layergraph.keys import UnsupportedCall
+from layergraph.ledger import Change, ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph_adapters.kit import naflex
+from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.grid_positions import GridPositions
 from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
@@ -59,7 +64,7 @@ from layergraph_adapters.kit.packed_tower import (
     read_inputs,
 )
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
-from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED
+from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED, require_transformers
 
 FAMILY = PackedFamily(
     module="transformers.models.siglip2.modeling_siglip2",
@@ -148,16 +153,35 @@ class Siglip2Plan(PackedTowerPlan):
     options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
     dense = True
 
-    def __init__(self, tower: nn.Module, adapter: Siglip2Adapter, *args: Any) -> None:
+    def __init__(
+        self,
+        tower: nn.Module,
+        adapter: Siglip2Adapter,
+        *args: Any,
+        fuse_norm: bool = False,
+        fuse_gelu: bool | str = False,
+    ) -> None:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         super().__init__(tower, adapter, *args)
+        layers = list(tower.encoder.layers)
+        self.rewrites: list[Change] = [
+            *gelu_epilogues([layer.mlp for layer in layers], fuse_gelu),
+            *fused_norms(layers, fuse_norm),
+        ]
+        """The ``fuse_gelu`` and ``fuse_norm`` rewrites of the encoder's layers; empty
+        without them."""
         self._output_type = BaseModelOutputWithPooling
         self._positions = GridPositions(tower.embeddings, rows=adapter.max_tokens)
         config = tower.config
         self.features = config.num_channels * config.patch_size**2
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
         self._specs: dict[tuple[bool, bool], pytree.TreeSpec] = {}
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        super().change_model(changes, serve)
+        for rewrite in self.rewrites:
+            changes.apply(rewrite)
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], naflex.NaflexBuffers):
@@ -350,13 +374,40 @@ class Siglip2Adapter(PackedTowerAdapter):
     registered backend that reads sequence boundaries at run time, or ``auto``.
     ``max_tokens``: the largest budget learnt (larger calls are split by images), and the most
     position-embedding rows kept for the grids seen last; ``budget_step``: learnt budgets are
-    multiples of it.
+    multiples of it. ``fuse_norm`` and ``fuse_gelu`` (off by default; ``"auto"``: on a CUDA
+    device) work as for the fixed SigLIP towers: each layer's residual adds and norms through one
+    Triton kernel (:mod:`~layergraph_adapters.kit.fused_norm`), and each MLP's up-projection
+    and tanh GELU as one product with a GELU epilogue
+    (:mod:`~layergraph_adapters.kit.gelu_epilogue`).
     """
 
     name = "siglip2"
     families = (FAMILY,)
     plan_class = Siglip2Plan
     default_budget_step = 256
+
+    def __init__(
+        self,
+        attention: str = "auto",
+        max_tokens: int = 16384,
+        budget_step: int | None = None,
+        fuse_norm: bool | str = False,
+        fuse_gelu: bool | str = False,
+    ) -> None:
+        super().__init__(attention, max_tokens, budget_step)
+        self.fuse_norm = fuse_norm
+        self.fuse_gelu = fuse_gelu
+
+    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
+        tower, family = self.find(model)
+        if family.checked is not None:
+            require_transformers(self.name, family.checked)
+        return build_with_automatic_options(
+            tower,
+            {"fuse_norm": self.fuse_norm, "fuse_gelu": self.fuse_gelu},
+            functools.partial(Siglip2Plan, tower, self, context, family),
+            context,
+        )
 
 
 def _read_grids(

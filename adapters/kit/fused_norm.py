@@ -25,7 +25,7 @@ only: the kernel rounds once where eager rounds after each operation. While ``to
 traces a layer nothing is handed over (Inductor fuses the add and the norm itself).
 
 Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
-``CLIPEncoderLayer`` and ``SiglipEncoderLayer``, open_clip's self-attention
+``CLIPEncoderLayer``, ``SiglipEncoderLayer`` and ``Siglip2EncoderLayer``, open_clip's self-attention
 ``ResidualAttentionBlock`` (``LayerScale`` or no layer scales), the packed towers' blocks
 (Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's ``VisionBlock``,
 GLM-4.1V's, GLM-4.5V's and GLM-OCR's, LayerNorm or RMSNorm), and timm's ``Block`` (the blocks of
@@ -114,7 +114,8 @@ class FusedAddNorm(InferenceForward):
         if parts is None:
             raise ValueError(
                 f"fuse_norm serves transformers' InternVLVisionLayer, CLIPEncoderLayer, "
-                f"SiglipEncoderLayer and the Qwen-VL and GLM-4.1V vision blocks, timm's Block "
+                f"SiglipEncoderLayer, Siglip2EncoderLayer and the Qwen-VL and GLM-4.1V vision "
+                f"blocks, timm's Block "
                 f"and open_clip's ResidualAttentionBlock; {type(layer).__name__} is not one"
             )
         self._call_layer, (first_name, self._norm_name), self._scale_names = parts
@@ -277,7 +278,7 @@ def _layer_parts(layer: nn.Module) -> tuple[LayerCall, NormNames, ScaleNames] | 
     name = type(layer).__name__
     if name == "InternVLVisionLayer":
         return _internvit_layer, ("layernorm_before", "layernorm_after"), ("lambda_1", "lambda_2")
-    if name in ("CLIPEncoderLayer", "SiglipEncoderLayer"):
+    if name in ("CLIPEncoderLayer", "SiglipEncoderLayer", "Siglip2EncoderLayer"):
         return _clip_layer, ("layer_norm1", "layer_norm2"), (None, None)
     if name in _PACKED_BLOCKS:
         return _packed_block, ("norm1", "norm2"), (None, None)
