@@ -6,7 +6,9 @@
 #   prefill: benchmarks/vlm_prefill.py (a Qwen2.5-VL-3B-sized VLM's time to first token);
 #   start:   benchmarks/packed_start.py (cold and warm start of Qwen2.5-VL-7B's budgets);
 #   fixed:   InternViT-300M and SigLIP-so400m at batch 32, the defaults against eager, and
-#            fuse_gelu="approximate" against the defaults (benchmarks/option_ab.py).
+#            fuse_gelu="approximate" against the defaults (benchmarks/option_ab.py);
+#   siglip2: SigLIP2 so400m NaFlex's calls against eager and the hand-written graph, with the
+#            defaults and with fuse_norm and fuse_gelu (benchmarks/siglip2_naflex.py).
 # Each part under its own time limit; writes log.txt and one JSON per part under $OUT (or
 # ./gpu-results). Usage: benchmarks/h200_targets.sh [PART ...] (default: towers)
 source "$(dirname "$0")/h200_setup.sh" notests
@@ -24,6 +26,11 @@ for part in "${@:-towers}"; do
     fixed) step 200 python3 benchmarks/option_ab.py --option fuse_gelu --baseline auto \
       --value approximate --models internvit-300m,siglip-so400m-384 --batch-sizes 32 --profile \
       --json "$out/fixed-b32.json" ;;
+    siglip2)
+      step 200 python3 benchmarks/siglip2_naflex.py --no-stream --attention auto \
+        --json "$out/siglip2-defaults.json"
+      step 200 python3 benchmarks/siglip2_naflex.py --no-stream --attention auto \
+        --options fuse_norm=auto,fuse_gelu=auto --json "$out/siglip2-fused.json" ;;
     *) echo "unknown part: $part" >>"$log" ;;
   esac
 done

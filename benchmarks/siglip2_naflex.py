@@ -3,6 +3,7 @@
     python3 benchmarks/siglip2_naflex.py --json siglip2.json      # an H200: a few minutes
     python3 benchmarks/siglip2_naflex.py --tower lfm2-vl-1.6b --json lfm2-vl-1.6b.json
     python3 benchmarks/siglip2_naflex.py --tiny --json tiny.json  # a tiny tower, any machine
+    python3 benchmarks/siglip2_naflex.py --no-stream --options fuse_norm=auto,fuse_gelu=auto
 
 The tower (``--tower``, :data:`TOWERS`) is transformers' ``Siglip2VisionModel`` with random
 weights, bf16; nothing is downloaded:
@@ -63,7 +64,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -175,6 +176,8 @@ class Settings:
     attention: tuple[str, ...] = ("auto", "triton")
     """layergraph's attention settings, one column each: ``layergraph`` for ``auto``,
     ``layergraph_<name>`` for a backend named."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Other ``wrap`` options every layergraph wrapper is given (``--options``)."""
 
     @property
     def simulated(self) -> bool:
@@ -395,11 +398,25 @@ def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
     return output, start.elapsed_time(end)
 
 
+def wrap_options(text: str) -> dict[str, Any]:
+    """``NAME=VALUE,...`` as ``wrap`` options: ``true`` and ``false`` as booleans, others as
+    given."""
+    options: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        options[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
+
+
 def wrap(model: nn.Module, settings: Settings, attention: str = "auto", **options: Any) -> Any:
     """layergraph's wrapper of ``model`` (simulated graphs without a GPU)."""
     backend = SimulatedGraphs() if settings.simulated else None
     return layergraph.wrap(
-        model, adapter="siglip2", attention=attention, backend=backend, **options
+        model,
+        adapter="siglip2",
+        attention=attention,
+        backend=backend,
+        **{**settings.options, **options},
     )
 
 
@@ -580,6 +597,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="comma-separated attention settings, one column each (auto, or backends' names)",
     )
     parser.add_argument("--no-stream", action="store_true", help="the calls section only")
+    parser.add_argument(
+        "--options",
+        default="",
+        help="wrap options for every layergraph wrapper, NAME=VALUE,... (true, false or a string)",
+    )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not args.tiny and not cuda:
@@ -592,6 +614,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         tower=TOWERS[args.tower](args.tiny),
         attention=tuple(args.attention.split(",")),
+        options=wrap_options(args.options),
     )
     model = tower_model(settings)
     started = time.perf_counter()
@@ -613,6 +636,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "python": sys.version.split()[0],
         },
         "seed": settings.seed,
+        "options": settings.options,
         "seconds": time.perf_counter() - started,
         "calls": rows,
         "stream": streamed,
