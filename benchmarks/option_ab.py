@@ -48,24 +48,21 @@ def first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output.to_tuple()[0]
 
 
-PROFILE = False
-"""Whether rows hold each call's kernels by class (``--profile``)."""
-
-
 def compare(
     calls: dict[str, Callable[[], Any]],
     reference: Callable[[], Any],
     read: Callable[[Any], Any],
     device: torch.device,
+    profile: bool,
 ) -> dict[str, Any]:
     """Each call's waited median and error against ``reference``, timed in turns, and with
-    :data:`PROFILE` its milliseconds by kernel class."""
+    ``profile`` its milliseconds by kernel class."""
     with torch.inference_mode():
         want = read(reference()).float()
         errors = {name: relative_error(read(fn()).float(), want) for name, fn in calls.items()}
         times = interleaved_waited_ms(calls, device=device)
         row: dict[str, Any] = {"ms": times, "error_vs_float32": errors}
-        if PROFILE:
+        if profile:
             row["profile"] = {name: profiled(fn, device) for name, fn in calls.items()}
     return row
 
@@ -90,6 +87,7 @@ def fixed_rows(
     device: torch.device,
     baseline: dict[str, Any],
     chosen: dict[str, Any],
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows of one example model, one per batch size."""
     example = get_registry().example_model(name)
@@ -113,6 +111,7 @@ def fixed_rows(
             functools.partial(reference, *wide, **kwargs),
             first,
             device,
+            profile,
         )
         row.update(model=name, batch=batch, speed_options=dict(default.speed_options))
         rows.append(row)
@@ -127,6 +126,7 @@ def packed_rows(
     device: torch.device,
     baseline: dict[str, Any],
     chosen: dict[str, Any],
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows of one packed tower, one per image size."""
     tiny = name.endswith("-tiny")
@@ -150,6 +150,7 @@ def packed_rows(
             functools.partial(qwen_towers.call, reference, pixels.float(), grid_thw),
             qwen_towers.features,
             device,
+            profile,
         )
         row.update(
             model=name,
@@ -199,8 +200,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="each call by kernel class")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
     device = torch.device(args.device)
     chosen = {} if args.value is None else {args.option: parsed(args.value)}
     baseline = {args.option: parsed(args.baseline)}
@@ -208,9 +207,9 @@ def main() -> None:
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     rows: list[dict[str, Any]] = []
     for name in filter(None, args.models.split(",")):
-        rows += fixed_rows(name, args.option, batches, device, baseline, chosen)
+        rows += fixed_rows(name, args.option, batches, device, baseline, chosen, args.profile)
     for name in filter(None, args.towers.split(",")):
-        rows += packed_rows(name, args.option, sizes, device, baseline, chosen)  # type: ignore[arg-type]
+        rows += packed_rows(name, args.option, sizes, device, baseline, chosen, args.profile)  # type: ignore[arg-type]
     if args.json:
         record = {
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "-",
