@@ -152,37 +152,39 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
     assert graphed.plan.attention_by_budget == {BUDGET: "full: long, windows: short"}
 
 
-def test_a_named_packed_backend_must_read_boundaries_and_auto_keeps_the_fastest() -> None:
-    from layergraph.attention import SdpaAttention, choose_packed_backend
+def chosen(name: str, candidates: tuple[Any, ...], timer: Any) -> str:
+    """The name of the backend :func:`choose_packed_backend` takes among ``candidates`` for
+    two sequences (24 and 40 tokens) in a 64-token room of 8 slots, CPU, float32."""
+    from layergraph.attention import choose_packed_backend
 
-    layout, lengths = PackedLayout(64, 8, 64), (24, 40)
+    return choose_packed_backend(
+        name,
+        torch.device("cpu"),
+        torch.float32,
+        16,
+        PackedLayout(64, 8, 64),
+        (24, 40),
+        backends=candidates,
+        timer=timer,
+    ).name
+
+
+def test_a_named_packed_backend_must_read_boundaries_and_auto_keeps_the_fastest() -> None:
+    from layergraph.attention import SdpaAttention
+
     candidates = (SdpaAttention(), SdpaMaskedAttention(), Named("varlen"))
     costs = {"sdpa_varlen": 9.0, "varlen": 1.0}
-
-    def choose(name: str, timer: Any) -> str:
-        return choose_packed_backend(
-            name,
-            torch.device("cpu"),
-            torch.float32,
-            16,
-            layout,
-            lengths,
-            backends=candidates,
-            timer=timer,
-        ).name
-
-    assert choose("auto", lambda backend, *_: costs[backend.name]) == "varlen"
-    assert choose("auto", None) == "sdpa_varlen"  # nothing timed: the first that runs
+    assert chosen("auto", candidates, lambda backend, *_: costs[backend.name]) == "varlen"
+    assert chosen("auto", candidates, None) == "sdpa_varlen"  # nothing timed: the first
     with pytest.raises(ValueError, match="unknown attention backend 'sdpa'"):
-        choose("sdpa", None)  # dense SDPA cannot serve every packing of a budget
+        chosen("sdpa", candidates, None)  # dense SDPA cannot serve every packing of a budget
 
 
 def test_a_backend_that_fails_while_timed_is_passed_over_with_a_warning() -> None:
     """A kernel that raises on a room (a library refusing the shape, say) leaves the choice to
     the others; when every one fails, the error says so."""
-    from layergraph.attention import AttentionBackendFailed, choose_packed_backend
+    from layergraph.attention import AttentionBackendFailed
 
-    layout, lengths = PackedLayout(48, 4, 48), (16, 32)
     candidates = (SdpaMaskedAttention(), Named("broken"), Named("fine"))
 
     def timer(backend: Any, *_: Any) -> float:
@@ -190,23 +192,11 @@ def test_a_backend_that_fails_while_timed_is_passed_over_with_a_warning() -> Non
             raise RuntimeError(f"{backend.name} refuses this room")
         return 1.0
 
-    def choose(timer: Any) -> str:
-        return choose_packed_backend(
-            "auto",
-            torch.device("cpu"),
-            torch.float32,
-            16,
-            layout,
-            lengths,
-            backends=candidates,
-            timer=timer,
-        ).name
-
-    with pytest.warns(AttentionBackendFailed, match="'broken' failed on a room of 48 tokens"):
-        assert choose(timer) == "fine"
+    with pytest.warns(AttentionBackendFailed, match="'broken' failed on a room of 64 tokens"):
+        assert chosen("auto", candidates, timer) == "fine"
 
     def failing(backend: Any, *_: Any) -> float:
         raise RuntimeError("no")
 
     with pytest.warns(AttentionBackendFailed), pytest.raises(RuntimeError, match="every attent"):
-        choose(failing)
+        chosen("auto", candidates, failing)
