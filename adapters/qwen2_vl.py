@@ -65,14 +65,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import AdapterMismatch, CapturePlan, PlanContext, hookimpl
+from layergraph import AdapterMismatch, PlanContext, hookimpl
 from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
-from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
@@ -92,7 +91,6 @@ from layergraph_adapters.kit.versions import (
     QWEN2_VL_CHECKED,
     QWEN3_5_VISION_CHECKED,
     QWEN3_VL_MOE_VISION_CHECKED,
-    require_transformers,
 )
 
 _VLM_PATHS = ("visual", "model.visual")
@@ -742,6 +740,15 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     name = "qwen2_vl"
     families = _TOWERS
     plan_class = Qwen2VLPlan
+    speed_options = (
+        "patch_matmul",
+        "positions_matmul",
+        "align_mlp",
+        "fuse_norm",
+        "fuse_gelu",
+        "fuse_gate",
+        "fuse_rotary",
+    )
 
     def __init__(
         self,
@@ -764,24 +771,6 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         self.fuse_gelu = fuse_gelu
         self.fuse_rotary = fuse_rotary
         self.fuse_gate = fuse_gate
-
-    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        tower, family = self.find(model)
-        require_transformers(self.name, family.checked)
-        return build_with_automatic_options(
-            tower,
-            {
-                "patch_matmul": self.patch_matmul,
-                "positions_matmul": self.positions_matmul,
-                "align_mlp": self.align_mlp,
-                "fuse_norm": self.fuse_norm,
-                "fuse_gelu": self.fuse_gelu,
-                "fuse_gate": self.fuse_gate,
-                "fuse_rotary": self.fuse_rotary,
-            },
-            functools.partial(Qwen2VLPlan, tower, self, context, family),
-            context,
-        )
 
 
 def _described(backend: AttentionBackend) -> str:

@@ -35,7 +35,6 @@ states, pass other arguments, or whose mask does not mark each image's first
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,12 +44,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import CapturePlan, PlanContext, hookimpl
+from layergraph import hookimpl
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import Change, ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph_adapters.kit import naflex
-from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.grid_positions import GridPositions
@@ -64,7 +62,7 @@ from layergraph_adapters.kit.packed_tower import (
     read_inputs,
 )
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
-from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED, require_transformers
+from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED
 
 FAMILY = PackedFamily(
     module="transformers.models.siglip2.modeling_siglip2",
@@ -384,6 +382,7 @@ class Siglip2Adapter(PackedTowerAdapter):
     name = "siglip2"
     families = (FAMILY,)
     plan_class = Siglip2Plan
+    speed_options = ("fuse_norm", "fuse_gelu")
     default_budget_step = 256
 
     def __init__(
@@ -397,17 +396,6 @@ class Siglip2Adapter(PackedTowerAdapter):
         super().__init__(attention, max_tokens, budget_step)
         self.fuse_norm = fuse_norm
         self.fuse_gelu = fuse_gelu
-
-    def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        tower, family = self.find(model)
-        if family.checked is not None:
-            require_transformers(self.name, family.checked)
-        return build_with_automatic_options(
-            tower,
-            {"fuse_norm": self.fuse_norm, "fuse_gelu": self.fuse_gelu},
-            functools.partial(Siglip2Plan, tower, self, context, family),
-            context,
-        )
 
 
 def _read_grids(

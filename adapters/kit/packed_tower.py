@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from layergraph.attention import (
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
+from layergraph_adapters.kit.automatic import build_with_automatic_options
 
 __all__ = [
     "MIN_IMAGE_SLOTS",
@@ -136,12 +138,17 @@ class PackedTowerAdapter(Adapter):
     sequence boundaries at run time, or ``auto``. ``max_tokens``: the largest budget learnt
     (larger calls are split by images); ``budget_step``: learnt budgets are multiples of it.
     Subclasses set :attr:`name`, :attr:`families` and :attr:`plan_class` (a
-    :class:`PackedTowerPlan` made from the tower, the adapter, the context and the family).
+    :class:`PackedTowerPlan` made from the tower, the adapter, the context and the family),
+    and :attr:`speed_options` where the plan takes any.
     """
 
     families: ClassVar[tuple[PackedFamily, ...]] = ()
     plan_class: ClassVar[type[PackedTowerPlan]]
     default_budget_step: ClassVar[int] = 16
+    speed_options: ClassVar[tuple[str, ...]] = ()
+    """The speed options the adapter keeps as attributes of the same names and hands to
+    :attr:`plan_class` as keyword arguments, each ``"auto"`` resolved for the tower
+    (:func:`~layergraph_adapters.kit.automatic.build_with_automatic_options`)."""
 
     def __init__(
         self, attention: str = "auto", max_tokens: int = 16384, budget_step: int | None = None
@@ -176,7 +183,11 @@ class PackedTowerAdapter(Adapter):
         tower, family = self.find(model)
         if family.checked is not None:
             require_transformers(self.name, family.checked)
-        return self.plan_class(tower, self, context, family)
+        build = functools.partial(self.plan_class, tower, self, context, family)
+        if not self.speed_options:
+            return build()
+        options = {name: getattr(self, name) for name in self.speed_options}
+        return build_with_automatic_options(tower, options, build, context)
 
 
 class PackedTowerPlan(CapturePlan, Packing):
