@@ -57,9 +57,9 @@ import functools
 import itertools
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -85,7 +85,7 @@ from layergraph_adapters.kit.packed_tower import (
 )
 from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
 from layergraph_adapters.kit.position_resampling import resampled_positions_for
-from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TowerExample
 from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
@@ -749,6 +749,42 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         "fuse_gate",
         "fuse_rotary",
     )
+    examples: ClassVar[Mapping[str, TowerExample]] = {
+        "qwen2.5-vl-7b": TowerExample(
+            "qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
+            dict(
+                depth=32,
+                hidden_size=1280,
+                num_heads=16,
+                intermediate_size=3420,
+                window_size=112,
+                fullatt_block_indexes=[7, 15, 23, 31],
+                out_hidden_size=3584,
+                spatial_merge_size=2,
+                patch_size=14,
+                temporal_patch_size=2,
+            ),
+        ),
+        "qwen3-vl-8b": TowerExample(
+            "qwen3_vl.Qwen3VLVisionModel",
+            dict(
+                depth=27,
+                hidden_size=1152,
+                num_heads=16,
+                intermediate_size=4304,
+                out_hidden_size=4096,
+                num_position_embeddings=2304,
+                deepstack_visual_indexes=[8, 16, 24],
+                spatial_merge_size=2,
+                patch_size=16,
+                temporal_patch_size=2,
+            ),
+        ),
+        "qwen3.5": TowerExample("qwen3_5.Qwen3_5VisionModel", {}),
+        "glm-4.1v-9b": TowerExample("glm4v.Glm4vVisionModel", {}),
+    }
+    """Qwen2.5-VL-7B's, Qwen3-VL-8B's, Qwen3.5's and GLM-4.1V-9B's towers (the last two their
+    configurations' defaults)."""
 
     def __init__(
         self,
@@ -771,6 +807,27 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         self.fuse_gelu = fuse_gelu
         self.fuse_rotary = fuse_rotary
         self.fuse_gate = fuse_gate
+
+    def example_inputs(
+        self,
+        config: Any,
+        sizes: Sequence[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The patches of images of ``sizes`` as the towers take them (rows of
+        ``in_channels * temporal_patch_size * patch_size**2`` values) and ``grid_thw``, each
+        side rounded to the nearest multiple of patch times merge size, as the processors
+        resize images."""
+        factor = config.patch_size * config.spatial_merge_size
+        grids = [
+            [1, *(max(factor, round(side / factor) * factor) // config.patch_size for side in size)]
+            for size in sizes
+        ]
+        features = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        tokens = sum(rows * columns for _, rows, columns in grids)
+        pixels = torch.randn(tokens, features, dtype=dtype, device=device)
+        return (pixels,), {"grid_thw": torch.tensor(grids, device=device)}
 
 
 def _described(backend: AttentionBackend) -> str:

@@ -267,13 +267,24 @@ class ExampleModel:
 
     Used by the demo and the benchmark, so that nothing is downloaded: ``build(dtype, device)``
     makes the model from its configuration, in eval mode; ``inputs(batch, dtype, device)``
-    returns the ``(args, kwargs)`` of one call with ``batch`` random images.
+    returns the ``(args, kwargs)`` of one call with ``batch`` random images. A model that
+    takes every image at its own size (a native-resolution tower) also has ``sized_inputs``:
+    ``sized_inputs(batch, (height, width), dtype, device)``, one call with ``batch`` random
+    images of that many pixels, laid out and resized as the model's processor would;
+    ``inputs`` is it at one size.
     """
 
     name: str
     adapter: str
     build: Callable[[torch.dtype, torch.device], nn.Module]
     inputs: Callable[[int, torch.dtype, torch.device], tuple[tuple[Any, ...], dict[str, Any]]]
+    sized_inputs: (
+        Callable[
+            [int, tuple[int, int], torch.dtype, torch.device],
+            tuple[tuple[Any, ...], dict[str, Any]],
+        ]
+        | None
+    ) = None
 
 
 class Adapter:

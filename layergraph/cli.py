@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .version import __version__
 
@@ -79,6 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "warm-start file, and warm, which loads it; needs --compile-layers or --compile-region",
     )
     bench.add_argument("--batch-sizes", default=[1, 2, 4, 8, 16, 32], type=_batch_sizes)
+    bench.add_argument(
+        "--image-size",
+        default=None,
+        type=_image_size,
+        metavar="HEIGHTxWIDTH",
+        help="for a tower that takes every image at its own size (qwen2.5-vl-7b, pixtral-12b, "
+        "siglip2-so400m-naflex, ...): images of this many pixels (e.g. 896x896; default 448x448),"
+        " a batch size being that many images in one call",
+    )
     bench.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     bench.add_argument("--iters", type=_positive, default=100, help="timed calls per measurement")
     bench.add_argument(
@@ -153,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
+    if getattr(args, "dtype", None) is not None:
+        args.dtype = _DTYPES[args.dtype]  # the torch dtype's name for every spelling
     if args.command in commands.choices:
         parser = commands.choices[args.command]  # usage errors name the subcommand
     if args.command == "bench" and (args.inductor_option or args.compile_budget is not None):
@@ -170,6 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.stream is not None:
             parser.error("--start and --stream are separate runs: choose one")
+    if (
+        args.command == "bench"
+        and args.image_size is not None
+        and (args.stream is not None or args.start is not None)
+    ):
+        parser.error("--image-size is for the side-by-side run, not --stream or --start")
     if args.command == "bench" and args.stream is not None:
         from .bench.stream import parse_stream
 
@@ -181,6 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = _unknown_model(args.command, args.model)
         if unknown is not None:
             parser.error(unknown)
+        if args.command == "bench" and args.image_size is not None:
+            from .plugins import get_registry
+
+            if get_registry().example_model(args.model).sized_inputs is None:
+                parser.error(
+                    f"argument --image-size: {args.model} takes images of one size; "
+                    "--image-size is for the towers that take every image at its own size"
+                )
     try:
         from rich.console import Console
     except ImportError:
@@ -190,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "adapters":
         return _adapters(console)
     if args.command == "bench":
-        return _bench(console, args)
+        from .bench.command import bench_command
+
+        return bench_command(console, args)
     return _demo(console, args)
 
 
@@ -227,7 +253,7 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     sizes = args.batch_sizes or ([1, 3, 8, 32] if cuda else [1, 3])
     iters = args.iters or (200 if cuda else 5)
-    dtype = getattr(torch, _DTYPES[args.dtype])
+    dtype = getattr(torch, args.dtype)
     report = run_demo(args.model, sizes, dtype, iters, console)
     device = torch.cuda.get_device_name() if cuda else "CPU"
     columns = ["batch", "graph vs eager (rel. error)", "eager ms", "layergraph ms"]
@@ -265,46 +291,6 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
         with open(args.json, "w") as handle:
             json.dump(record, handle, indent=2)
     return 0
-
-
-def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``wrap`` options of ``bench``'s tuned measurement, from its flags."""
-    compiled: bool | dict[str, Any] = True
-    if args.inductor_option:
-        settings = dict(option.split("=", 1) for option in args.inductor_option)
-        compiled = {"options": {name: _literal(value) for name, value in settings.items()}}
-    flags = {
-        "compile_layers": args.compile_layers and compiled,
-        "compile_region": args.compile_region and compiled,
-        "fuse_qkv": args.fuse_qkv,
-        "patch_matmul": args.patch_matmul,
-        "fuse_gelu": args.fuse_gelu,
-        "fuse_norm": args.fuse_norm,
-    }
-    options = {name: value for name, value in flags.items() if value}
-    if args.compile_budget is not None:
-        options["compile_budget"] = args.compile_budget
-    return options
-
-
-def _profile_table(report: Any) -> Any:
-    """The profiled rows by kernel class (:meth:`~layergraph.bench.BenchReport.profile_rows`),
-    against the floor of their matrix products and attention."""
-    from rich.table import Table
-
-    view = Table(title="where each call's time goes, ms per call by kernel class")
-    for column in ("batch", "busy", "kernels", *report.profile_classes(), "floor", "over floor"):
-        view.add_column(column, justify="right")
-    for row in report.profile_rows():
-        view.add_row(
-            str(row["batch"]),
-            f"{row['busy_ms']:.3f}",
-            f"{row['kernels']:.0f}",
-            *(f"{ms:.3f}" for ms in row["classes"]),
-            "-" if row["floor_ms"] is None else f"{row['floor_ms']:.3f}",
-            "-" if row["over_floor"] is None else f"{row['over_floor']:.2f}x",
-        )
-    return view
 
 
 PIPED_WIDTH = 160
@@ -366,6 +352,21 @@ def _positive(text: str) -> int:
     return value
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    """An image size in pixels, ``"896x672"`` (height x width), or one side for a square."""
+    try:
+        sides = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        sides = ()
+    if len(sides) == 1:
+        sides = sides * 2
+    if len(sides) != 2 or min(sides) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected HEIGHTxWIDTH in pixels, e.g. 896x672, or one side, e.g. 448"
+        )
+    return sides
+
+
 def _batch_sizes(text: str) -> list[int]:
     """Comma-separated batch sizes (``"1,8"``), each at least 1."""
     try:
@@ -377,196 +378,6 @@ def _batch_sizes(text: str) -> list[int]:
             f"{text!r}: expected comma-separated batch sizes of at least 1, e.g. 1,8"
         )
     return sizes
-
-
-def _literal(text: str) -> Any:
-    """``text`` as a Python literal (``True``, ``4``, ``'x'``), or as the string itself."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def _bench_stream(console: Console, args: argparse.Namespace) -> int:
-    """``bench --stream``: one request mix served by eager, layergraph (and tuned, with
-    the tuning flags), fixed buckets and exact keys."""
-    import torch
-
-    from .bench.stream import parse_stream, run_stream
-
-    requests = parse_stream(args.stream, args.seed)
-    tuned = _tuned_options(args)
-    with console.status(f"serving {len(requests)} requests {4 + bool(tuned)} ways..."):
-        report = run_stream(
-            args.model,
-            requests,
-            dtype=getattr(torch, _DTYPES[args.dtype]),
-            tuned=tuned,
-            passes=args.passes,
-        )
-    text = report.to_markdown()
-    console.print(text, markup=False, highlight=False)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report.to_dict(), handle, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(text)
-    return 0
-
-
-def _bench_start(console: Console, args: argparse.Namespace) -> int:
-    """``bench --start``: a cold and a warm start of the speed options, in fresh processes."""
-    import torch
-    from rich.table import Table
-
-    from .bench.report import describe_options
-    from .bench.start import run_start
-
-    if not torch.cuda.is_available():
-        console.print(
-            "[yellow]No CUDA GPU here: the starts run on the CPU in float32 with simulated "
-            "graphs; compiling and Inductor's caches are real, capture is not.[/]"
-        )
-    options = _tuned_options(args)
-    with console.status("cold start: compiling with empty caches...") as status:
-        report = run_start(
-            args.model,
-            args.start,
-            options,
-            dtype=getattr(torch, _DTYPES[args.dtype]),
-            on_process=lambda process: status.update(
-                f"{process} start: "
-                + ("compiling with empty caches..." if process == "cold" else "from the file...")
-            ),
-        )
-    sizes = ", ".join(map(str, report.batch_sizes))
-    table = Table(
-        "start",
-        "wrap to graphs s",
-        "cold / this",
-        "model build s",
-        "compiler import s",
-        "whole process s",
-        "graphs",
-        "Inductor cache hits",
-        "Inductor cache misses",
-        "worst error",
-        title=f"{report.model} on {report.device}, {report.dtype}, batch sizes {sizes}: "
-        f"layergraph, {describe_options(report.options)}",
-    )
-    for row in (report.cold, report.warm):
-        table.add_row(
-            row.process,
-            f"{row.start_s:.2f}",
-            f"{report.cold.start_s / row.start_s:.2f}x",
-            f"{row.build_s:.2f}",
-            "-" if row.compiler_import_s is None else f"{row.compiler_import_s:.2f}",
-            f"{row.process_s:.2f}",
-            str(row.graphs),
-            str(row.hits),
-            str(row.misses),
-            f"{row.worst_error:.2e}",
-        )
-    console.print(table)
-    console.print(
-        f"warm-start file: {(report.cold.file_bytes or 0) / 2**20:.1f} MiB; each start in a "
-        f"fresh process with empty Inductor and Triton caches"
-    )
-    for row in (report.cold, report.warm):
-        for warning in row.warnings:
-            console.print(f"[yellow]{row.process}: {warning}[/]", highlight=False)
-    if args.json:
-        report.write_json(args.json)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(report.to_markdown())
-    return 0
-
-
-def _bench(console: Console, args: argparse.Namespace) -> int:
-    import torch
-    from rich.live import Live
-    from rich.table import Table
-
-    from .bench import BenchReport, run_benchmark
-    from .plugins import get_registry
-
-    if args.list_models:
-        for name in get_registry().example_model_names():
-            console.print(name)
-        console.print("timm:NAME (any timm VisionTransformer or Eva)")
-        console.print("open_clip:NAME (any open_clip architecture's image tower)")
-        return 0
-    if args.start is not None:
-        return _bench_start(console, args)
-    if not torch.cuda.is_available():
-        console.print(
-            "[yellow]No CUDA GPU here: only the eager path is measured (float32, CPU).[/]"
-        )
-    if args.stream is not None:
-        return _bench_stream(console, args)
-
-    def table(report: BenchReport) -> Table:
-        view = Table(title=f"{report.model} on {report.device}, {report.dtype}")
-        view.add_column("batch")
-        labels = report.labels()
-        for label in labels.values():
-            view.add_column(f"{label} ms")
-        view.add_column("speedup")
-        view.add_column("vs hand-written")
-        view.add_column("tuned vs hand-written")
-        for row in report.rows:
-            cells = [
-                "-"
-                if getattr(row, method) is None
-                else f"{getattr(row, method):.3f}"
-                + (" (eager)" if method == "layergraph_ms" and row.served_eagerly else "")
-                for method in labels
-            ]
-            speedup = row.ratio("eager_ms", "layergraph_ms")
-            ratios = (row.ratio(m, "plain_graph_ms") for m in ("layergraph_ms", "tuned_ms"))
-            view.add_row(
-                str(row.batch),
-                *cells,
-                "-" if speedup is None else f"{speedup:.2f}x",
-                *("-" if ratio is None else f"{ratio:.3f}" for ratio in ratios),
-            )
-        return view
-
-    sizes = args.batch_sizes
-    dtype = getattr(torch, _DTYPES[args.dtype])
-    with Live(console=console, refresh_per_second=4) as live:
-        live.update(f"building {args.model} and capturing {len(sizes)} batch sizes...")
-        report = run_benchmark(
-            args.model,
-            sizes,
-            dtype=dtype,
-            iters=args.iters,
-            compile=args.compile,
-            tuned=_tuned_options(args),
-            profile=args.profile,
-            on_row=lambda partial: live.update(table(partial)),
-        )
-    if report.capture_seconds is not None:
-        console.print(
-            f"capture of {len(sizes)} batch sizes: {report.capture_seconds:.2f} s; pool "
-            f"{report.pool_bytes / 2**20:.0f} MiB, largest alone "
-            f"{report.largest_alone_pool_bytes / 2**20:.0f} MiB ({report.pool_ratio:.3f}x); "
-            f"matmul rate {report.matmul_tflops:.0f} TFLOP/s"
-        )
-    if report.tuned_compile_seconds:
-        console.print(f"tuned: compiling took {report.tuned_compile_seconds:.1f} s in all")
-    if args.profile:
-        console.print(_profile_table(report))
-    if args.json:
-        report.write_json(args.json)
-    if args.markdown:
-        with open(args.markdown, "w") as handle:
-            handle.write(report.to_markdown())
-    if args.plot:
-        report.plot(args.plot)
-    return 0
 
 
 if __name__ == "__main__":

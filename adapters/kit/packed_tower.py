@@ -33,14 +33,14 @@ import contextlib
 import contextvars
 import functools
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext
+from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, PlanContext
 from layergraph.adapter import own_forward
 from layergraph.attention import (
     AttentionBackend,
@@ -55,8 +55,10 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
 
 __all__ = [
+    "EXAMPLE_IMAGE_SIZE",
     "MIN_IMAGE_SLOTS",
     "PackedFamily",
     "PackedTowerAdapter",
@@ -68,6 +70,10 @@ __all__ = [
     "read_inputs",
     "workspace",
 ]
+
+EXAMPLE_IMAGE_SIZE = 448
+"""The side, in pixels, of the square images an example tower's inputs hold unless asked for
+others."""
 
 MIN_IMAGE_SLOTS = 8
 """Images (or frames) a graph holds at least; more round up to a power of two. Part of a
@@ -162,8 +168,52 @@ class PackedTowerAdapter(Adapter):
         self.max_tokens = max_tokens
         self.budget_step = budget_step
 
+    examples: ClassVar[Mapping[str, TowerExample]] = {}
+    """Well-known towers the adapter serves, by name, for ``layergraph bench``: transformers
+    classes built from their configurations' settings with random weights, fed images of
+    :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) unless asked for others. A
+    family with examples implements :meth:`example_inputs`."""
+
     def recognizes(self, model: nn.Module) -> bool:
         return find_packed_tower(model, self.families) is not None
+
+    def example_models(self) -> list[str]:
+        return list(self.examples)
+
+    def example_model(self, name: str) -> ExampleModel | None:
+        example = self.examples.get(name)
+        if example is None:
+            return None
+        side = example.image_size or EXAMPLE_IMAGE_SIZE
+
+        def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
+            return build_tower(example.tower, example.settings, dtype, device)
+
+        def sized_inputs(
+            batch: int, size: tuple[int, int], dtype: torch.dtype, device: torch.device
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            config = transformers_class(example.tower).config_class(**example.settings)
+            return self.example_inputs(config, [size] * batch, dtype, device)
+
+        return ExampleModel(
+            name=name,
+            adapter=self.name,
+            build=build,
+            inputs=lambda batch, dtype, device: sized_inputs(batch, (side, side), dtype, device),
+            sized_inputs=sized_inputs,
+        )
+
+    def example_inputs(
+        self,
+        config: Any,
+        sizes: Sequence[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """One call's ``(args, kwargs)`` for a tower of ``config``: random images of ``sizes``
+        (``(height, width)`` in pixels), resized and laid out as the family's processor and
+        VLMs do, in ``dtype`` on ``device``. For :attr:`examples`; nothing else calls it."""
+        raise NotImplementedError(f"the {self.name} adapter has no example towers")
 
     def find(self, model: nn.Module) -> tuple[nn.Module, PackedFamily]:
         """The tower ``model`` is or holds, and its family; :class:`AdapterMismatch` names the

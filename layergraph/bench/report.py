@@ -140,6 +140,12 @@ class BenchReport:
     tuned_compile_seconds: float | None = None
     """Seconds the tuned measurement's compiled code spent compiling, over every batch size
     (``GraphedModule.compile_budget.spent``)."""
+    image_size: tuple[int, int] | None = None
+    """The ``(height, width)`` in pixels of the images of a tower that takes every image at its
+    own size (``layergraph bench --image-size``); ``None``: the model's one size."""
+    notes: list[str] = field(default_factory=list)
+    """What the run did otherwise than its methods say, in words (a packed tower's budgets
+    captured per batch size, methods not measured)."""
     rows: list[BenchRow] = field(default_factory=list)
 
     @property
@@ -181,6 +187,8 @@ class BenchReport:
             BenchRow(**{_LEGACY_FIELDS.get(name, name): value for name, value in row.items()})
             for row in record.pop("rows")
         ]
+        if record.get("image_size") is not None:
+            record["image_size"] = tuple(record["image_size"])
         return cls(**record, rows=rows)
 
     def to_markdown(self) -> str:
@@ -190,6 +198,12 @@ class BenchReport:
             "",
             f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
             f"- command: `{self.command}`",
+            *(
+                [f"- images of {self.image_size[0]}x{self.image_size[1]} pixels (height x width)"]
+                if self.image_size is not None
+                else []
+            ),
+            *(f"- {note}" for note in self.notes),
             f"- medians of {self.iters} calls after warm-up, each timed "
             + ("with CUDA events" if self.matmul_tflops else "by the wall clock"),
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import platform
 import sys
 import time
@@ -36,6 +37,7 @@ def run_benchmark(
     compile: bool = False,
     tuned: Mapping[str, Any] | None = None,
     profile: bool = False,
+    image_size: tuple[int, int] | None = None,
     on_row: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
     """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
@@ -53,9 +55,25 @@ def run_benchmark(
     all, once layergraph's graphs are released. Without a GPU only eager is measured, in
     float32. With ``profile``, each batch size's layergraph call (eager's without a GPU) is
     profiled by kernel class (:mod:`layergraph.bench.profile`, ``BenchRow.profile``).
+    ``image_size`` (``(height, width)`` in pixels) feeds a model that takes every image at its
+    own size (an example with ``sized_inputs``: the native-resolution towers) images of that
+    size; a batch is then that many images in one call. Such a tower's graphs are per token
+    budget and cannot be captured ahead: each batch size is wrapped afresh and captured at its
+    first call (``capture_seconds`` sums them, ``pool_bytes`` is the largest pool), the
+    hand-written graph and torch.compile are not measured (its forward reads the images'
+    grid on the host, which a capture refuses), and ``BenchReport.notes`` says so.
     ``on_row`` is called with the report after each batch size, for live display.
     """
     example = get_registry().example_model(model_name)
+    inputs = example.inputs
+    if image_size is not None:
+        sized = example.sized_inputs
+        if sized is None:
+            raise ValueError(
+                f"{example.name} takes images of one size; an image size is for the towers "
+                f"that take every image at its own size"
+            )
+        inputs = functools.partial(_at_size, sized, tuple(image_size))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
@@ -74,46 +92,107 @@ def run_benchmark(
         else f"run_benchmark({model_name!r}, {sizes})",
         iters=iters,
         tuned_options=dict(tuned or {}),
+        image_size=None if image_size is None else tuple(image_size),
     )
+    packed = cuda and _packs(model, example.adapter)
+    if packed:
+        report.notes += [
+            "captured per token budget: each batch size wrapped afresh, its budget captured "
+            "at its first call",
+            "hand-written graph and torch.compile not measured: the tower's forward reads "
+            "its images' grid on the host, which a capture refuses",
+        ]
     with torch.inference_mode():
         graphed = None
         if cuda:
             report.matmul_tflops = _matmul_tflops(dtype)
-            graphed = _capture_all(model, example, sizes, dtype, device, report)
+            if not packed:
+                graphed = _capture_all(model, example.adapter, inputs, sizes, dtype, device, report)
         for batch in sizes:
-            args, kwargs = example.inputs(batch, dtype, device)
-            row = _measure(model, graphed, args, kwargs, batch, device, iters)
+            args, kwargs = inputs(batch, dtype, device)
+            if packed:
+                graphed = _capture_packed(model, example.adapter, args, kwargs, report)
+            row = _measure(model, graphed, args, kwargs, batch, device, iters, by_hand=not packed)
             if profile:
                 target = graphed if graphed is not None else model
                 row.profile = _profile(target, args, kwargs, device)
             report.rows.append(row)
             if on_row is not None:
                 on_row(report)
-        if graphed is not None:
+            if packed:
+                graphed.unwrap()
+        if graphed is not None and not packed:
             graphed.unwrap()
         if cuda and report.tuned_options:
-            _measure_tuned(model, example, dtype, device, iters, report)
+            _measure_tuned(model, example.adapter, inputs, packed, dtype, device, iters, report)
             if on_row is not None:
                 on_row(report)
-        if cuda and compile:
-            _measure_torch_compile(model, example, dtype, device, iters, report)
+        if cuda and compile and not packed:
+            _measure_torch_compile(model, inputs, dtype, device, iters, report)
             if on_row is not None:
                 on_row(report)
     return report
 
 
+def _at_size(
+    sized: Callable[..., Any],
+    size: tuple[int, int],
+    batch: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Any:
+    """An example's ``sized_inputs`` at one image size, called as its ``inputs``."""
+    return sized(batch, size, dtype, device)
+
+
+def _packs(model: torch.nn.Module, adapter: str) -> bool:
+    """Whether ``adapter``'s plan for ``model`` packs calls into token budgets; wrapping to
+    find out is undone."""
+    graphed = wrap(model, adapter=adapter)
+    try:
+        return graphed.plan.packing is not None
+    finally:
+        graphed.unwrap()
+
+
+def _capture_packed(
+    model: torch.nn.Module,
+    adapter: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    report: BenchReport,
+) -> Any:
+    """``model`` wrapped afresh for one call, its budget captured by that call (budgets
+    planned from the first call, none observed); the capture's seconds added to the
+    report's and its pool kept if the largest."""
+    graphed = wrap(model, adapter=adapter, observe_calls=0)
+    started = time.perf_counter()
+    graphed(*args, **kwargs)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    stats = graphed.stats
+    report.capture_seconds = (report.capture_seconds or 0.0) + stats.capture_seconds
+    report.capture_wall_seconds = (report.capture_wall_seconds or 0.0) + wall
+    report.pool_bytes = max(report.pool_bytes or 0, stats.pool_bytes)
+    return graphed
+
+
 def _measure_tuned(
     model: torch.nn.Module,
-    example: Any,
+    adapter: str,
+    inputs: Callable[..., Any],
+    packed: bool,
     dtype: torch.dtype,
     device: torch.device,
     iters: int,
     report: BenchReport,
 ) -> None:
-    """layergraph with ``report.tuned_options``, each batch size captured at its first call."""
-    graphed = wrap(model, adapter=example.adapter, **report.tuned_options)
+    """layergraph with ``report.tuned_options``, each batch size captured at its first call
+    (a packed tower's budgets planned from the calls, none observed)."""
+    options = {"observe_calls": 0, **report.tuned_options} if packed else report.tuned_options
+    graphed = wrap(model, adapter=adapter, **options)
     for row in report.rows:
-        args, kwargs = example.inputs(row.batch, dtype, device)
+        args, kwargs = inputs(row.batch, dtype, device)
         with graphed.original() as original:
             expected = original(*args, **kwargs)
         got = graphed(*args, **kwargs)
@@ -127,7 +206,7 @@ def _measure_tuned(
 
 def _measure_torch_compile(
     model: torch.nn.Module,
-    example: Any,
+    inputs: Callable[..., Any],
     dtype: torch.dtype,
     device: torch.device,
     iters: int,
@@ -137,7 +216,7 @@ def _measure_torch_compile(
     torch._dynamo.reset()
     compiled = compiled_reduce_overhead(model)
     for row in report.rows:
-        args, kwargs = example.inputs(row.batch, dtype, device)
+        args, kwargs = inputs(row.batch, dtype, device)
         started = time.perf_counter()
         for _ in range(3):
             compiled(*args, **kwargs)
@@ -150,7 +229,8 @@ def _measure_torch_compile(
 
 def _capture_all(
     model: torch.nn.Module,
-    example: Any,
+    adapter: str,
+    inputs: Callable[..., Any],
     sizes: list[int],
     dtype: torch.dtype,
     device: torch.device,
@@ -162,9 +242,9 @@ def _capture_all(
     benchmark uses. Neither pool holds a cuBLAS workspace (those live in the capture lane's
     anchor pool, :mod:`layergraph.capture_lanes`), so the two compare like for like.
     """
-    args, kwargs = example.inputs(1, dtype, device)
-    report.largest_alone_pool_bytes = _pool_alone(model, example.adapter, sizes[-1], args, kwargs)
-    graphed = wrap(model, adapter=example.adapter)
+    args, kwargs = inputs(1, dtype, device)
+    report.largest_alone_pool_bytes = _pool_alone(model, adapter, sizes[-1], args, kwargs)
+    graphed = wrap(model, adapter=adapter)
     started = time.perf_counter()
     graphed.capture(*args, batch_sizes=sizes, progress=False, **kwargs)
     torch.cuda.synchronize()
@@ -193,8 +273,10 @@ def _measure(
     batch: int,
     device: torch.device,
     iters: int,
+    by_hand: bool = True,
 ) -> BenchRow:
-    """One batch size. Eager and the references run on the model as it was before wrapping."""
+    """One batch size. Eager and the references run on the model as it was before wrapping;
+    the hand-written graph only with ``by_hand``."""
     with graphed.original() if graphed is not None else contextlib.nullcontext(model) as original:
         with _parameters_frozen(original), FlopCounterMode(display=False) as counter:
             expected = original(*args, **kwargs)
@@ -209,13 +291,16 @@ def _measure(
         if graphed is None:
             return row
         row.eager_wait_ms = waited_ms(lambda: original(*args, **kwargs), device=device, iters=iters)
-        by_hand = plain_graph(original, *args, **kwargs)
-        row.plain_graph_ms = median_ms(lambda: by_hand(*args, **kwargs), device=device, iters=iters)
-        row.plain_graph_wait_ms = waited_ms(
-            lambda: pytree.tree_map_only(torch.Tensor, torch.clone, by_hand(*args, **kwargs)),
-            device=device,
-            iters=iters,
-        )
+        if by_hand:
+            graph = plain_graph(original, *args, **kwargs)
+            row.plain_graph_ms = median_ms(
+                lambda: graph(*args, **kwargs), device=device, iters=iters
+            )
+            row.plain_graph_wait_ms = waited_ms(
+                lambda: pytree.tree_map_only(torch.Tensor, torch.clone, graph(*args, **kwargs)),
+                device=device,
+                iters=iters,
+            )
     got = graphed(*args, **kwargs)
     row.relative_error = relative_error(first_tensor(got), first_tensor(expected))
     row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)

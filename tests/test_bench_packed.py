@@ -1,0 +1,243 @@
+"""``layergraph bench`` for the towers that take every image at its own size: their example
+models, the inputs made at an image size, and the benchmark's run and report of them."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import layergraph
+from layergraph.bench import BenchReport, run_benchmark
+from layergraph.plugins import AdapterRegistry, get_registry
+from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
+from layergraph_adapters.pixtral import PixtralAdapter
+from layergraph_adapters.qwen2_vl import Qwen2VLAdapter
+from layergraph_adapters.siglip2 import Siglip2Adapter
+
+CPU = torch.device("cpu")
+
+TINY_QWEN = dict(
+    depth=2,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=64,
+    out_hidden_size=32,
+    window_size=56,
+    fullatt_block_indexes=[1],
+    spatial_merge_size=2,
+    patch_size=14,
+    temporal_patch_size=2,
+)
+TINY_TOWERS: dict[str, tuple[type[layergraph.Adapter], TowerExample]] = {
+    "qwen2_vl": (
+        Qwen2VLAdapter,
+        TowerExample("qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel", TINY_QWEN),
+    ),
+    "pixtral": (
+        PixtralAdapter,
+        TowerExample(
+            "PixtralVisionModel",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                patch_size=14,
+                image_size=280,
+            ),
+        ),
+    ),
+    "siglip2": (
+        Siglip2Adapter,
+        TowerExample(
+            "Siglip2VisionModel",
+            dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                patch_size=4,
+                num_patches=64,
+            ),
+        ),
+    ),
+}
+"""Each packed adapter with a two-layer tower of its family, as an example."""
+
+
+def tiny_adapter(adapter: type[layergraph.Adapter], example: TowerExample) -> type:
+    """``adapter`` with one example, ``tiny``: a two-layer tower of its family."""
+
+    class Tiny(adapter):  # type: ignore[misc, valid-type]
+        examples: ClassVar[dict[str, TowerExample]] = {"tiny": example}
+
+    return Tiny
+
+
+def registry_with(factory: Callable[..., Any]) -> AdapterRegistry:
+    """A registry holding only ``factory``."""
+
+    class Plugin:
+        @layergraph.hookimpl
+        def register_adapters(self, register: Callable[..., None]) -> None:
+            register(factory)
+
+    registry = AdapterRegistry()
+    registry.add_plugin(Plugin(), "local-plugin", "localdist", "0.1")
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("name", "adapter"),
+    [
+        ("qwen2.5-vl-7b", Qwen2VLAdapter),
+        ("qwen3-vl-8b", Qwen2VLAdapter),
+        ("qwen3.5", Qwen2VLAdapter),
+        ("glm-4.1v-9b", Qwen2VLAdapter),
+        ("pixtral-12b", PixtralAdapter),
+        ("siglip2-so400m-naflex", Siglip2Adapter),
+    ],
+)
+def test_packed_examples_are_listed_and_take_any_image_size(
+    name: str, adapter: type[layergraph.Adapter]
+) -> None:
+    registry = get_registry()
+    assert name in registry.example_model_names()
+    example = registry.example_model(name)
+    assert example.adapter == adapter.name and example.sized_inputs is not None
+    tower = adapter.examples[name]
+    try:
+        config = transformers_class(tower.tower).config_class(**tower.settings)
+    except (AttributeError, ImportError):
+        pytest.skip(f"this transformers has no {tower.tower}")
+    one = tokens(adapter.name, config, *example.sized_inputs(1, (300, 500), torch.float32, CPU))
+    three = tokens(adapter.name, config, *example.sized_inputs(3, (300, 500), torch.float32, CPU))
+    square = tokens(adapter.name, config, *example.inputs(1, torch.float32, CPU))
+    assert one > 0 and three == 3 * one
+    assert square == tokens(
+        adapter.name, config, *example.sized_inputs(1, (448, 448), torch.float32, CPU)
+    )
+
+
+def tokens(adapter: str, config: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The patches a call of a tower of ``adapter``'s family holds, read from its inputs."""
+    if adapter == "qwen2_vl":
+        return int(kwargs["grid_thw"].prod(dim=1).sum())
+    if adapter == "pixtral":
+        return int((kwargs["image_sizes"] // config.patch_size).prod(dim=1).sum())
+    return int(kwargs["pixel_attention_mask"].sum())
+
+
+@pytest.mark.parametrize(
+    ("size", "grid"),
+    [((448, 448), (32, 32)), ((100, 150), (8, 10)), ((10, 2000), (2, 142))],
+)
+def test_qwen_inputs_round_each_side_to_patch_times_merge(
+    size: tuple[int, int], grid: tuple[int, int]
+) -> None:
+    adapter = Qwen2VLAdapter()
+    config = transformers_class(TINY_TOWERS["qwen2_vl"][1].tower).config_class(**TINY_QWEN)
+    (pixels,), kwargs = adapter.example_inputs(config, [size, size], torch.float16, CPU)
+    assert kwargs["grid_thw"].tolist() == [[1, *grid]] * 2
+    assert pixels.shape == (2 * math.prod(grid), 3 * 2 * 14 * 14)
+    assert pixels.dtype == torch.float16
+
+
+def test_pixtral_inputs_fit_the_largest_side_and_pad_to_the_batch() -> None:
+    adapter = PixtralAdapter()
+    config = transformers_class("PixtralVisionModel").config_class(image_size=1024, patch_size=16)
+    (pixels,), kwargs = adapter.example_inputs(config, [(100, 1500), (40, 50)], torch.float32, CPU)
+    # 1500 pixels wide is scaled to 1024: 100 * 1024 / 1500 = 68 rows, rounded up to 80
+    assert kwargs["image_sizes"].tolist() == [[80, 1024], [48, 64]]
+    assert pixels.shape == (2, 3, 80, 1024)
+
+
+def test_siglip2_inputs_keep_each_image_within_the_patch_budget() -> None:
+    adapter = Siglip2Adapter()
+    settings = TINY_TOWERS["siglip2"][1].settings
+    config = transformers_class("Siglip2VisionModel").config_class(**settings)
+    (pixels,), kwargs = adapter.example_inputs(config, [(64, 64), (16, 400)], torch.float32, CPU)
+    grids = kwargs["spatial_shapes"].tolist()
+    mask = kwargs["pixel_attention_mask"]
+    assert pixels.shape == (2, 64, 3 * 4 * 4) and mask.shape == (2, 64)
+    for row, (rows, columns) in enumerate(grids):
+        assert 0 < rows * columns <= 64 and int(mask[row].sum()) == rows * columns
+        assert not pixels[row, rows * columns :].any()  # padding patches are zero
+    assert grids[1][1] > grids[1][0]  # a wide image stays wide
+
+
+@pytest.mark.parametrize("family", sorted(TINY_TOWERS))
+def test_example_inputs_are_what_each_tower_takes(family: str) -> None:
+    adapter, example = TINY_TOWERS[family]
+    tower = build_tower(example.tower, example.settings, torch.float32, CPU)
+    config = transformers_class(example.tower).config_class(**example.settings)
+    args, kwargs = adapter().example_inputs(config, [(56, 84), (112, 56)], torch.float32, CPU)
+    with torch.inference_mode():
+        output = tower(*args, **kwargs)
+    assert torch.isfinite(output.last_hidden_state).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_run_benchmark_feeds_a_packed_tower_images_of_the_size_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    adapter, example = TINY_TOWERS["qwen2_vl"]
+    registry = registry_with(tiny_adapter(adapter, example))
+    monkeypatch.setattr("layergraph.bench.run.get_registry", lambda: registry)
+    small = run_benchmark("tiny", [1], iters=1, image_size=(56, 56))
+    report = run_benchmark("tiny", [2, 1], iters=1, image_size=(112, 168), profile=True)
+    assert report.image_size == (112, 168) and report.adapter == "qwen2_vl"
+    one, two = report.rows
+    # 112x168 is 8x12 patches, 56x56 is 4x4: six times the tokens, and the FLOPs beside
+    assert one.gflop > 5 * small.rows[0].gflop
+    assert two.gflop == pytest.approx(2 * one.gflop, rel=0.05)
+    assert one.profile is not None and one.profile["busy_ms"] > 0
+    assert "images of 112x168 pixels" in report.to_markdown()
+    report.write_json(tmp_path / "r.json")
+    assert BenchReport.read_json(tmp_path / "r.json") == report
+
+
+def test_an_image_size_is_refused_for_a_model_of_one_size() -> None:
+    with pytest.raises(ValueError, match="vit_tiny_patch16_224 takes images of one size"):
+        run_benchmark("vit_tiny_patch16_224", [1], image_size=(448, 448))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--model", "vit_base_patch16_224", "--image-size", "448"], "takes images of one size"),
+        (["--model", "qwen2.5-vl-7b", "--image-size", "4x"], "expected HEIGHTxWIDTH"),
+        (["--model", "qwen2.5-vl-7b", "--image-size", "0x448"], "expected HEIGHTxWIDTH"),
+        (
+            ["--model", "qwen2.5-vl-7b", "--image-size", "448", "--stream", "4:1-2"],
+            "not --stream or --start",
+        ),
+    ],
+)
+def test_bench_command_names_a_bad_image_size(arguments: list[str], message: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", "bench", *arguments],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2 and message in run.stderr
+
+
+@pytest.mark.cuda
+def test_run_benchmark_times_a_packed_tower_graphed_against_eager() -> None:
+    report = run_benchmark("qwen2.5-vl-7b", [1, 2], iters=5, image_size=(224, 336), profile=True)
+    assert report.dtype == "bfloat16" and report.notes
+    for row in report.rows:
+        assert row.layergraph_ms is not None and row.layergraph_wait_ms is not None
+        assert row.plain_graph_ms is None and row.compile_ms is None
+        assert row.relative_error is not None and row.relative_error < 2e-2
+        assert row.profile is not None and row.profile["busy_ms"] > 0
+    assert report.capture_seconds is not None and report.capture_seconds > 0
+    assert report.pool_bytes and report.largest_alone_pool_bytes is None
