@@ -704,6 +704,10 @@ class Qwen2VLPlan(PackedTowerPlan):
         return module.proj(out.reshape(tokens, -1))
 
 
+PROMPT_TEXT_TOKENS = 32
+"""Text tokens around the images of an example VLM's prompt."""
+
+
 class Qwen2VLAdapter(PackedTowerAdapter):
     """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V,
     GLM-4.6V, GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
@@ -785,6 +789,42 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     }
     """Qwen2.5-VL-7B's, Qwen3-VL-8B's, Qwen3.5's and GLM-4.1V-9B's towers (the last two their
     configurations' defaults)."""
+    vlm_examples: ClassVar[Mapping[str, TowerExample]] = {
+        "qwen2.5-vl-3b": TowerExample(
+            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+            dict(
+                vision_config=dict(
+                    depth=32,
+                    hidden_size=1280,
+                    num_heads=16,
+                    intermediate_size=3420,
+                    window_size=112,
+                    fullatt_block_indexes=[7, 15, 23, 31],
+                    out_hidden_size=2048,
+                    spatial_merge_size=2,
+                    patch_size=14,
+                    temporal_patch_size=2,
+                ),
+                text_config=dict(
+                    hidden_size=2048,
+                    intermediate_size=11008,
+                    num_hidden_layers=36,
+                    num_attention_heads=16,
+                    num_key_value_heads=2,
+                    vocab_size=151936,
+                    max_position_embeddings=32768,
+                    rope_parameters=dict(
+                        rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24]
+                    ),
+                ),
+                image_token_id=151655,
+                video_token_id=151656,
+                vision_start_token_id=151652,
+                vision_end_token_id=151653,
+            ),
+        ),
+    }
+    """Qwen2.5-VL-3B: a 32-layer tower of 1280 and a 36-layer language model of 2048."""
 
     def __init__(
         self,
@@ -828,6 +868,40 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         tokens = sum(rows * columns for _, rows, columns in grids)
         pixels = torch.randn(tokens, features, dtype=dtype, device=device)
         return (pixels,), {"grid_thw": torch.tensor(grids, device=device)}
+
+    def example_prompt(
+        self,
+        config: Any,
+        sizes: Sequence[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> dict[str, Any]:
+        """:data:`PROMPT_TEXT_TOKENS` random text tokens with the images in their middle, each
+        image one image token per merged patch between the vision start and end tokens, as
+        the Qwen processors lay them out; ``pixel_values`` and ``image_grid_thw`` as
+        :meth:`example_inputs` makes them for the VLM's tower."""
+        vision = config.vision_config
+        (pixels,), tower_inputs = self.example_inputs(vision, sizes, dtype, device)
+        grids = tower_inputs["grid_thw"]
+        images = []
+        for _, rows, columns in grids.tolist():
+            merged = rows * columns // vision.spatial_merge_size**2
+            images += [
+                config.vision_start_token_id,
+                *[config.image_token_id] * merged,
+                config.vision_end_token_id,
+            ]
+        vocabulary = config.get_text_config().vocab_size
+        text = torch.randint(
+            min(1000, vocabulary // 2), min(100000, vocabulary), (PROMPT_TEXT_TOKENS,)
+        ).tolist()
+        half = PROMPT_TEXT_TOKENS // 2
+        ids = [*text[:half], *images, *text[half:]]
+        return {
+            "input_ids": torch.tensor([ids], device=device),
+            "pixel_values": pixels,
+            "image_grid_thw": grids,
+        }
 
 
 def _described(backend: AttentionBackend) -> str:

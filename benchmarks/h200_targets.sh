@@ -3,7 +3,7 @@
 # installed (nvidia-cudnn-frontend from build/wheels, when carried there). Parts, in order:
 #   towers:  benchmarks/packed_towers.py, every packed tower (one image per size against eager
 #            and the hand-written graph; the stream of 100 requests); about 6 minutes;
-#   prefill: benchmarks/vlm_prefill.py (a Qwen2.5-VL-3B-sized VLM's time to first token);
+#   prefill: layergraph bench --prefill (a Qwen2.5-VL-3B-sized VLM's time to first token);
 #   start:   benchmarks/packed_start.py (cold and warm start of Qwen2.5-VL-7B's budgets);
 #   fixed:   InternViT-300M and SigLIP-so400m at batch 32, the defaults against eager, and
 #            fuse_gelu="approximate" against the defaults (benchmarks/option_ab.py);
@@ -20,7 +20,7 @@ python3 -c 'import cudnn; print("cudnn frontend", cudnn.__version__)' >>"$log" 2
 for part in "${@:-towers}"; do
   case $part in
     towers) step 480 python3 benchmarks/packed_towers.py --json "$out/packed-towers.json" ;;
-    prefill) step 200 python3 benchmarks/vlm_prefill.py --json "$out/vlm-prefill.json" ;;
+    prefill) step 200 python3 -m layergraph.cli bench --prefill 60 --json "$out/vlm-prefill.json" ;;
     start) step 200 python3 benchmarks/packed_start.py --tower qwen2.5-vl-7b \
       --json "$out/packed-start.json" ;;
     fixed) step 200 python3 benchmarks/option_ab.py --option fuse_gelu --baseline auto \

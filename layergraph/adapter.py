@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -271,7 +271,10 @@ class ExampleModel:
     takes every image at its own size (a native-resolution tower) also has ``sized_inputs``:
     ``sized_inputs(batch, (height, width), dtype, device)``, one call with ``batch`` random
     images of that many pixels, laid out and resized as the model's processor would;
-    ``inputs`` is it at one size.
+    ``inputs`` is it at one size. A whole VLM also has ``prompt``: ``prompt(sizes, dtype,
+    device)``, the keyword inputs of one prompt of a few random text tokens around images of
+    ``sizes`` (``(height, width)`` each), as its processor lays them out, for a prefill
+    (``layergraph bench --prefill``).
     """
 
     name: str
@@ -284,6 +287,9 @@ class ExampleModel:
             tuple[tuple[Any, ...], dict[str, Any]],
         ]
         | None
+    ) = None
+    prompt: (
+        Callable[[Sequence[tuple[int, int]], torch.dtype, torch.device], dict[str, Any]] | None
     ) = None
 
 

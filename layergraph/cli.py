@@ -16,6 +16,20 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
+_BENCH_MODEL = "vit_base_patch16_224"
+"""The model ``layergraph bench`` times unless told another."""
+_PREFILL_MODEL = "qwen2.5-vl-3b"
+"""The VLM ``layergraph bench --prefill`` times unless told another."""
+_TUNING_FLAGS = (
+    "compile_layers",
+    "compile_region",
+    "fuse_qkv",
+    "patch_matmul",
+    "fuse_gelu",
+    "fuse_norm",
+    "inductor_option",
+)
+"""The ``bench`` arguments that ask for the tuned measurement."""
 _DTYPES = {"float16": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
@@ -49,8 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument(
         "--model",
-        default="vit_base_patch16_224",
-        help="an example model of an adapter (see --list-models), timm:NAME or open_clip:NAME",
+        default=None,
+        help="an example model of an adapter (see --list-models), timm:NAME or open_clip:NAME "
+        f"(default {_BENCH_MODEL}; with --prefill, {_PREFILL_MODEL})",
     )
     bench.add_argument("--list-models", action="store_true", help="list the model names")
     bench.add_argument(
@@ -61,7 +76,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "layergraph, buckets of powers of two and exact keys (and layergraph tuned, with the "
         "tuning flags), each call waited for (e.g. 120:1-13)",
     )
-    bench.add_argument("--seed", type=int, default=0, help="the --stream mix's random seed")
+    bench.add_argument(
+        "--prefill",
+        type=_positive,
+        default=None,
+        metavar="REQUESTS",
+        help="instead, time to first token of an example VLM on REQUESTS requests of 1 to 3 "
+        "images, eager and wrapped, each prefill waited for (p50 and p90)",
+    )
+    bench.add_argument(
+        "--seed", type=int, default=0, help="the --stream mix's or --prefill stream's seed"
+    )
     bench.add_argument(
         "--passes",
         type=int,
@@ -161,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--markdown", default=None, help="write a Markdown table here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency against batch")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.model is None:
+        args.model = _PREFILL_MODEL if args.prefill else _BENCH_MODEL
     if getattr(args, "dtype", None) is not None:
         args.dtype = _DTYPES[args.dtype]  # the torch dtype's name for every spelling
     if args.command in commands.choices:
@@ -186,6 +213,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         and (args.stream is not None or args.start is not None)
     ):
         parser.error("--image-size is for the side-by-side run, not --stream or --start")
+    if args.command == "bench" and args.prefill is not None:
+        others = [
+            flag
+            for flag, given in (
+                ("--stream", args.stream is not None),
+                ("--start", args.start is not None),
+                ("--image-size", args.image_size is not None),
+                ("--compile", args.compile),
+                (
+                    "the tuning flags",
+                    any(getattr(args, flag) for flag in _TUNING_FLAGS),
+                ),
+            )
+            if given
+        ]
+        if others:
+            parser.error(f"--prefill times the VLM as wrap() serves it: drop {', '.join(others)}")
     if args.command == "bench" and args.stream is not None:
         from .bench.stream import parse_stream
 
@@ -197,6 +241,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = _unknown_model(args.command, args.model)
         if unknown is not None:
             parser.error(unknown)
+        if args.command == "bench" and args.prefill is not None:
+            from .plugins import get_registry
+
+            if get_registry().example_model(args.model).prompt is None:
+                parser.error(
+                    f"argument --prefill: {args.model} is no VLM with example prompts; "
+                    f"choose one such as {_PREFILL_MODEL}"
+                )
         if args.command == "bench" and args.image_size is not None:
             from .plugins import get_registry
 

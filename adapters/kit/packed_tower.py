@@ -173,15 +173,20 @@ class PackedTowerAdapter(Adapter):
     classes built from their configurations' settings with random weights, fed images of
     :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) unless asked for others. A
     family with examples implements :meth:`example_inputs`."""
+    vlm_examples: ClassVar[Mapping[str, TowerExample]] = {}
+    """Well-known VLMs holding such a tower, by name, for ``layergraph bench --prefill``: built
+    likewise, each given prompts by :meth:`example_prompt`, which a family with them
+    implements."""
 
     def recognizes(self, model: nn.Module) -> bool:
         return find_packed_tower(model, self.families) is not None
 
     def example_models(self) -> list[str]:
-        return list(self.examples)
+        return [*self.examples, *self.vlm_examples]
 
     def example_model(self, name: str) -> ExampleModel | None:
-        example = self.examples.get(name)
+        vlm = name in self.vlm_examples
+        example = self.vlm_examples[name] if vlm else self.examples.get(name)
         if example is None:
             return None
         side = example.image_size or EXAMPLE_IMAGE_SIZE
@@ -189,11 +194,20 @@ class PackedTowerAdapter(Adapter):
         def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
             return build_tower(example.tower, example.settings, dtype, device)
 
+        def config() -> Any:
+            return transformers_class(example.tower).config_class(**example.settings)
+
+        def prompt(
+            sizes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device
+        ) -> dict[str, Any]:
+            return self.example_prompt(config(), sizes, dtype, device)
+
         def sized_inputs(
             batch: int, size: tuple[int, int], dtype: torch.dtype, device: torch.device
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            config = transformers_class(example.tower).config_class(**example.settings)
-            return self.example_inputs(config, [size] * batch, dtype, device)
+            if vlm:
+                return (), prompt([size] * batch, dtype, device)
+            return self.example_inputs(config(), [size] * batch, dtype, device)
 
         return ExampleModel(
             name=name,
@@ -201,6 +215,7 @@ class PackedTowerAdapter(Adapter):
             build=build,
             inputs=lambda batch, dtype, device: sized_inputs(batch, (side, side), dtype, device),
             sized_inputs=sized_inputs,
+            prompt=prompt if vlm else None,
         )
 
     def example_inputs(
@@ -214,6 +229,18 @@ class PackedTowerAdapter(Adapter):
         (``(height, width)`` in pixels), resized and laid out as the family's processor and
         VLMs do, in ``dtype`` on ``device``. For :attr:`examples`; nothing else calls it."""
         raise NotImplementedError(f"the {self.name} adapter has no example towers")
+
+    def example_prompt(
+        self,
+        config: Any,
+        sizes: Sequence[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> dict[str, Any]:
+        """One prompt's keyword inputs for a VLM of ``config``: a few random text tokens
+        around images of ``sizes`` (``(height, width)`` in pixels), laid out as the VLM's
+        processor lays them out, in ``dtype`` on ``device``. For :attr:`vlm_examples`."""
+        raise NotImplementedError(f"the {self.name} adapter has no example VLMs")
 
     def find(self, model: nn.Module) -> tuple[nn.Module, PackedFamily]:
         """The tower ``model`` is or holds, and its family; :class:`AdapterMismatch` names the

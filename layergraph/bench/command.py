@@ -90,6 +90,32 @@ def _bench_stream(console: Console, args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_prefill(console: Console, args: argparse.Namespace) -> int:
+    """``bench --prefill``: an example VLM's time to first token on a stream, eager and
+    wrapped."""
+    import torch
+
+    from .prefill import run_prefill
+
+    if not torch.cuda.is_available():
+        console.print(
+            "[yellow]No CUDA GPU here: the prefills run on the CPU in float32 with simulated "
+            "graphs, so the times compare nothing a GPU would show.[/]"
+        )
+    with console.status(f"{args.prefill} prefills of {args.model}, eager then wrapped..."):
+        report = run_prefill(
+            args.model, args.prefill, seed=args.seed, dtype=getattr(torch, args.dtype)
+        )
+    text = report.to_markdown()
+    console.print(text, markup=False, highlight=False)
+    if args.json:
+        report.write_json(args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(text)
+    return 0
+
+
 def _bench_start(console: Console, args: argparse.Namespace) -> int:
     """``bench --start``: a cold and a warm start of the speed options, in fresh processes."""
     import torch
@@ -178,6 +204,8 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
         return 0
     if args.start is not None:
         return _bench_start(console, args)
+    if args.prefill is not None:
+        return _bench_prefill(console, args)
     if not torch.cuda.is_available():
         console.print(
             "[yellow]No CUDA GPU here: only the eager path is measured (float32, CPU).[/]"

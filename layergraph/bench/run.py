@@ -85,7 +85,7 @@ def run_benchmark(
         adapter=example.adapter,
         device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()})",
         dtype=str(dtype).removeprefix("torch."),
-        versions=_versions(),
+        versions=versions_in_use(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         command=" ".join(["layergraph", *sys.argv[1:]])
         if sys.argv[0].endswith("layergraph")
@@ -348,7 +348,8 @@ def _matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
     return 2 * size**3 / ms / 1e9
 
 
-def _versions() -> dict[str, str]:
+def versions_in_use() -> dict[str, str]:
+    """The versions of Python, torch, CUDA, the model libraries imported and layergraph."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     if torch.version.cuda:
         versions["cuda"] = torch.version.cuda

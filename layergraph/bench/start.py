@@ -43,7 +43,7 @@ from ..module import wrap
 from ..plugins import get_registry
 from ..validation import compare_outputs
 from .report import describe_options
-from .run import _versions
+from .run import versions_in_use
 
 __all__ = ["RESULT_PREFIX", "StartReport", "StartRow", "run_start"]
 
@@ -361,7 +361,7 @@ def _measure(parameters: dict[str, Any]) -> dict[str, Any]:
         result["worst_error"] = _check(graphed, example, sizes, dtype, device)
     cuda = device.type == "cuda"
     result["device"] = torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()})"
-    result["versions"] = _versions()
+    result["versions"] = versions_in_use()
     return result
 
 
