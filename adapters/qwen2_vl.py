@@ -704,6 +704,19 @@ class Qwen2VLPlan(PackedTowerPlan):
         return module.proj(out.reshape(tokens, -1))
 
 
+_QWEN2_5_VL_TOWER = dict(
+    depth=32,
+    hidden_size=1280,
+    num_heads=16,
+    intermediate_size=3420,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    spatial_merge_size=2,
+    patch_size=14,
+    temporal_patch_size=2,
+)
+"""Qwen2.5-VL's tower (every size of the family has it), but for its output width."""
+
 PROMPT_TEXT_TOKENS = 32
 """Text tokens around the images of an example VLM's prompt."""
 
@@ -756,18 +769,7 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     examples: ClassVar[Mapping[str, TowerExample]] = {
         "qwen2.5-vl-7b": TowerExample(
             "qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
-            dict(
-                depth=32,
-                hidden_size=1280,
-                num_heads=16,
-                intermediate_size=3420,
-                window_size=112,
-                fullatt_block_indexes=[7, 15, 23, 31],
-                out_hidden_size=3584,
-                spatial_merge_size=2,
-                patch_size=14,
-                temporal_patch_size=2,
-            ),
+            {**_QWEN2_5_VL_TOWER, "out_hidden_size": 3584},
         ),
         "qwen3-vl-8b": TowerExample(
             "qwen3_vl.Qwen3VLVisionModel",
@@ -793,18 +795,7 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         "qwen2.5-vl-3b": TowerExample(
             "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
             dict(
-                vision_config=dict(
-                    depth=32,
-                    hidden_size=1280,
-                    num_heads=16,
-                    intermediate_size=3420,
-                    window_size=112,
-                    fullatt_block_indexes=[7, 15, 23, 31],
-                    out_hidden_size=2048,
-                    spatial_merge_size=2,
-                    patch_size=14,
-                    temporal_patch_size=2,
-                ),
+                vision_config={**_QWEN2_5_VL_TOWER, "out_hidden_size": 2048},
                 text_config=dict(
                     hidden_size=2048,
                     intermediate_size=11008,

@@ -31,6 +31,7 @@ from layergraph_adapters.kit.versions import (
     QWEN3_5_VISION_CHECKED,
     UNCHECKED_VARIABLE,
 )
+from layergraph_adapters.qwen2_vl import Qwen2VLAdapter
 
 ADAPTER = "qwen2_vl"
 """The layergraph adapter that serves these towers."""
@@ -65,31 +66,11 @@ def towers(tiny: bool) -> list[Tower]:
     ones like them. Qwen3.5's is its configuration's defaults (27 layers of 1152, 16 heads,
     patch 16, merge 2, a 48x48 position table, 3584 out: Qwen3-VL-8B's without the deep-stack
     mergers); GLM-4.1V-9B's too (24 layers of 1536, 12 heads, patch 14, merge 2, 4096 out, a
-    24x24 position table)."""
-    qwen25 = dict(
-        depth=32,
-        hidden_size=1280,
-        num_heads=16,
-        intermediate_size=3420,
-        window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
-        out_hidden_size=3584,
-        spatial_merge_size=2,
-        patch_size=14,
-        temporal_patch_size=2,
-    )
-    qwen3 = dict(
-        depth=27,
-        hidden_size=1152,
-        num_heads=16,
-        intermediate_size=4304,
-        out_hidden_size=4096,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24],
-        spatial_merge_size=2,
-        patch_size=16,
-        temporal_patch_size=2,
-    )
+    24x24 position table). The full-size ones are the ``qwen2_vl`` adapter's example towers
+    (``layergraph bench --list-models``)."""
+    examples = Qwen2VLAdapter.examples
+    qwen25 = dict(examples["qwen2.5-vl-7b"].settings)
+    qwen3 = dict(examples["qwen3-vl-8b"].settings)
     qwen35: dict[str, Any] = {}
     glm4v: dict[str, Any] = {}
     if tiny:

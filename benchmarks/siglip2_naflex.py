@@ -81,15 +81,9 @@ from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import interleaved_waited_ms, waited_ms
 from layergraph.validation import relative_error
+from layergraph_adapters.siglip2 import Siglip2Adapter
 
-SO400M = dict(
-    hidden_size=1152,
-    intermediate_size=4304,
-    num_hidden_layers=27,
-    num_attention_heads=16,
-    patch_size=16,
-    num_patches=256,
-)
+SO400M = dict(Siglip2Adapter.examples["siglip2-so400m-naflex"].settings)
 """``Siglip2VisionConfig`` of SigLIP2 so400m/16 NaFlex."""
 BASE = dict(
     hidden_size=768,
