@@ -167,6 +167,19 @@ class CapturePlan:
         """Context the wrapper enters around each forward call; routing may depend on it."""
         yield
 
+    def measured_choices(self) -> Any:
+        """What this plan chose by timing on this GPU that a replica may take instead of
+        timing again (which attention backend each token budget's room took, say), picklable,
+        for a warm-start file (:meth:`GraphedModule.save_warm_start
+        <layergraph.GraphedModule.save_warm_start>`); ``None`` (the default): nothing."""
+        return None
+
+    def take_measured_choices(self, choices: Any) -> None:
+        """Take what :meth:`measured_choices` returned in another process for the same model,
+        adapter and options on the same GPU and versions (a warm start), before any call. A
+        choice that cannot serve here is made again, as if never given. The default takes
+        nothing."""
+
 
 def own_forward(module: nn.Module) -> Callable[..., Any]:
     """``module``'s forward as its class defines it, refusing a module already routed.

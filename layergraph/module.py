@@ -178,6 +178,8 @@ def wrap(
         measured = read_measurements(warm_start, fingerprint)
         if measured is not None:
             runner.seed(measured.costs, measured.token_totals, measured.token_budgets)
+            if measured.plan_choices is not None:
+                plan.take_measured_choices(measured.plan_choices)
     graphed = GraphedModule(
         model, adapter_object, plan, runner, changes, route, budget, fingerprint
     )
@@ -442,6 +444,7 @@ class GraphedModule(nn.Module):
             self._runner.measurements(),
             self._runner.token_totals(),
             self.stats.budgets,
+            self._plan.measured_choices(),
         )
         return save_warm_start(path, measured)
 

@@ -18,7 +18,9 @@ a replay per batch size, :mod:`layergraph.policy`), for the same model wrapped t
 a replica that loads them does not capture, nor compile, the batch sizes whose graphs were
 measured slower than eager, nor measure again those that pay; a packed plan that learns its
 token budgets takes them from the calls that process saw, so its first call captures them
-instead of being observed eagerly (:mod:`layergraph.budgets`).
+instead of being observed eagerly (:mod:`layergraph.budgets`); and what the plan chose by
+timing (a packed plan's attention backend per token budget), which the replica's plan takes
+instead of timing again.
 
 Artifacts are only good for the same GPU model and the same torch, Triton and CUDA versions:
 a file made elsewhere is not loaded, with a :class:`WarmStartMismatch` warning saying what
@@ -79,6 +81,9 @@ class Measurements:
     costs: tuple[tuple[Hashable, Costs], ...]
     token_totals: tuple[tuple[int, int], ...] = ()
     token_budgets: tuple[int, ...] = ()
+    plan_choices: Any = None
+    """What the plan chose by timing (:meth:`~layergraph.adapter.CapturePlan.measured_choices`);
+    ``None`` in files written before it was kept."""
 
 
 def warm_start_origin() -> dict[str, str]:

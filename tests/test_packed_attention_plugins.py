@@ -11,6 +11,7 @@ own tensors, holding each call's boundaries, and every answer must equal the tow
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,6 +151,55 @@ def test_auto_times_each_kind_of_attention_on_the_calls_own_frames_and_windows(
     }
     assert {"sdpa_varlen", "long", "short"} <= {name for name, _, _ in timed}
     assert graphed.plan.attention_by_budget == {BUDGET: "full: long, windows: short"}
+
+
+def test_a_warm_start_takes_each_rooms_choice_without_timing_again(
+    layergraph_registry: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The backends chosen by timing are saved in the warm-start file; the replica's rooms take
+    them untimed. A choice naming a backend no longer offered is timed afresh."""
+    from layergraph_adapters.kit import packed_tower
+
+    timed: list[str] = []
+
+    def timer(backend: Any, layout: PackedLayout, lengths: tuple[int, ...]) -> float:
+        timed.append(backend.name)
+        return {"long": 1.0, "short": 2.0}.get(backend.name, 5.0)
+
+    monkeypatch.setattr(packed_tower, "packed_timer", lambda *args: timer)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    layergraph_registry.add_plugin(Kernels(), "kernels")
+    model = tower()
+    grids = [(1, 4, 6), (2, 2, 2), (1, 8, 8)]
+
+    def wrapped(**options: Any) -> Any:
+        return layergraph.wrap(
+            model,
+            observe_calls=0,
+            adapter="qwen2_vl",
+            backend=SimulatedGraphs(),
+            batch_sizes=[BUDGET],
+            **options,
+        )
+
+    first = wrapped()
+    check(first, model, grids)
+    assert {"long", "short", "sdpa_varlen"} <= set(timed)
+    chosen_first = dict(first.plan.attention_by_budget)
+    path = tmp_path / "choices.lgws"
+    first.save_warm_start(path)
+    first.unwrap()
+
+    timed.clear()
+    replica = wrapped(warm_start=path)
+    check(replica, model, grids)
+    assert timed == [] and replica.plan.attention_by_budget == chosen_first
+    replica.unwrap()
+
+    stale = wrapped()
+    stale.plan.take_measured_choices({(BUDGET, 8, BUDGET): "gone"})
+    check(stale, model, grids)
+    assert "long" in timed and stale.plan.attention_by_budget == chosen_first
 
 
 def chosen(name: str, candidates: tuple[Any, ...], timer: Any) -> str:

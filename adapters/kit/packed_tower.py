@@ -317,6 +317,9 @@ class PackedTowerPlan(CapturePlan, Packing):
         self._registry = context.registry
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's attention."""
+        self._chosen: dict[tuple[int, int, int], str] = {}
+        """The backend :meth:`choose_attention` chose for each room (budget, sequences,
+        longest sequence), by name: kept for a warm start (:meth:`measured_choices`)."""
         self._current: contextvars.ContextVar[Any] = contextvars.ContextVar(
             f"layergraph_{family.name}_buffers", default=None
         )
@@ -451,17 +454,56 @@ class PackedTowerPlan(CapturePlan, Packing):
         device and dtype."""
         device, dtype = like.device, like.dtype
         layout = PackedLayout(budget, slots, longest)
-        backend = choose_packed_backend(
-            self.attention,
-            device,
-            dtype,
-            self.head_dim,
-            layout,
-            tuple(length for length in lengths if length > 0),
-            backends=self._backends,
-            timer=packed_timer(device, dtype, self.heads, self.head_dim),
-        )
+        sequences = tuple(length for length in lengths if length > 0)
+        room = (budget, slots, longest)
+        backend = self._known_choice(room, device, dtype, layout, sequences)
+        if backend is None:
+            backend = choose_packed_backend(
+                self.attention,
+                device,
+                dtype,
+                self.head_dim,
+                layout,
+                sequences,
+                backends=self._backends,
+                timer=packed_timer(device, dtype, self.heads, self.head_dim),
+            )
+        self._chosen[room] = backend.name
         return backend, self._registry.attention_metadata(backend, layout, device)
+
+    def _known_choice(
+        self,
+        room: tuple[int, int, int],
+        device: torch.device,
+        dtype: torch.dtype,
+        layout: PackedLayout,
+        sequences: tuple[int, ...],
+    ) -> AttentionBackend | None:
+        """The backend chosen for ``room`` before (here, or in the process a warm start came
+        from), with ``attention="auto"``, if it is still offered and can run; else ``None``."""
+        name = self._chosen.get(room)
+        if self.attention != "auto" or name is None:
+            return None
+        try:
+            return choose_packed_backend(
+                name,
+                device,
+                dtype,
+                self.head_dim,
+                layout,
+                sequences,
+                backends=self._backends,
+                timer=None,
+            )
+        except (ValueError, RuntimeError):  # no longer offered, or cannot run here
+            return None
+
+    def measured_choices(self) -> dict[tuple[int, int, int], str]:
+        """The attention backend chosen for each room, by name."""
+        return dict(self._chosen)
+
+    def take_measured_choices(self, choices: Any) -> None:
+        self._chosen.update(choices)
 
 
 def read_inputs(
