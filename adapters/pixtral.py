@@ -189,6 +189,7 @@ class PixtralPlan(PackedTowerPlan):
     inputs = ("pixel_values", "image_sizes")
     options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
     serves_hidden_states = True
+    casts_inputs = True  # the patch embedding casts the pixels to its weights' dtype
 
     def __init__(
         self,

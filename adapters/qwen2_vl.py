@@ -320,6 +320,7 @@ class Qwen2VLPlan(PackedTowerPlan):
     reads the budget's boundaries."""
 
     dense = True
+    casts_inputs = True  # the patch embedding casts the pixels to its weights' dtype
     dense_in_auto = False
 
     def __init__(
@@ -540,8 +541,9 @@ class Qwen2VLPlan(PackedTowerPlan):
         pixels, host, fixed = parts.pixels, parts.host, parts.fixed
         device, slots = pixels.device, call.signature[-1]
         merged = budget // self.budget_unit
+        computing = self.computing(device)
         backend, full = self.choose_attention(
-            budget, slots, budget, host.cu_seqlens.diff().tolist(), pixels
+            budget, slots, budget, host.cu_seqlens.diff().tolist(), computing
         )
         chosen = f"full: {_described(backend)}"
         fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
@@ -567,7 +569,7 @@ class Qwen2VLPlan(PackedTowerPlan):
                 window_slots,
                 min(self.window_tokens, budget),
                 host.cu_window_seqlens.diff().tolist(),
-                pixels,
+                computing,
             )
             window = _WindowBuffers(
                 index=staged["window_index"],
@@ -592,7 +594,7 @@ class Qwen2VLPlan(PackedTowerPlan):
             interp_indices=staged.get("interp_indices"),
             interp_weights=staged.get("interp_weights"),
             backend=backend,
-            workspace=workspace(budget, self.heads, self.head_dim, pixels, *backends),
+            workspace=workspace(budget, self.heads, self.head_dim, computing, *backends),
             fixed=fixed,
             staging=staging,
         )

@@ -150,6 +150,7 @@ class Siglip2Plan(PackedTowerPlan):
     inputs = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
     options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
     dense = True
+    casts_inputs = True  # the patch embedding casts the pixels to its weights' dtype
 
     def __init__(
         self,
@@ -307,7 +308,7 @@ class Siglip2Plan(PackedTowerPlan):
     def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:
         images: _Images = call.parts
         backend, metadata = self.choose_attention(
-            budget, images.slots, budget, images.counts, images.pixels
+            budget, images.slots, budget, images.counts, self.computing(images.pixels.device)
         )
         self.attention_by_budget[budget] = backend.name
         return naflex.allocate(

@@ -69,7 +69,8 @@ def allocate(
 ) -> NaflexBuffers:
     """The buffers of a graph of ``budget`` tokens in at most ``slots`` images, for patches
     like ``pixels`` (``[..., features]``) and positions like the tower's ``table``, attending
-    through ``backend`` with ``metadata``."""
+    through ``backend`` with ``metadata``; the workspace, where the backend writes into one,
+    in the table's dtype (the tower's, whatever the patches')."""
     dtype, device = pixels.dtype, pixels.device
     return NaflexBuffers(
         budget=budget,
@@ -79,7 +80,7 @@ def allocate(
         metadata=metadata,
         tokens=torch.arange(budget, dtype=torch.int32, device=device),
         backend=backend,
-        workspace=workspace(budget, heads, head_dim, pixels, backend),
+        workspace=workspace(budget, heads, head_dim, table, backend),
     )
 
 
@@ -90,7 +91,8 @@ def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tens
     Attention runs through the plan's routed attention modules, which read the buffers bound
     around the call; the backend is prepared first, once (the dense backend writes its mask).
     """
-    hidden = tower.embeddings.patch_embedding(buffers.pixels) + buffers.positions
+    embedding = tower.embeddings.patch_embedding
+    hidden = embedding(buffers.pixels.to(embedding.weight.dtype)) + buffers.positions
     buffers.backend.prepare(buffers.metadata, hidden)
     hidden = tower.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
     hidden = tower.post_layernorm(hidden)

@@ -439,6 +439,16 @@ class PackedTowerPlan(CapturePlan, Packing):
     def arguments(self, buffers: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (buffers,), {}
 
+    def computing(self, device: torch.device) -> torch.Tensor:
+        """An empty tensor of the dtype the tower computes in (its first floating parameter's)
+        on ``device``: what attention runs in and its workspace holds, whichever dtype a
+        call's pixels have (a tower that casts them, :attr:`casts_inputs`)."""
+        dtype = next(
+            (p.dtype for p in self.owner.parameters() if p.is_floating_point()),
+            torch.get_default_dtype(),
+        )
+        return torch.empty(0, dtype=dtype, device=device)
+
     def choose_attention(
         self,
         budget: int,
