@@ -241,22 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = _unknown_model(args.command, args.model)
         if unknown is not None:
             parser.error(unknown)
-        if args.command == "bench" and args.prefill is not None:
-            from .plugins import get_registry
-
-            if get_registry().example_model(args.model).prompt is None:
-                parser.error(
-                    f"argument --prefill: {args.model} is no VLM with example prompts; "
-                    f"choose one such as {_PREFILL_MODEL}"
-                )
-        if args.command == "bench" and args.image_size is not None:
-            from .plugins import get_registry
-
-            if get_registry().example_model(args.model).sized_inputs is None:
-                parser.error(
-                    f"argument --image-size: {args.model} takes images of one size; "
-                    "--image-size is for the towers that take every image at its own size"
-                )
+        refusal = _unfit_model(args) if args.command == "bench" else None
+        if refusal is not None:
+            parser.error(refusal)
     try:
         from rich.console import Console
     except ImportError:
@@ -391,6 +378,35 @@ def _unknown_model(command: str, name: str) -> str | None:
         f"argument --model: no adapter builds a model called {name!r}; choose from "
         f"{', '.join(names)}, or timm:NAME (layergraph bench --list-models)"
     )
+
+
+def _unfit_model(args: argparse.Namespace) -> str | None:
+    """Why ``bench``'s ``--model`` cannot be timed the way the other arguments ask (a prefill
+    of a model without prompts, an image size for a model of one size, batches of one size
+    for a tower of any), or ``None``."""
+    asked = (args.prefill, args.image_size, args.stream, args.start)
+    if all(value is None for value in asked):
+        return None
+    from .plugins import get_registry
+
+    example = get_registry().example_model(args.model)
+    if args.prefill is not None and example.prompt is None:
+        return (
+            f"argument --prefill: {args.model} is no VLM with example prompts; choose one "
+            f"such as {_PREFILL_MODEL}"
+        )
+    if args.image_size is not None and example.sized_inputs is None:
+        return (
+            f"argument --image-size: {args.model} takes images of one size; --image-size is "
+            "for the towers that take every image at its own size"
+        )
+    for flag, given in (("--stream", args.stream), ("--start", args.start)):
+        if given is not None and example.sized_inputs is not None:
+            return (
+                f"argument {flag}: {args.model} takes every image at its own size; {flag} "
+                "times batches of one image size (time it with --image-size)"
+            )
+    return None
 
 
 def _positive(text: str) -> int:

@@ -241,3 +241,22 @@ def test_run_benchmark_times_a_packed_tower_graphed_against_eager() -> None:
         assert row.profile is not None and row.profile["busy_ms"] > 0
     assert report.capture_seconds is not None and report.capture_seconds > 0
     assert report.pool_bytes and report.largest_alone_pool_bytes is None
+
+
+@pytest.mark.parametrize("flag", [["--stream", "4:1-2"], ["--start", "1", "--compile-layers"]])
+def test_batches_of_one_size_are_refused_for_a_tower_of_any_size(flag: list[str]) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "layergraph.cli", "bench", "--model", "pixtral-12b", *flag],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2 and "takes every image at its own size" in run.stderr
+
+
+def test_the_stream_and_start_runs_refuse_a_tower_of_any_size() -> None:
+    from layergraph.bench import run_start, run_stream
+
+    with pytest.raises(ValueError, match="pixtral-12b takes every image at its own size"):
+        run_stream("pixtral-12b", [1, 2])
+    with pytest.raises(ValueError, match="pixtral-12b takes every image at its own size"):
+        run_start("pixtral-12b", [1], {"compile_layers": True})

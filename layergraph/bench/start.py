@@ -218,6 +218,11 @@ def run_start(
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch sizes must be at least 1, got {list(batch_sizes)}")
     example = get_registry().example_model(model_name)
+    if example.sized_inputs is not None:
+        raise ValueError(
+            f"{example.name} takes every image at its own size: its token budgets are "
+            f"captured when calls need them, not ahead at batch sizes"
+        )
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cuda", "cpu"):

@@ -137,6 +137,11 @@ def run_stream(
     if passes < 1:
         raise ValueError(f"passes must be at least 1, got {passes}")
     example = get_registry().example_model(model_name)
+    if example.sized_inputs is not None:
+        raise ValueError(
+            f"{example.name} takes every image at its own size: a stream of batches of one "
+            f"size and its bucket and exact-key methods do not describe its traffic"
+        )
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
