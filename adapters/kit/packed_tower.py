@@ -172,7 +172,8 @@ class PackedTowerAdapter(Adapter):
     """Well-known towers the adapter serves, by name, for ``layergraph bench``: transformers
     classes built from their configurations' settings with random weights, fed images of
     :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) unless asked for others. A
-    family with examples implements :meth:`example_inputs`."""
+    family with examples implements :meth:`example_inputs`; one whose tower is not a
+    transformers class overrides ``example_models`` and ``example_model`` instead."""
     vlm_examples: ClassVar[Mapping[str, TowerExample]] = {}
     """Well-known VLMs holding such a tower, by name, for ``layergraph bench --prefill``: built
     likewise, each given prompts by :meth:`example_prompt`, which a family with them
