@@ -21,7 +21,7 @@ if [[ ${1:-tests} == tests ]]; then
   step 200 python3 -m pytest -q -p no:cacheprovider tests/test_rotary_kernel.py \
     tests/test_gated_kernel.py tests/test_add_norm_kernel.py tests/test_cuda_packed_fusions.py \
     tests/test_cuda_cudnn_ragged.py tests/test_cudnn_ragged.py tests/test_cuda_lfm2_vl.py \
-    tests/test_siglip2_speed_options.py
+    tests/test_siglip2_speed_options.py tests/test_packed_casts.py tests/test_bench_packed.py
 fi
 step 200 python3 benchmarks/option_ab.py --option patch_matmul --value true --profile \
   --towers qwen2.5-vl-7b,qwen3-vl-8b,glm-4.1v-9b --sizes "$sizes" --json "$out/patch-matmul-ab.json"
