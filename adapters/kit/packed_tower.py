@@ -155,6 +155,16 @@ class PackedTowerAdapter(Adapter):
     """The speed options the adapter keeps as attributes of the same names and hands to
     :attr:`plan_class` as keyword arguments, each ``"auto"`` resolved for the tower
     (:func:`~layergraph_adapters.kit.automatic.build_with_automatic_options`)."""
+    examples: ClassVar[Mapping[str, TowerExample]] = {}
+    """Well-known towers the adapter serves, by name, for ``layergraph bench``: transformers
+    classes built from their configurations' settings with random weights, fed images of
+    :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) unless asked for others. A
+    family with examples implements :meth:`example_inputs`; one whose tower is not a
+    transformers class overrides ``example_models`` and ``example_model`` instead."""
+    vlm_examples: ClassVar[Mapping[str, TowerExample]] = {}
+    """Well-known VLMs holding such a tower, by name, for ``layergraph bench --prefill``: built
+    likewise, each given prompts by :meth:`example_prompt`, which a family with them
+    implements."""
 
     def __init__(
         self, attention: str = "auto", max_tokens: int = 16384, budget_step: int | None = None
@@ -167,17 +177,6 @@ class PackedTowerAdapter(Adapter):
         self.attention = attention
         self.max_tokens = max_tokens
         self.budget_step = budget_step
-
-    examples: ClassVar[Mapping[str, TowerExample]] = {}
-    """Well-known towers the adapter serves, by name, for ``layergraph bench``: transformers
-    classes built from their configurations' settings with random weights, fed images of
-    :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) unless asked for others. A
-    family with examples implements :meth:`example_inputs`; one whose tower is not a
-    transformers class overrides ``example_models`` and ``example_model`` instead."""
-    vlm_examples: ClassVar[Mapping[str, TowerExample]] = {}
-    """Well-known VLMs holding such a tower, by name, for ``layergraph bench --prefill``: built
-    likewise, each given prompts by :meth:`example_prompt`, which a family with them
-    implements."""
 
     def recognizes(self, model: nn.Module) -> bool:
         return find_packed_tower(model, self.families) is not None
