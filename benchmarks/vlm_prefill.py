@@ -3,7 +3,7 @@
     python3 benchmarks/vlm_prefill.py --json prefill.json      # a GPU: Qwen2.5-VL-3B-sized, bf16
     python3 benchmarks/vlm_prefill.py --tiny                   # the same code path, tiny, CPU
 
-``layergraph bench --prefill`` (:func:`layergraph.bench.prefill.run_prefill`) on the
+``layergraph bench --prefill`` (:func:`layergraph.bench.requests.run_prefill`) on the
 ``qwen2.5-vl-3b`` example (a 32-layer vision tower of 1280, a 36-layer language model of 2048;
 random weights, nothing downloaded): a seeded stream of 60 requests, each a short prompt around
 1 to 3 images of up to about 1.4 megapixels, as Qwen2.5-VL's processor lays them out, each
@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from layergraph.bench.prefill import PREFILL_SIZES, run_prefill
+from layergraph.bench.requests import REQUEST_SIZES, run_prefill
 from layergraph_adapters.kit.tower_specs import TowerExample
 from layergraph_adapters.qwen2_vl import Qwen2VLAdapter
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         TinyVLM().example_model("qwen2.5-vl-tiny") if args.tiny else "qwen2.5-vl-3b",
         args.requests or (12 if args.tiny else 60),
         seed=args.seed,
-        sizes=TINY_SIZES if args.tiny else PREFILL_SIZES,
+        sizes=TINY_SIZES if args.tiny else REQUEST_SIZES,
         observe_calls=8 if args.tiny and observe is None else observe,
     )
     print(report.to_markdown())

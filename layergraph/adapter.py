@@ -282,11 +282,11 @@ class ExampleModel:
     makes the model from its configuration, in eval mode; ``inputs(batch, dtype, device)``
     returns the ``(args, kwargs)`` of one call with ``batch`` random images. A model that
     takes every image at its own size (a native-resolution tower) also has ``sized_inputs``:
-    ``sized_inputs(batch, (height, width), dtype, device)``, one call with ``batch`` random
-    images of that many pixels, laid out and resized as the model's processor would;
-    ``inputs`` is it at one size. A whole VLM also has ``prompt``: ``prompt(sizes, dtype,
-    device)``, the keyword inputs of one prompt of a few random text tokens around images of
-    ``sizes`` (``(height, width)`` each), as its processor lays them out, for a prefill
+    ``sized_inputs(sizes, dtype, device)``, one call with random images of ``sizes``
+    (``(height, width)`` in pixels each), laid out and resized as the model's processor
+    would; ``inputs`` is it with images of one size. A whole VLM also has ``prompt``:
+    ``prompt(sizes, dtype, device)``, the keyword inputs of one prompt of a few random text
+    tokens around images of ``sizes``, as its processor lays them out, for a prefill
     (``layergraph bench --prefill``).
     """
 
@@ -296,7 +296,7 @@ class ExampleModel:
     inputs: Callable[[int, torch.dtype, torch.device], tuple[tuple[Any, ...], dict[str, Any]]]
     sized_inputs: (
         Callable[
-            [int, tuple[int, int], torch.dtype, torch.device],
+            [Sequence[tuple[int, int]], torch.dtype, torch.device],
             tuple[tuple[Any, ...], dict[str, Any]],
         ]
         | None

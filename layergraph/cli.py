@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="COUNT:LOW-HIGH",
         help="instead, serve COUNT requests of LOW to HIGH images (uniform) with eager, "
         "layergraph, buckets of powers of two and exact keys (and layergraph tuned, with the "
-        "tuning flags), each call waited for (e.g. 120:1-13)",
+        "tuning flags), each call waited for (e.g. 120:1-13); for a tower that takes every "
+        "image at its own size, images of mixed sizes, eager and then wrapped twice",
     )
     bench.add_argument(
         "--prefill",
@@ -400,12 +401,17 @@ def _unfit_model(args: argparse.Namespace) -> str | None:
             f"argument --image-size: {args.model} takes images of one size; --image-size is "
             "for the towers that take every image at its own size"
         )
-    for flag, given in (("--stream", args.stream), ("--start", args.start)):
-        if given is not None and example.sized_inputs is not None:
-            return (
-                f"argument {flag}: {args.model} takes every image at its own size; {flag} "
-                "times batches of one image size (time it with --image-size)"
-            )
+    tuned = any(getattr(args, flag) for flag in _TUNING_FLAGS) or args.compile
+    if args.stream is not None and example.sized_inputs is not None and tuned:
+        return (
+            f"argument --stream: a stream of {args.model}'s images of mixed sizes times wrap()'s "
+            "defaults: drop --compile and the tuning flags"
+        )
+    if args.start is not None and example.sized_inputs is not None:
+        return (
+            f"argument --start: {args.model} takes every image at its own size; --start times "
+            "batches of one image size, captured ahead"
+        )
     return None
 
 

@@ -117,12 +117,14 @@ def test_packed_examples_are_listed_and_take_any_image_size(
         config = transformers_class(tower.tower).config_class(**tower.settings)
     except (AttributeError, ImportError):
         pytest.skip(f"this transformers has no {tower.tower}")
-    one = tokens(adapter.name, config, *example.sized_inputs(1, (300, 500), torch.float32, CPU))
-    three = tokens(adapter.name, config, *example.sized_inputs(3, (300, 500), torch.float32, CPU))
-    square = tokens(adapter.name, config, *example.inputs(1, torch.float32, CPU))
-    assert one > 0 and three == 3 * one
-    assert square == tokens(
-        adapter.name, config, *example.sized_inputs(1, (448, 448), torch.float32, CPU)
+
+    def patches(*sizes: tuple[int, int]) -> int:
+        return tokens(adapter.name, config, *example.sized_inputs(sizes, torch.float32, CPU))
+
+    one, other = patches((300, 500)), patches((600, 200))
+    assert one > 0 and other > 0 and patches((300, 500), (600, 200), (300, 500)) == 2 * one + other
+    assert tokens(adapter.name, config, *example.inputs(3, torch.float32, CPU)) == 3 * patches(
+        (448, 448)
     )
 
 
@@ -243,14 +245,20 @@ def test_run_benchmark_times_a_packed_tower_graphed_against_eager() -> None:
     assert report.pool_bytes and report.largest_alone_pool_bytes is None
 
 
-@pytest.mark.parametrize("flag", [["--stream", "4:1-2"], ["--start", "1", "--compile-layers"]])
-def test_batches_of_one_size_are_refused_for_a_tower_of_any_size(flag: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--start", "1", "--compile-layers"], "--start times batches of one image size"),
+        (["--stream", "4:1-2", "--fuse-qkv"], "drop --compile and the tuning flags"),
+    ],
+)
+def test_what_a_tower_of_any_size_cannot_take_is_refused(flags: list[str], message: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "layergraph.cli", "bench", "--model", "pixtral-12b", *flag],
+        [sys.executable, "-m", "layergraph.cli", "bench", "--model", "pixtral-12b", *flags],
         capture_output=True,
         text=True,
     )
-    assert run.returncode == 2 and "takes every image at its own size" in run.stderr
+    assert run.returncode == 2 and message in run.stderr
 
 
 def test_the_stream_and_start_runs_refuse_a_tower_of_any_size() -> None:
@@ -260,3 +268,41 @@ def test_the_stream_and_start_runs_refuse_a_tower_of_any_size() -> None:
         run_stream("pixtral-12b", [1, 2])
     with pytest.raises(ValueError, match="pixtral-12b takes every image at its own size"):
         run_start("pixtral-12b", [1], {"compile_layers": True})
+
+
+@pytest.mark.parametrize("family", sorted(TINY_TOWERS))
+def test_a_stream_of_mixed_sizes_is_served_eagerly_then_from_graphs(family: str) -> None:
+    """Ten requests of 1 to 3 images of five sizes, twice through the wrapper after eager: the
+    wrapper observes four calls, then graphs serve; on the CPU in float32 with simulated
+    graphs the answers equal eager's to float32 rounding."""
+    from layergraph.bench.requests import run_image_stream
+
+    adapter, example = TINY_TOWERS[family]
+    model = tiny_adapter(adapter, example)().example_model("tiny")
+    sizes = ((56, 56), (56, 112), (112, 84), (84, 168), (28, 224))
+    counts = [1, 3, 2, 1, 2, 3, 1, 1, 2, 3]
+    report = run_image_stream(model, counts, sizes=sizes, observe_calls=4)
+    assert report.kind == "images" and report.requests == 10 and report.images == sum(counts)
+    assert list(report.passes) == ["eager", "layergraph_first_pass", "layergraph"]
+    for name, part in report.passes.items():
+        assert 0 < part.p50_ms <= part.p90_ms and part.error <= 1e-5, name
+    observed = {reason: n for reason, n in report.eager_calls.items() if "observing" in reason}
+    assert sum(observed.values()) == 4 and report.graphs >= 1
+    assert "Time per request, eager over layergraph" in report.to_markdown()
+
+
+def test_a_stream_of_mixed_sizes_is_refused_for_a_model_of_one_size() -> None:
+    from layergraph.bench.requests import run_image_stream
+
+    with pytest.raises(ValueError, match="vit_tiny_patch16_224 takes images of one size"):
+        run_image_stream("vit_tiny_patch16_224", [1])
+
+
+@pytest.mark.cuda
+def test_a_stream_of_mixed_sizes_through_a_full_size_tower_on_a_gpu() -> None:
+    from layergraph.bench.requests import run_image_stream
+
+    report = run_image_stream("qwen3-vl-8b", [1, 2, 3, 1, 2, 3, 1, 2], observe_calls=2)
+    assert report.graphs_kind == "cuda" and report.graphs >= 1
+    assert report.passes["layergraph"].error <= 5e-2
+    assert report.speedup("p50_ms") is not None

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from layergraph.bench.prefill import PrefillReport, draw_requests, run_prefill
+from layergraph.bench.requests import RequestsReport, draw_requests, run_prefill
 from layergraph.plugins import get_registry
 
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def test_the_tiny_stream_is_timed_eager_and_wrapped_and_the_logits_agree(
 def test_prompts_lay_out_one_image_token_per_merged_patch(bench: Any) -> None:
     example = bench.TinyVLM().example_model("qwen2.5-vl-tiny")
     config = transformers.Qwen2_5_VLConfig(**bench.TinyVLM.vlm_examples["qwen2.5-vl-tiny"].settings)
-    for images in draw_requests(5, bench.TINY_SIZES, seed=3):
+    for images in draw_requests([1, 2, 3, 2, 1], bench.TINY_SIZES, seed=3):
         prompt = example.prompt(images, torch.float32, CPU)
         ids = prompt["input_ids"][0].tolist()
         grids = prompt["image_grid_thw"].tolist()
@@ -69,11 +69,12 @@ def test_prompts_lay_out_one_image_token_per_merged_patch(bench: Any) -> None:
         assert prompt["pixel_values"].shape[0] == sum(t * h * w for t, h, w in grids)
 
 
-def test_requests_are_drawn_reproducibly_with_one_to_three_images() -> None:
+def test_requests_are_drawn_reproducibly_of_the_counts_asked() -> None:
     sizes = ((1, 2), (3, 4), (5, 6))
-    drawn = draw_requests(50, sizes, seed=7)
-    assert drawn == draw_requests(50, sizes, seed=7) != draw_requests(50, sizes, seed=8)
-    assert {len(images) for images in drawn} == {1, 2, 3}
+    counts = [1, 3, 2] * 20
+    drawn = draw_requests(counts, sizes, seed=7)
+    assert drawn == draw_requests(counts, sizes, seed=7) != draw_requests(counts, sizes, seed=8)
+    assert [len(images) for images in drawn] == counts
     assert {size for images in drawn for size in images} == set(sizes)
 
 
@@ -84,7 +85,8 @@ def test_the_report_renders_and_round_trips_as_json(bench: Any, tmp_path: Path) 
         sizes=bench.TINY_SIZES,
         observe_calls=1,
     )
-    assert isinstance(report, PrefillReport) and list(report.passes) == [
+    assert isinstance(report, RequestsReport) and report.kind == "prefill"
+    assert list(report.passes) == [
         "eager",
         "layergraph_first_pass",
         "layergraph",

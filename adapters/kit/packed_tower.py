@@ -203,17 +203,17 @@ class PackedTowerAdapter(Adapter):
             return self.example_prompt(config(), sizes, dtype, device)
 
         def sized_inputs(
-            batch: int, size: tuple[int, int], dtype: torch.dtype, device: torch.device
+            sizes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             if vlm:
-                return (), prompt([size] * batch, dtype, device)
-            return self.example_inputs(config(), [size] * batch, dtype, device)
+                return (), prompt(sizes, dtype, device)
+            return self.example_inputs(config(), sizes, dtype, device)
 
         return ExampleModel(
             name=name,
             adapter=self.name,
             build=build,
-            inputs=lambda batch, dtype, device: sized_inputs(batch, (side, side), dtype, device),
+            inputs=lambda batch, dtype, device: sized_inputs([(side, side)] * batch, dtype, device),
             sized_inputs=sized_inputs,
             prompt=prompt if vlm else None,
         )

@@ -90,22 +90,26 @@ def _bench_stream(console: Console, args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_prefill(console: Console, args: argparse.Namespace) -> int:
-    """``bench --prefill``: an example VLM's time to first token on a stream, eager and
-    wrapped."""
+def _bench_requests(console: Console, args: argparse.Namespace) -> int:
+    """``bench --prefill`` (an example VLM's time to first token on a stream), or ``--stream``
+    of a tower that takes every image at its own size: eager, then wrapped twice."""
     import torch
 
-    from .prefill import run_prefill
+    from .requests import run_image_stream, run_prefill
+    from .stream import parse_stream
 
     if not torch.cuda.is_available():
         console.print(
-            "[yellow]No CUDA GPU here: the prefills run on the CPU in float32 with simulated "
+            "[yellow]No CUDA GPU here: the requests run on the CPU in float32 with simulated "
             "graphs, so the times compare nothing a GPU would show.[/]"
         )
-    with console.status(f"{args.prefill} prefills of {args.model}, eager then wrapped..."):
-        report = run_prefill(
-            args.model, args.prefill, seed=args.seed, dtype=getattr(torch, args.dtype)
-        )
+    dtype = getattr(torch, args.dtype)
+    with console.status(f"requests to {args.model}, eager then wrapped..."):
+        if args.prefill is not None:
+            report = run_prefill(args.model, args.prefill, seed=args.seed, dtype=dtype)
+        else:
+            counts = parse_stream(args.stream, args.seed)
+            report = run_image_stream(args.model, counts, seed=args.seed, dtype=dtype)
     text = report.to_markdown()
     console.print(text, markup=False, highlight=False)
     if args.json:
@@ -204,8 +208,10 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
         return 0
     if args.start is not None:
         return _bench_start(console, args)
-    if args.prefill is not None:
-        return _bench_prefill(console, args)
+    if args.prefill is not None or (
+        args.stream is not None and get_registry().example_model(args.model).sized_inputs
+    ):
+        return _bench_requests(console, args)
     if not torch.cuda.is_available():
         console.print(
             "[yellow]No CUDA GPU here: only the eager path is measured (float32, CPU).[/]"

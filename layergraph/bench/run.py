@@ -142,7 +142,7 @@ def _at_size(
     device: torch.device,
 ) -> Any:
     """An example's ``sized_inputs`` at one image size, called as its ``inputs``."""
-    return sized(batch, size, dtype, device)
+    return sized([size] * batch, dtype, device)
 
 
 def _packs(model: torch.nn.Module, adapter: str) -> bool:

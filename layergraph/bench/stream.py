@@ -140,7 +140,8 @@ def run_stream(
     if example.sized_inputs is not None:
         raise ValueError(
             f"{example.name} takes every image at its own size: a stream of batches of one "
-            f"size and its bucket and exact-key methods do not describe its traffic"
+            f"size and its bucket and exact-key methods do not describe its traffic "
+            f"(layergraph.bench.requests.run_image_stream serves it images of mixed sizes)"
         )
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
