@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["captured_ms", "interleaved_waited_ms", "median_ms", "waited_ms"]
+__all__ = ["captured_ms", "interleaved_waited_ms", "median_ms", "timed_call", "waited_ms"]
 
 
 def median_ms(
@@ -59,6 +59,23 @@ def waited_ms(
     for _ in range(warmup):
         fn()
     return statistics.median(_waited_calls(fn, device, iters))
+
+
+def timed_call(fn: Callable[[], Any], *, device: torch.device) -> tuple[Any, float]:
+    """One call of ``fn``, waited for: its output and its milliseconds, between two CUDA events
+    on a CUDA device (the host work before its first launch counts, as for
+    :func:`waited_ms`), by the wall clock elsewhere. For streams of calls that differ, each
+    timed once; :func:`waited_ms` is the median of one call repeated."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        output = fn()
+        return output, (time.perf_counter() - started) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    output = fn()
+    end.record()
+    end.synchronize()
+    return output, start.elapsed_time(end)
 
 
 def interleaved_waited_ms(

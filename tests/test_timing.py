@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from layergraph.timing import interleaved_waited_ms, waited_ms
+from layergraph.timing import interleaved_waited_ms, timed_call, waited_ms
 
 CPU = torch.device("cpu")
 
@@ -40,3 +40,12 @@ def test_the_order_rotates_from_round_to_round_after_one_warm_up_call_each() -> 
     interleaved_waited_ms(fns, device=CPU, rounds=3, iters=2)
     rounds = ["aabbcc", "bbccaa", "ccaabb"]
     assert "".join(log) == "abc" + "".join(rounds)
+
+
+def test_a_timed_call_returns_its_output_and_its_wall_time_off_the_gpu() -> None:
+    def slow() -> str:
+        time.sleep(0.02)
+        return "answer"
+
+    output, ms = timed_call(slow, device=CPU)
+    assert output == "answer" and 20 <= ms < 1000

@@ -26,7 +26,6 @@ import platform
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from ..adapter import ExampleModel
 from ..module import wrap
 from ..plugins import get_registry
 from ..testing import SimulatedGraphs
+from ..timing import timed_call
 from ..validation import first_tensor, relative_error
 from .run import versions_in_use
 
@@ -253,7 +253,7 @@ def _serve(
         report.prompt_tokens = sum(kwargs["input_ids"].shape[1] for _, kwargs in calls)
     with torch.inference_mode():
         answer(model, *calls[0])  # warm-up: kernels load, caches fill
-        timed = [_timed(lambda c=call: answer(model, *c), device) for call in calls]
+        timed = [timed_call(lambda c=call: answer(model, *c), device=device) for call in calls]
         wanted = [output.float() for output, _ in timed]
         report.passes["eager"] = _summary([ms for _, ms in timed], [0.0])
         options: dict[str, Any] = {} if observe_calls is None else {"observe_calls": observe_calls}
@@ -261,7 +261,7 @@ def _serve(
         for name in PASSES[1:]:
             times, errors = [], []
             for call, want in zip(calls, wanted):
-                output, ms = _timed(lambda c=call: answer(graphed, *c), device)
+                output, ms = timed_call(lambda c=call: answer(graphed, *c), device=device)
                 times.append(ms)
                 errors.append(relative_error(output.float(), want))
             report.passes[name] = _summary(times, errors)
@@ -285,20 +285,6 @@ def _answer(model: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     output = model(*args, **kwargs)
     pooled = getattr(output, "pooler_output", None)
     return pooled if isinstance(pooled, torch.Tensor) else first_tensor(output)
-
-
-def _timed(call: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    """One call, waited for: its output and milliseconds (CUDA events on a GPU)."""
-    if device.type != "cuda":
-        started = time.perf_counter()
-        output = call()
-        return output, (time.perf_counter() - started) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    output = call()
-    end.record()
-    end.synchronize()
-    return output, start.elapsed_time(end)
 
 
 def _summary(times: list[float], errors: list[float]) -> PassTimes:
