@@ -321,6 +321,7 @@ class Qwen2VLPlan(PackedTowerPlan):
 
     dense = True
     casts_inputs = True  # the patch embedding casts the pixels to its weights' dtype
+    v_in_qkv = True  # q, k and v from one product; q and k rotated into tensors of their own
     dense_in_auto = False
 
     def __init__(

@@ -99,3 +99,35 @@ def test_a_tower_attending_through_cudnn_is_as_close_to_float32_as_eager(hidden:
     routes = graphed.plan.attention_by_budget.values()
     assert routes and all("full: cudnn" in r and "windows: cudnn" in r for r in routes)
     graphed.unwrap()
+
+
+def test_the_timer_builds_the_graph_the_plans_call_then_uses() -> None:
+    """Timed on the layout a fused q/k/v plan hands it (q and k whole, v a view), the cuDNN
+    graph built for the room is the one a call of that layout finds: one build per room."""
+    from layergraph.attention import packed_timer
+
+    tokens, slots, heads, head_dim = 1024, 8, 4, 72
+    device = torch.device("cuda")
+    backend = CudnnRaggedAttention()
+    layout = PackedLayout(tokens, slots, tokens)
+    timer = packed_timer(device, torch.bfloat16, heads, head_dim, True)
+    assert timer(backend, layout, (300, 500, 224)) > 0
+    assert len(backend._graphs) == 1
+    metadata = backend.default_metadata(layout, device)
+    metadata.cu_seqlens.copy_(padded_offsets([300, 500, 224], slots))
+    qkv = torch.randn(tokens, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
+    workspace = torch.zeros(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    backend.prepare(metadata, q)
+    out = backend(
+        q,
+        k,
+        v,
+        layout=None,
+        metadata=metadata,
+        workspace=workspace,
+        scale=head_dim**-0.5,
+    )
+    assert len(backend._graphs) == 1
+    want = per_sequence(q, k, v, [300, 500, 224])
+    assert relative_error(out[:1024].float(), want) <= 2e-2

@@ -273,8 +273,8 @@ class PackedTowerPlan(CapturePlan, Packing):
     Eager calls run the tower's own forward (:attr:`own`). A family sets :attr:`inputs` (the
     forward's tensor inputs, in order), :attr:`options` (the keyword arguments a graph serves
     besides them), :attr:`dense` (whether its packed forward prepares its backend, so that
-    the dense block-mask backend may serve it) and :attr:`serves_hidden_states` (else a call
-    asking for them runs eagerly), and implements ``pack``, ``allocate``,
+    the dense block-mask backend may serve it), :attr:`serves_hidden_states` (else a call
+    asking for them runs eagerly) and :attr:`v_in_qkv`, and implements ``pack``, ``allocate``,
     ``load``, ``cut``, :meth:`piece` and :meth:`attend_packed`.
     """
 
@@ -285,6 +285,10 @@ class PackedTowerPlan(CapturePlan, Packing):
     """Whether ``attention="auto"`` times the dense block-mask backend too (with
     :attr:`dense`); ``False``: it serves only where named."""
     serves_hidden_states: ClassVar[bool] = False
+    v_in_qkv: ClassVar[bool] = False
+    """Whether :meth:`attend` is given v as a view into one ``[tokens, 3, heads, head_dim]``
+    product (a fused q/k/v projection) and q and k as tensors of their own, so that
+    ``attention="auto"`` times the backends on that layout (:func:`packed_timer`)."""
 
     def __init__(
         self,
@@ -476,7 +480,7 @@ class PackedTowerPlan(CapturePlan, Packing):
                 layout,
                 sequences,
                 backends=self._backends,
-                timer=packed_timer(device, dtype, self.heads, self.head_dim),
+                timer=packed_timer(device, dtype, self.heads, self.head_dim, self.v_in_qkv),
             )
         self._chosen[room] = backend.name
         return backend, self._registry.attention_metadata(backend, layout, device)

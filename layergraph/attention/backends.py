@@ -507,13 +507,21 @@ def _room_reason(backend: AttentionBackend, layout: PackedLayout) -> str | None:
 
 
 def packed_timer(
-    device: torch.device, dtype: torch.dtype, heads: int, head_dim: int
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    v_in_qkv: bool = False,
 ) -> PackedTimer | None:
-    """Times backends inside a CUDA graph on ``device`` (:func:`choose_packed_backend`);
-    ``None`` off a GPU, where nothing is timed."""
+    """Times backends inside a CUDA graph on ``device`` (:func:`choose_packed_backend`), given
+    q, k and v laid out as the plan hands them: with ``v_in_qkv``, q and k whole and v a view
+    into one ``[tokens, 3, heads, head_dim]`` product (a fused q/k/v projection, q and k
+    rotated into tensors of their own), copied whole for a backend that does not take strided
+    inputs, as the plan copies it; else all three whole. ``None`` off a GPU, where nothing is
+    timed."""
     if device.type != "cuda":
         return None
-    return functools.partial(_time_packed_ms, device, dtype, heads, head_dim)
+    return functools.partial(_time_packed_ms, device, dtype, heads, head_dim, v_in_qkv)
 
 
 def _time_packed_ms(
@@ -521,13 +529,21 @@ def _time_packed_ms(
     dtype: torch.dtype,
     heads: int,
     head_dim: int,
+    v_in_qkv: bool,
     backend: AttentionBackend,
     layout: PackedLayout,
     lengths: tuple[int, ...],
 ) -> float:
     """One call of ``backend`` on ``layout``'s tokens with ``lengths`` written into its
-    metadata, as a packed graph runs it, timed inside a CUDA graph."""
-    q, k, v = torch.randn(3, layout.tokens, heads, head_dim, device=device, dtype=dtype).unbind(0)
+    metadata, as a packed graph runs it (q, k and v as :func:`packed_timer` says), timed
+    inside a CUDA graph."""
+    if v_in_qkv:
+        qkv = torch.randn(layout.tokens, 3, heads, head_dim, device=device, dtype=dtype)
+        q, k, v = qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2]
+    else:
+        q, k, v = torch.randn(3, layout.tokens, heads, head_dim, device=device, dtype=dtype).unbind(
+            0
+        )
     metadata = backend.default_metadata(layout, device)
     offsets = padded_offsets(lengths, layout.slots)
     if metadata.cu_seqlens is not None:
@@ -539,8 +555,15 @@ def _time_packed_ms(
     backend.prepare(metadata, q)
 
     def run() -> None:
+        given = v if backend.takes_strided_inputs else v.contiguous()
         backend(
-            q, k, v, layout=sequences, metadata=metadata, workspace=workspace, scale=head_dim**-0.5
+            q,
+            k,
+            given,
+            layout=sequences,
+            metadata=metadata,
+            workspace=workspace,
+            scale=head_dim**-0.5,
         )
 
     return captured_ms(run, device=device, **_PACKED_TIMING)
