@@ -78,6 +78,7 @@ from rich.table import Table
 from torch import nn
 
 import layergraph
+from layergraph import timing
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import waited_ms
 from layergraph.validation import relative_error
@@ -217,17 +218,9 @@ def served(rows: list[dict], column: str, graphed: Any) -> list[int]:
 
 
 def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
-    """One call of ``fn``, waited for: its output and milliseconds (CUDA events on a GPU)."""
-    if settings.device.type != "cuda":
-        started = time.perf_counter()
-        output = fn()
-        return output, (time.perf_counter() - started) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    output = fn()
-    end.record()
-    end.synchronize()
-    return output, start.elapsed_time(end)
+    """One call of ``fn``, waited for: its output and milliseconds
+    (:func:`layergraph.timing.timed_call` on the run's device)."""
+    return timing.timed_call(fn, device=settings.device)
 
 
 def stream(

@@ -77,6 +77,7 @@ from transformers.models.siglip2.image_processing_siglip2 import (
 )
 
 import layergraph
+from layergraph import timing
 from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import interleaved_waited_ms, waited_ms
@@ -379,17 +380,9 @@ def in_turns(methods: dict[str, Callable[[], Any]], settings: Settings) -> dict[
 
 
 def timed_call(fn: Callable[[], Any], settings: Settings) -> tuple[Any, float]:
-    """One call of ``fn``, waited for: its output and milliseconds (CUDA events on a GPU)."""
-    if settings.device.type != "cuda":
-        started = time.perf_counter()
-        output = fn()
-        return output, (time.perf_counter() - started) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    output = fn()
-    end.record()
-    end.synchronize()
-    return output, start.elapsed_time(end)
+    """One call of ``fn``, waited for: its output and milliseconds
+    (:func:`layergraph.timing.timed_call` on the run's device)."""
+    return timing.timed_call(fn, device=settings.device)
 
 
 def wrap_options(text: str) -> dict[str, Any]:
