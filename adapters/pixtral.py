@@ -66,7 +66,11 @@ from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
-from layergraph_adapters.kit.feature_outputs import feature_indices, with_rest_on_demand
+from layergraph_adapters.kit.feature_outputs import (
+    computed_later,
+    feature_indices,
+    with_rest_on_demand,
+)
 from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
@@ -254,7 +258,8 @@ class PixtralPlan(PackedTowerPlan):
             out = serve(*args, **kwargs)
             if not self._reads_fewer(kwargs):
                 return out
-            return with_rest_on_demand(out, lambda: self.own(*args, **kwargs), self._whole_keys)
+            later = computed_later(self.own, args, kwargs, serve.count_eager)
+            return with_rest_on_demand(out, later, self._whole_keys)
 
         return forward
 

@@ -155,7 +155,9 @@ class CapturePlan:
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         """Make the changes to the model this plan needs while it is wrapped, through
         ``changes``: route the region's calls inside the model to ``serve`` (for a region
-        inside the model), rewrite what it computes otherwise.
+        inside the model), rewrite what it computes otherwise. An eager run the plan makes on
+        its own (a field the graphs left out, computed when read) is counted with
+        ``serve.count_eager(reason, size)``, so that ``stats`` shows it.
 
         Called once, when the model is wrapped; ``unwrap()`` undoes every change recorded in
         ``changes``, newest first, and ``GraphedModule.original()`` undoes and re-applies

@@ -79,6 +79,7 @@ class GraphEngine:
         captured_region: Callable[..., Any] | None = None,
         hooks: HookFingerprint | None = None,
         capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
+        eager_checks: Sequence[Callable[[], str | None]] = (),
     ) -> None:
         self.plan = plan
         self.options = options
@@ -97,7 +98,7 @@ class GraphEngine:
         self.hooks = HookWatch(plan.owner, hooks)
         """The forward hooks graphs are captured with, and whether the model's differ now."""
         self._watch = ParameterWatch(plan.owner)
-        self.gate = EagerGate(plan, backend, self.hooks)
+        self.gate = EagerGate(plan, backend, self.hooks, eager_checks)
         self.pool: Any = None
         self._done: Any = None
         self._warmed: set[Any] = set()

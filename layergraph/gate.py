@@ -13,7 +13,7 @@ does both).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -36,10 +36,18 @@ class EagerModeWarning(UserWarning):
 class EagerGate:
     """Says why a call cannot be served by a graph (a sentence), or ``None`` if it can."""
 
-    def __init__(self, plan: CapturePlan, backend: GraphBackend, hooks: HookWatch) -> None:
+    def __init__(
+        self,
+        plan: CapturePlan,
+        backend: GraphBackend,
+        hooks: HookWatch,
+        checks: Sequence[Callable[[], str | None]] = (),
+    ) -> None:
         self.plan = plan
         self.backend = backend
         self.hooks = hooks
+        self.checks = tuple(checks)
+        """Plugins' checks of whether a call must run eagerly now (``eager_check``)."""
         self._unavailable = backend.unavailable_reason()
         self._warned: set[str] = set()
         self.refresh()
@@ -84,7 +92,27 @@ class EagerGate:
             return "autocast is enabled"
         if self.backend.is_capturing():
             return "an enclosing graph capture is running"
-        return self.plan.eager_reason(call)
+        for check in self.checks:
+            reason = check()
+            if reason is not None:
+                self._warn_once(reason)
+                return reason
+        reason = self.plan.eager_reason(call)
+        if reason is not None:
+            self._warn_once(reason)
+        return reason
+
+    def _warn_once(self, reason: str) -> None:
+        """Warn, once per reason, that calls run eagerly for ``reason``, a plugin's or the
+        plan's (what the call asks that the graphs do not hold)."""
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        warn(
+            f"calls of the wrapped {type(self.plan.owner).__name__} run eagerly while "
+            f"{reason} (stats.eager_calls counts such calls)",
+            EagerModeWarning,
+        )
 
     def warn_of_mode(self, call: Call) -> None:
         """Warn (once per cause) when a call runs eagerly because the model is in training

@@ -135,3 +135,18 @@ def capture_context(model: nn.Module) -> AbstractContextManager[Any] | None:
     pluggy's order. Eager calls, measured or not, never run inside it. Must not import a
     framework the user has not imported.
     """
+
+
+@hookspec
+def eager_check(model: nn.Module) -> Callable[[], str | None] | None:
+    """A function asked before every call of ``model`` that graphs would serve: why the call
+    must run eagerly at that moment (a sentence for ``stats``), or ``None``; or ``None`` for no
+    such function.
+
+    For frameworks that collect results through Python outside the graphed region while it
+    runs (hooks appending layers' outputs to a list that a forward around the region set up),
+    which a replay would not run. layergraph's own ``transformers`` plugin returns one for
+    transformers' output-capturing hooks. Called once, when the model is wrapped (``model`` is
+    the wrapped model); the function is called on every call and must be cheap. Must not
+    import a framework the user has not imported.
+    """

@@ -11,6 +11,10 @@ everything that was done and undoes it, in reverse order, on ``unwrap()``:
 - the same classes;
 - no instance attribute, hook or submodule left behind or missing.
 
+A module the ledger changed pickles and copies as the module ``unwrap()`` would give back
+(:class:`PickledUnchanged`): ``torch.save(model)``, ``pickle`` and ``copy.deepcopy(model)``
+work while it is wrapped and give an ordinary model.
+
 ``GraphedModule.original()`` suspends the ledger (undo everything, then apply it all again)
 for comparisons against the unmodified model.
 
@@ -23,6 +27,7 @@ must be re-appliable after its undo: ``original()`` relies on it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -35,6 +40,7 @@ __all__ = [
     "AddForwardHook",
     "Change",
     "ChangeLedger",
+    "PickledUnchanged",
     "ReplaceSubmodule",
     "SetAttribute",
     "SwapClass",
@@ -150,6 +156,29 @@ class ReplaceSubmodule(Change):
         self._old = None
 
 
+class PickledUnchanged:
+    """A changed module's ``__reduce_ex__`` while it is changed: the reduction of a copy of the
+    module made with every change of the ledger undone, sharing its parameters and buffers.
+
+    So ``pickle``, ``torch.save`` and ``copy.deepcopy`` of the module, or of a model holding
+    it, give the module as ``unwrap()`` would: its own classes and forwards, no hook or
+    attribute of layergraph's. The ledger is suspended while the copy is made (as
+    ``GraphedModule.original()`` does), so a call served at that moment on another thread runs
+    unchanged.
+    """
+
+    def __init__(self, ledger: ChangeLedger, target: nn.Module) -> None:
+        self._ledger = ledger
+        self._target = target
+
+    def __call__(self, protocol: int) -> Any:
+        target = self._target
+        with self._ledger.suspended():
+            shared = {id(t): t for t in (*target.parameters(), *target.buffers())}
+            unchanged = copy.deepcopy(target, shared)
+        return unchanged.__reduce_ex__(protocol)
+
+
 class UndoError(RuntimeError):
     """One or more changes could not be undone; the others were."""
 
@@ -170,8 +199,21 @@ class ChangeLedger:
     # ---- making changes ----------------------------------------------------------------------
 
     def apply(self, change: Change) -> Change:
-        """Apply ``change`` and record it; returns it."""
+        """Apply ``change`` and record it; returns it. A module changed for the first time is
+        first made to pickle and copy as it is unchanged (:class:`PickledUnchanged`)."""
         with self._lock:
+            target = change.target
+            if isinstance(target, nn.Module) and not isinstance(
+                vars(target).get("__reduce_ex__"), PickledUnchanged
+            ):
+                mark = SetAttribute(
+                    target,
+                    "__reduce_ex__",
+                    PickledUnchanged(self, target),
+                    "pickled and copied as it is unwrapped",
+                )
+                mark.apply()
+                self._applied.append(mark)
             change.apply()
             self._applied.append(change)
         return change

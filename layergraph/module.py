@@ -20,11 +20,12 @@ from .compiling import RECOMPILE_LIMIT, CompileBudget, compile_options, compiled
 from .graphs import CudaGraphs, GraphBackend
 from .guards import NoticeMoves
 from .keys import ShapeKey
-from .ledger import ChangeLedger
+from .ledger import ChangeLedger, UndoError
 from .plugins import AdapterRegistry, UnknownAdapterError, get_registry
 from .runner import GraphInfo, GraphRunner, RunnerOptions
 from .stats import GraphStats
 from .warm_start import Measurements, load_warm_start, read_measurements, save_warm_start
+from .warn import warn
 
 __all__ = ["RECOMPILE_LIMIT", "GraphedModule", "unwrap", "wrap"]
 
@@ -169,11 +170,12 @@ def wrap(
             backend if backend is not None else CudaGraphs(),
             captured_region=_compiled_region(plan, compile_region, budget),
             capture_contexts=functools.partial(registry.capture_contexts, model),
+            eager_checks=registry.eager_checks(model),
         )
     except BaseException:
         changes.undo_all()
         raise
-    route.target = runner
+    route.target = route.runner = runner
     if warm_start is not None:
         measured = read_measurements(warm_start, fingerprint)
         if measured is not None:
@@ -184,7 +186,18 @@ def wrap(
         model, adapter_object, plan, runner, changes, route, budget, fingerprint
     )
     _WRAPPERS[model] = weakref.ref(graphed)
+    # A wrapper dropped without unwrap() leaves the model as unwrap() would.
+    weakref.finalize(graphed, _undo_quietly, changes).atexit = False
     return graphed
+
+
+def _undo_quietly(changes: ChangeLedger) -> None:
+    """Undo ``changes`` of a wrapper that was collected; a change that cannot be undone is
+    warned of, since no caller is there to take the error."""
+    try:
+        changes.undo_all()
+    except UndoError as error:
+        warn(f"a collected wrapper could not undo its changes to the model: {error}")
 
 
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GraphedModule]] = (
@@ -304,6 +317,14 @@ class _Route:
 
     def __init__(self) -> None:
         self.target: Callable[..., Any] | None = None
+        self.runner: GraphRunner | None = None
+        """The runner whose statistics count the plan's own eager runs."""
+
+    def count_eager(self, reason: str, size: int | None = None) -> None:
+        """Count an eager run the plan made on its own, for ``reason`` (a field computed on
+        demand), in the wrapper's ``stats``."""
+        if self.runner is not None:
+            self.runner.count_eager(reason, size)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.target is None:
@@ -486,6 +507,19 @@ class GraphedModule(nn.Module):
         self._check_wrapped()
         with self._changes.suspended():
             yield self.module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedModule:
+        raise TypeError(self._not_copied("copied"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(self._not_copied("pickled"))
+
+    def _not_copied(self, done: str) -> str:
+        return (
+            f"a wrapper of {type(self.module).__name__} is not {done}: its graphs live on one "
+            f"device in one process. The model is {done} as an ordinary, unwrapped model: "
+            f"use graphed.module, and wrap the result again where it is needed"
+        )
 
     def unwrap(self) -> nn.Module:
         """Release the graphs, undo every change in :attr:`changes`, and return the model.

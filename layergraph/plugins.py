@@ -28,6 +28,7 @@ import torch
 
 from . import hookspecs
 from .adapter import Adapter, ExampleModel, plan_api_version
+from .advice import refusal
 from .attention import builtin_backends
 from .attention.backends import AttentionBackend
 from .attention.layout import (
@@ -340,6 +341,11 @@ class AdapterRegistry:
         hook), to be entered around each warm-up and capture."""
         return list(self.plugin_manager.hook.capture_context(model=model))
 
+    def eager_checks(self, model: torch.nn.Module) -> list[Callable[[], str | None]]:
+        """Every plugin's check of whether a call of ``model`` must run eagerly now (the
+        ``eager_check`` hook), asked before each call the graphs would serve."""
+        return [check for check in self.plugin_manager.hook.eager_check(model=model) if check]
+
     def recognize(self, model: torch.nn.Module, skip: Collection[str] = ()) -> str:
         """The name of the adapter that serves ``model``, passing over those in ``skip``
         (adapters that failed on it); a clear error if none does.
@@ -363,12 +369,19 @@ class AdapterRegistry:
         else:
             name = self.plugin_manager.hook.recognize_model(model=model)
         if name is None:
-            available = ", ".join(sorted(self._adapters)) or "none"
-            raise UnknownAdapterError(
-                f"no adapter recognises {_type_name(model)}; name one with "
-                f"wrap(model, adapter=NAME). Available: {available}. For a stack of layers "
-                f"applied in sequence: adapter='sequential', stack='path.to.layers'"
-            )
+            raise UnknownAdapterError(refusal(model, self._dedicated, sorted(self._adapters)))
+        return name
+
+    def _dedicated(self, part: torch.nn.Module) -> str | None:
+        """The dedicated (not generic) adapter that ``adapter="auto"`` would choose for
+        ``part``, or ``None``; a plugin failing on it answers ``None``."""
+        try:
+            name = self.plugin_manager.hook.recognize_model(model=part)
+        except Exception:  # a plugin failing on a part leaves the answer to the others
+            return None
+        entry = self._adapters.get(name) if name is not None else None
+        if entry is None or getattr(entry[0], "generic", False):
+            return None
         return name
 
     def _hook_answers(self, model: torch.nn.Module, skip: Collection[str]) -> Iterator[Any]:

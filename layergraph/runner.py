@@ -112,6 +112,7 @@ class GraphRunner:
         captured_region: Callable[..., Any] | None = None,
         hooks: HookFingerprint | None = None,
         capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
+        eager_checks: Sequence[Callable[[], str | None]] = (),
     ) -> None:
         self.plan = plan
         self.options = options
@@ -130,6 +131,7 @@ class GraphRunner:
             captured_region,
             hooks,
             capture_contexts,
+            eager_checks,
         )
         self._lane: BatchedLane | PackedLane = (
             PackedLane(self._engine, plan.packing) if packed else BatchedLane(self._engine)
@@ -152,6 +154,11 @@ class GraphRunner:
         return engine.run_eagerly(
             reason, args, kwargs, explain_errors=explain, size=call.size, call=call
         )
+
+    def count_eager(self, reason: str, size: int | None = None) -> None:
+        """Count an eager run made outside the runner for ``reason`` (and ``size``'s way)."""
+        with self._engine.lock:
+            self._engine.count_eager(reason, size)
 
     def capture(
         self,

@@ -82,6 +82,9 @@ class SequentialAdapter(Adapter):
         )
 
 
+CHECKING_REASON = "the first wrapped call runs the layers eagerly to check how they are called"
+"""The reason ``stats.eager_calls`` counts the checking call of a stack of layers under."""
+
 _inside_wrapper: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "layergraph_inside_wrapper", default=False
 )
@@ -195,7 +198,11 @@ class _LayerList(_ScopedRouting):
         pass-throughs, or the real layers watched until the check has passed."""
         if self._check.passed:
             return [self._serve, *[_pass_through] * (len(self._layers) - 1)]
-        return self._check.watch(self.layers())
+        steps = self._check.watch(self.layers())
+        count = getattr(self._serve, "count_eager", None)
+        if count is not None:
+            count(CHECKING_REASON)
+        return steps
 
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:

@@ -5,17 +5,19 @@ the fixtures ``layergraph_registry`` and ``register_adapter`` in any test, and c
 :func:`check_adapter` to compare a wrapped model with the model itself.
 
 :class:`SimulatedGraphs` is a graph backend for CPU tensors that keeps the contract of a CUDA
-graph: a replay recomputes the captured function from the *static* input buffers and writes
-the result into the *static* output buffers captured the first time. A runner that forgot to
-copy an input, or returned a buffer it should have cloned, gives wrong answers here as it would
-on a GPU. Its pools keep PyTorch's one rule for sharing: a capture may join a pool only while
+graph: a capture records the operators that run (:mod:`layergraph.tape`), and a replay runs
+those operators again on the storages they used, with no Python of the model, its hooks or
+layergraph in between. A runner that forgot to copy an input, returned a buffer it should have
+cloned, or relied on Python that runs at capture (a hook appending to a list, a value computed
+on the host, a field filled in after the forward) gives wrong answers here as it would on a
+GPU. Its pools keep PyTorch's one rule for sharing: a capture may join a pool only while
 one of the pool's graphs lives. Its captures refuse what a CUDA stream capture refuses and a
 CPU run would not notice: reading a tensor's value on the host (``.item()``, ``bool(t)``) and
 operators whose output size depends on values (``nonzero``, boolean-mask indexing,
 ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``), each of which
 waits for the GPU. Its pools model the memory a CUDA caching allocator reserves for graphs
 (:class:`_SimulatedPool`), so that tests can check how captures share a pool; it does not
-simulate kernels or streams.
+simulate kernels' timing or streams.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .graphs import GraphCaptureError
+from .tape import Recorder, Tape
 
 __all__ = [
     "AdapterCheck",
@@ -63,46 +65,39 @@ _UNSAFE = {
 """Operators a CUDA stream capture refuses, by name, with why."""
 
 
-class _CaptureRules(TorchDispatchMode):
-    """Raises :class:`CaptureUnsafeOperation` for the operators a CUDA stream capture refuses:
+def _refuse_unsafe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise :class:`CaptureUnsafeOperation` for an operator a CUDA stream capture refuses:
     :data:`_UNSAFE`, indexing by a boolean mask (``x[mask]``, ``x[mask] = y``), and
     ``repeat_interleave`` with tensor repeats and no ``output_size``."""
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        name = func._schema.name
-        why = _UNSAFE.get(name)
-        if why is None and name in ("aten::index", "aten::index_put", "aten::index_put_"):
-            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-            if any(
-                isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
-                for index in indices
-            ):
-                why = "indexes by a boolean mask, whose selected count depends on values"
-        if (
-            why is None
-            and name == "aten::repeat_interleave"
-            and func._overloadname in ("Tensor", "self_Tensor")
-            and kwargs.get("output_size") is None
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return
+    name = schema.name
+    why = _UNSAFE.get(name)
+    if why is None and name in ("aten::index", "aten::index_put", "aten::index_put_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(
+            isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+            for index in indices
         ):
-            why = "repeats by a tensor of counts without output_size"
-        if why is not None:
-            raise CaptureUnsafeOperation(
-                f"{func} {why}: a CUDA graph cannot capture it (it waits for the GPU); "
-                f"compute it before the captured region, or pass the result in as an input"
-            )
-        return func(*args, **kwargs)
+            why = "indexes by a boolean mask, whose selected count depends on values"
+    if (
+        why is None
+        and name == "aten::repeat_interleave"
+        and func._overloadname in ("Tensor", "self_Tensor")
+        and kwargs.get("output_size") is None
+    ):
+        why = "repeats by a tensor of counts without output_size"
+    if why is not None:
+        raise CaptureUnsafeOperation(
+            f"{func} {why}: a CUDA graph cannot capture it (it waits for the GPU); "
+            f"compute it before the captured region, or pass the result in as an input"
+        )
 
 
 _HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
 """Tensor methods that read values on the host: under inference mode the CPU serves some of
-them without reaching :class:`_CaptureRules`, so :class:`_HostReadRules` sees them first."""
+them without reaching :func:`_refuse_unsafe`, so :class:`_HostReadRules` sees them first."""
 
 
 class _HostReadRules(TorchFunctionMode):
@@ -141,7 +136,8 @@ def _stream_capturing() -> Iterator[None]:
 
 @dataclass(eq=False)
 class _SimulatedGraph:
-    fn: Callable[[], Any]
+    tape: Tape
+    """The operators the capture ran, which a replay runs again."""
     output: Any
 
 
@@ -213,7 +209,11 @@ class _SimulatedPool:
 
 
 class SimulatedGraphs:
-    """A graph backend that serves CPU tensors by re-running the captured function.
+    """A graph backend that serves CPU tensors by replaying the operators a capture recorded.
+
+    A replay runs no Python of the captured function (:mod:`layergraph.tape`): what ran on
+    the host at capture (hooks, values read, fields filled in) stays as it was then, as on a
+    GPU.
 
     Costs, which the runner measures to choose how each batch size is served
     (:mod:`layergraph.policy`), are wall-clock time for eager calls and nothing for replays,
@@ -230,7 +230,8 @@ class SimulatedGraphs:
     :class:`CaptureUnsafeOperation` for what a CUDA stream capture refuses (the module
     docstring lists it), raised as the cause of a
     :class:`~layergraph.graphs.GraphCaptureError`; warm-up runs, like a GPU's, may do
-    anything.
+    anything. Without ``strict`` the capture records what runs and refuses nothing; a value
+    read on the host stays baked into the replay.
     """
 
     device_type = "cpu"
@@ -275,16 +276,18 @@ class SimulatedGraphs:
             fn()
         if pool.used and not pool.graphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
+        recorder = Recorder(_refuse_unsafe if self.strict else None)
         try:
-            if self.strict:
-                with _HostReadRules(), _CaptureRules(), _stream_capturing():
-                    output = fn()
-            else:
+            with contextlib.ExitStack() as rules:
+                if self.strict:
+                    rules.enter_context(_HostReadRules())
+                rules.enter_context(_stream_capturing())
+                rules.enter_context(recorder)
                 output = fn()
         except Exception as error:
             raise GraphCaptureError.caused_by(error) from error
         pool.used = True
-        graph = _SimulatedGraph(fn, output)
+        graph = _SimulatedGraph(recorder.tape(), output)
         sizes = _storage_bytes(output)
         intermediates = [pool.allocate(sum(sizes)) for _ in range(self.working_set if sizes else 0)]
         blocks = [pool.allocate(size) for size in sizes]
@@ -297,11 +300,10 @@ class SimulatedGraphs:
         return graph, output
 
     def replay(self, graph: _SimulatedGraph) -> None:
+        """Run the operators the capture recorded on the storages they used; no Python of the
+        captured function runs."""
         with torch.inference_mode():  # a real replay writes its buffers in any grad mode
-            fresh = pytree.tree_leaves(graph.fn())
-            for static, value in zip(pytree.tree_leaves(graph.output), fresh):
-                if isinstance(static, torch.Tensor):
-                    static.copy_(value)
+            graph.tape.replay()
         self.replays += 1
 
     def is_out_of_memory(self, error: BaseException) -> bool:

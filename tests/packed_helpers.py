@@ -20,18 +20,34 @@ from layergraph.testing import SimulatedGraphs
 
 
 class RecordingAttention(SdpaMaskedAttention):
-    """``sdpa_varlen`` that records the metadata and boundaries each run is handed."""
+    """``sdpa_varlen`` that writes the boundaries each run is handed into a tensor of its own
+    per metadata, in place: an operation of the graph, so a replay writes them too (a Python
+    list appended to would grow at capture only, as on a GPU)."""
 
     name = "recording"
 
     def __init__(self) -> None:
-        self.seen: list[tuple[AttentionMetadata, torch.Tensor]] = []
+        self._read: dict[int, tuple[AttentionMetadata, torch.Tensor]] = {}
+
+    @property
+    def seen(self) -> list[tuple[AttentionMetadata, torch.Tensor]]:
+        """Each metadata a run was handed, and the boundaries the last run read from it."""
+        return list(self._read.values())
+
+    def scrub(self) -> None:
+        """Fill what was read with -1, so that only a later run can make it right."""
+        with torch.inference_mode():
+            for _, read in self._read.values():
+                read.fill_(-1)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
         metadata = kwargs["metadata"]
-        self.seen.append((metadata, metadata.cu_seqlens.clone()))  # read after the call
+        held = self._read.get(id(metadata))
+        if held is None:
+            held = self._read[id(metadata)] = (metadata, torch.empty_like(metadata.cu_seqlens))
+        held[1].copy_(metadata.cu_seqlens)
         return super().__call__(q, k, v, **kwargs)
 
 

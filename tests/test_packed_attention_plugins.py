@@ -58,7 +58,7 @@ def test_a_plugin_backend_reads_the_boundaries_its_hook_built_written_at_each_ca
     windows = graphed.plan.window_slots(BUDGET, 8)
     calls = ([(1, 4, 6), (2, 2, 2), (1, 8, 8)], [(1, 8, 8), (1, 6, 4), (2, 2, 2)])  # 96 each
     for grids in calls:
-        plugin.backend.seen.clear()
+        plugin.backend.scrub()
         check(graphed, model, grids)
         full = [cu.tolist() for metadata, cu in plugin.backend.seen if metadata is plugin.built[0]]
         assert full and all(cu == boundaries(grids, slots=8) for cu in full)

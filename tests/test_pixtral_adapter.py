@@ -421,7 +421,7 @@ def test_a_plugins_metadata_for_the_budget_holds_each_calls_boundaries(registry:
         ([(6, 10), (14, 4)], [0, 15, 29, *[29] * 6]),
         ([(4, 14), (10, 6), (2, 2)], [0, 14, 29, 30, *[30] * 5]),
     ):
-        plugin.backend.seen.clear()
+        plugin.backend.scrub()
         check(graphed, model, sizes)
         assert plugin.backend.seen  # every layer's attention, in the replay
         assert all(metadata is plugin.built[0] for metadata, _ in plugin.backend.seen)

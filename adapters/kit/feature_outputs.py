@@ -4,8 +4,11 @@ A feature graph (``feature_layers``) computes the hidden states a VLM reads and 
 has no ``last_hidden_state``, no ``pooler_output``, and no hidden states past the deepest one
 needed. Returning ``None`` for those would be a silent wrong answer to a caller who reads them.
 :func:`with_rest_on_demand` returns the output as a subclass of its own class that, the first
-time one of those is read, runs the model's whole forward on the same inputs (eagerly) and
-answers from it; reading only what the graph computed costs nothing more.
+time one of those is read, runs the model's whole forward (eagerly) and answers from it;
+reading only what the graph computed costs nothing more. :func:`computed_later` makes that
+forward: on a copy of the call's inputs taken at the call, so that a caller who refills its
+pixel buffer before reading gets the answer of the inputs it called with, and counted in the
+wrapper's ``stats`` when it runs.
 
 Covered: attribute access (``out.last_hidden_state``), string and integer indexing, iteration
 over ``hidden_states``, ``to_tuple()``, and the mapping's ``keys()``, ``values()``,
@@ -21,7 +24,13 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["feature_indices", "with_rest_on_demand"]
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["ON_DEMAND_REASON", "computed_later", "feature_indices", "with_rest_on_demand"]
+
+ON_DEMAND_REASON = "a field the feature graphs left out was read (the whole tower ran for it)"
+"""The reason ``stats.eager_calls`` counts a forward :func:`computed_later` ran under."""
 
 _REST = "_layergraph_rest"
 
@@ -72,6 +81,31 @@ class _Rest:
         if self._compute is not None:
             self._whole, self._compute = self._compute(), None
         return self._whole
+
+
+def computed_later(
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    count: Callable[[str, int | None], None],
+) -> Callable[[], Any]:
+    """``forward(*args, **kwargs)`` to run later, on copies of the tensors among ``args`` and
+    ``kwargs`` taken now; ``count(reason, size)`` is called when it runs (``size``: the first
+    tensor's length)."""
+    owned_args, owned_kwargs = pytree.tree_map(_copied, (args, kwargs))
+    leaves = pytree.tree_leaves((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    size = len(tensors[0]) if tensors and tensors[0].dim() else None
+
+    def compute() -> Any:
+        count(ON_DEMAND_REASON, size)
+        return forward(*owned_args, **owned_kwargs)
+
+    return compute
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def with_rest_on_demand(
@@ -141,9 +175,13 @@ class _HiddenStates(tuple):
     """The whole model's output for the same inputs, which fills the gaps."""
 
     def _filled(self) -> tuple[Any, ...]:
-        if all(h is not None for h in tuple.__iter__(self)) or self.rest is None:
-            return tuple(tuple.__iter__(self))
-        return tuple(self.rest.whole().hidden_states)
+        """The graph's hidden states, each gap taken from the whole model's: the same values
+        whether read by index, slice or iteration."""
+        own = tuple(tuple.__iter__(self))
+        if all(h is not None for h in own) or self.rest is None:
+            return own
+        whole = self.rest.whole().hidden_states
+        return tuple(whole[index] if h is None else h for index, h in enumerate(own))
 
     def __getitem__(self, index: Any) -> Any:
         value = tuple.__getitem__(self, index)

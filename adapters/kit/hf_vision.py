@@ -36,7 +36,11 @@ from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
 from layergraph_adapters.kit.automatic import build_with_automatic_options
-from layergraph_adapters.kit.feature_outputs import feature_indices, with_rest_on_demand
+from layergraph_adapters.kit.feature_outputs import (
+    computed_later,
+    feature_indices,
+    with_rest_on_demand,
+)
 from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.fused_qkv import FusedQKV
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
@@ -298,9 +302,15 @@ class VisionTowerPlan(CapturePlan):
         if asked is True:
             return None
         indices = [asked] if isinstance(asked, int) else list(asked)
-        missing = sorted({i % (self.depth + 1) for i in indices} - set(self.feature_layers))
+        count = self.depth + 1
+        missing = sorted({i % count for i in indices} - set(self.feature_layers))
         if missing:
-            return f"hidden states {missing} are not among the graphs' feature layers"
+            wanted = sorted({i % count for i in indices} | set(self.feature_layers))
+            return (
+                f"hidden states {missing} (of {count}: embeddings and {self.depth} layers; "
+                f"asked as {asked!r}) are not among the graphs' feature layers "
+                f"{list(self.feature_layers)}; wrap with feature_layers={wanted} to serve them"
+            )
         return None
 
     def check_inputs(self, call: CallInputs) -> None:
@@ -359,9 +369,8 @@ class VisionTowerPlan(CapturePlan):
             out = serve(*args, **kwargs)
             if self.feature_layers is None or not kwargs.get("output_hidden_states"):
                 return out
-            return with_rest_on_demand(
-                out, lambda: self._forward(*args, **kwargs), self._whole_keys
-            )
+            later = computed_later(self._forward, args, kwargs, serve.count_eager)
+            return with_rest_on_demand(out, later, self._whole_keys)
 
         return forward
 
