@@ -194,6 +194,9 @@ class ChangeLedger:
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self._applied: list[Change] = []
+        self._marks: list[SetAttribute] = []
+        """The ``__reduce_ex__`` of each module changed (:class:`PickledUnchanged`): kept
+        apart from the changes, taken back after them by :meth:`undo_all`."""
         self._lock = threading.RLock()
 
     # ---- making changes ----------------------------------------------------------------------
@@ -213,7 +216,7 @@ class ChangeLedger:
                     "pickled and copied as it is unwrapped",
                 )
                 mark.apply()
-                self._applied.append(mark)
+                self._marks.append(mark)
             change.apply()
             self._applied.append(change)
         return change
@@ -255,6 +258,9 @@ class ChangeLedger:
                     self._undo(change)
                 except Exception as error:
                     failures.append(f"{self._describe(change)}: {type(error).__name__}: {error}")
+            marks, self._marks = self._marks, []
+            for mark in reversed(marks):
+                mark.undo()
             if failures:
                 raise UndoError("could not undo " + "; ".join(failures))
 
