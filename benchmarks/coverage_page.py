@@ -108,7 +108,7 @@ def render(results: dict[str, Any] | None) -> str:
         "transformers release adds fails the test by name until it is served or listed here.",
         "",
         f"Walked: {len(walked)} classes; served: {sum(n in walked for n in served)} of them "
-        f"and {sum(n not in walked for n in served)} towers outside the mappings.",
+        f"and {sum(n not in walked for n in served)} models outside the mappings.",
         "",
         "## Served",
         "",

@@ -47,6 +47,9 @@ _NO_KERNEL = frozenset(
 )
 """Operators that allocate and launch no kernel: a replay writes nothing into what they made."""
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+"""Tensor types recorded as they come; any other type is a subclass that unwraps itself."""
+
 
 @dataclass(frozen=True)
 class _Made:
@@ -101,11 +104,18 @@ class Recorder(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if any(kind not in _PLAIN for kind in types):
+            # A tensor subclass (a DTensor, a quantized weight) unwraps itself first; the
+            # operators it runs on its plain tensors come back here.
+            return NotImplemented
         kwargs = kwargs or {}
         if self._check is not None:
             self._check(func, args, kwargs)
         result = func(*args, **kwargs)
-        self._record(func, args, kwargs, result)
+        if all(type(leaf) in _PLAIN for leaf in pytree.tree_leaves(result) if _is_tensor(leaf)):
+            # An operator that wraps its result in a subclass (a collective's waiting tensor)
+            # is not recorded: the work it stands for is in the operators it ran.
+            self._record(func, args, kwargs, result)
         return result
 
     def _record(
@@ -219,6 +229,7 @@ class Tape:
             result = step.func(*args, **kwargs)
             for index, fresh, value in zip(step.outputs, step.fresh, pytree.tree_leaves(result)):
                 if index is None:
+                    _finish(value)
                     continue
                 kept = self._kept.get(index) if fresh else None
                 if kept is not None:
@@ -263,6 +274,13 @@ def _resolve(value: Any, values: dict[int, Any]) -> Any:
     return pytree.tree_map(
         lambda leaf: values[leaf.index] if isinstance(leaf, _Made) else leaf, value
     )
+
+
+def _finish(value: Any) -> None:
+    """Wait for a collective's work handle, as the stream order of a real replay does."""
+    wait = getattr(value, "wait", None)
+    if callable(wait):
+        wait()
 
 
 def _is_tensor(value: Any) -> bool:

@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tiny_models import DUALS, TOWERS, VLMS, Tiny, transformers_kept
+from tiny_models import DUALS, HEADS, TOWERS, VLMS, Tiny, transformers_kept
 from torch import nn
 
-SERVED: dict[str, Tiny] = {**TOWERS, **VLMS, **DUALS}
-"""Every class layergraph serves at fixed shapes, with its tiny model: towers, VLMs and dual
-encoders."""
+SERVED: dict[str, Tiny] = {**TOWERS, **VLMS, **DUALS, **HEADS}
+"""Every class layergraph serves at fixed shapes, with its tiny model: towers, VLMs, dual
+encoders and models with a head of their own on a served tower."""
 
 PACKED_SERVED: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",

@@ -681,14 +681,16 @@ VLMS: dict[str, Tiny] = by_name(
 """A tiny VLM of every family, by class name."""
 
 
+ONE_LAYER_TEXT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4
+)
+"""A dual encoder's tiny text encoder."""
+
+
 def dual_config(config_name: str, vision_config: str, **settings: Any) -> Callable[[], Any]:
     """A tiny image-text dual encoder's configuration (a one-layer text encoder)."""
     return vlm_config(
-        config_name,
-        text_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4
-        ),
-        vision_config=vision(vision_config, **settings),
+        config_name, text_config=ONE_LAYER_TEXT, vision_config=vision(vision_config, **settings)
     )
 
 
@@ -700,3 +702,83 @@ DUALS: dict[str, Tiny] = by_name(
     Tiny("Aimv2Model", dual_config("Aimv2Config", "Aimv2VisionConfig"), "aimv2", features(pixels)),
 )
 """A tiny image-text dual encoder of every family that has one, by class name."""
+
+
+def retrieval_text() -> dict[str, Any]:
+    """A one-layer ModernBERT, ModernVBERT's text model, with its special tokens in a tiny
+    vocabulary."""
+    return dict(
+        **ONE_LAYER_TEXT,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+
+
+def any_dual_config(vision_config: str) -> Callable[[], Any]:
+    """A tiny ``VisionTextDualEncoderConfig`` of a ``vision_config`` tower and a one-layer
+    BERT."""
+
+    def make() -> Any:
+        vision_settings = dict(image_size=IMAGE, patch_size=PATCH, **WIDTH)
+        return transformers_attr("VisionTextDualEncoderConfig").from_vision_text_configs(
+            transformers_attr(vision_config)(**vision_settings),
+            transformers_attr("BertConfig")(vocab_size=VOCAB, **ONE_LAYER_TEXT),
+        )
+
+    return make
+
+
+def logits(model: nn.Module, batch: int) -> torch.Tensor:
+    """An image classifier's logits for ``batch`` random images."""
+    return model(pixel_values=images(batch)).logits
+
+
+HEADS: dict[str, Tiny] = by_name(
+    Tiny(
+        "SiglipForImageClassification",
+        vlm_config(
+            "SiglipConfig",
+            text_config=ONE_LAYER_TEXT,
+            vision_config=vision("SiglipVisionConfig"),
+            num_labels=3,
+        ),
+        "siglip",
+        logits,
+    ),
+    Tiny(
+        "CLIPForImageClassification",
+        vlm_config(
+            "CLIPConfig",
+            text_config=ONE_LAYER_TEXT,
+            vision_config=vision("CLIPVisionConfig"),
+            num_labels=3,
+        ),
+        "clip",
+        logits,
+    ),
+    Tiny(
+        "VisionTextDualEncoderModel",
+        any_dual_config("ViTConfig"),
+        "vit",
+        features(pixels),
+    ),
+    Tiny(
+        "ModernVBertModel",
+        vlm_config(
+            "ModernVBertConfig",
+            vision_config=vision("SiglipVisionConfig"),
+            text_config=retrieval_text(),
+            image_token_id=IMAGE_TOKEN,
+            scale_factor=2,
+        ),
+        "siglip",
+        features(image_sets),
+    ),
+)
+"""A tiny model of each class outside transformers' vision auto mappings that holds a served
+tower under a head of its own: image classifiers, a dual encoder of any two towers, a
+retrieval encoder."""

@@ -12,9 +12,10 @@ wrapper's ``stats`` when it runs.
 
 Covered: attribute access (``out.last_hidden_state``), string and integer indexing, iteration
 over ``hidden_states``, ``to_tuple()``, and the mapping's ``keys()``, ``values()``,
-``items()``, iteration, ``len()`` and ``in``, which list the keys the whole model's output has
-(so they compute it, as reading a missing value does). A transformers ``ModelOutput`` (a
-dataclass and an ordered dict) is what it is for.
+``items()``, iteration, ``len()`` and ``in``, which list the keys the whole model's output has:
+learnt once per set of fields from a run of the whole forward on fake tensors (shapes only, no
+compute), or, where the forward cannot run so, from the whole output itself. A transformers
+``ModelOutput`` (a dataclass and an ordered dict) is what it is for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 __all__ = ["ON_DEMAND_REASON", "computed_later", "feature_indices", "with_rest_on_demand"]
@@ -74,7 +76,9 @@ class _Rest:
         """The whole model's output's keys: learnt for this pattern, else computed."""
         keys = self.known.get(self.pattern)
         if keys is None:
-            keys = self.known[self.pattern] = tuple(self.whole().keys())
+            fields = self._compute.fields() if isinstance(self._compute, _Later) else None
+            keys = tuple(self.whole().keys()) if fields is None else fields
+            self.known[self.pattern] = keys
         return keys
 
     def whole(self) -> Any:
@@ -88,20 +92,49 @@ def computed_later(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     count: Callable[[str, int | None], None],
-) -> Callable[[], Any]:
+) -> _Later:
     """``forward(*args, **kwargs)`` to run later, on copies of the tensors among ``args`` and
     ``kwargs`` taken now; ``count(reason, size)`` is called when it runs (``size``: the first
     tensor's length)."""
-    owned_args, owned_kwargs = pytree.tree_map(_copied, (args, kwargs))
-    leaves = pytree.tree_leaves((args, kwargs))
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    size = len(tensors[0]) if tensors and tensors[0].dim() else None
+    return _Later(forward, *pytree.tree_map(_copied, (args, kwargs)), count)
 
-    def compute() -> Any:
-        count(ON_DEMAND_REASON, size)
-        return forward(*owned_args, **owned_kwargs)
 
-    return compute
+class _Later:
+    """A forward and the inputs it will run on: run for its values (counted), or on fake
+    tensors for the fields of its output alone (nothing computed, nothing counted)."""
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        count: Callable[[str, int | None], None],
+    ) -> None:
+        self._forward, self._args, self._kwargs, self._count = forward, args, kwargs, count
+
+    def __call__(self) -> Any:
+        tensors = [
+            leaf
+            for leaf in pytree.tree_leaves((self._args, self._kwargs))
+            if isinstance(leaf, torch.Tensor)
+        ]
+        self._count(ON_DEMAND_REASON, len(tensors[0]) if tensors and tensors[0].dim() else None)
+        return self._forward(*self._args, **self._kwargs)
+
+    def fields(self) -> tuple[str, ...] | None:
+        """The keys of the forward's output, from a run on fake tensors (shapes only); ``None``
+        where the forward cannot run so (it reads a value, or an operator has no fake
+        kernel)."""
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                args, kwargs = pytree.tree_map(
+                    lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+                    (self._args, self._kwargs),
+                )
+                output = self._forward(*args, **kwargs)
+        except Exception:  # any failure means: learn the fields by running the forward
+            return None
+        return tuple(output.keys()) if hasattr(output, "keys") else None
 
 
 def _copied(value: Any) -> Any:

@@ -274,9 +274,20 @@ class VisionTowerPlan(CapturePlan):
     def region(self, *args: Any, **kwargs: Any) -> Any:
         for fusion in self.fusions:
             fusion.refresh()
-        if self.feature_layers is not None and kwargs.get("output_hidden_states"):
+        if self._features_serve(kwargs.get("output_hidden_states")):
             return self._feature_region(args, kwargs)
         return self._forward(*args, **kwargs)
+
+    def _features_serve(self, asked: Any) -> bool:
+        """Whether the feature layers hold every hidden state ``output_hidden_states=asked``
+        asks for (``True``: those the graphs hold; an index or a list: those)."""
+        if self.feature_layers is None or not asked:
+            return False
+        if asked is True:
+            return True
+        indices = [asked] if isinstance(asked, int) else list(asked)
+        count = self.depth + 1
+        return {i % count for i in indices} <= set(self.feature_layers)
 
     def sequence_of(self, call: CallInputs) -> Hashable:
         height, width = call.tensors[0].shape[-2:]
@@ -367,7 +378,7 @@ class VisionTowerPlan(CapturePlan):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = serve(*args, **kwargs)
-            if self.feature_layers is None or not kwargs.get("output_hidden_states"):
+            if not self._features_serve(kwargs.get("output_hidden_states")):
                 return out
             later = computed_later(self._forward, args, kwargs, serve.count_eager)
             return with_rest_on_demand(out, later, self._whole_keys)
