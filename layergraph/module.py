@@ -197,7 +197,7 @@ def _undo_quietly(changes: ChangeLedger) -> None:
     try:
         changes.undo_all()
     except UndoError as error:
-        warn(f"a collected wrapper could not undo its changes to the model: {error}")
+        warn(f"a collected wrapper could not undo its changes to the model: {error}", UserWarning)
 
 
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GraphedModule]] = (

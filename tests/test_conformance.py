@@ -247,7 +247,12 @@ def read_alike(data: st.DataObject, got: Any, want: Any) -> tuple[dict[str, Any]
     return served_quietly(lambda: dict(read(plan, got))), wanted
 
 
-def assert_same(got: dict[str, Any], want: dict[str, Any], real: torch.Tensor | None) -> None:
+def assert_same(
+    got: dict[str, Any],
+    want: dict[str, Any],
+    real: torch.Tensor | None,
+    tolerance: float = TOLERANCE,
+) -> None:
     """Equal paths, shapes and values; ``real``: a packed tower's mask of real patches
     ([images, patches]), where its padding rows are not compared."""
     assert sorted(got) == sorted(want)
@@ -259,7 +264,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], real: torch.Tensor | 
         assert isinstance(have, torch.Tensor) and have.shape == expected.shape, path
         if real is not None and expected.shape[:2] == real.shape:
             have, expected = have[real], expected[real]
-        assert relative_error(have.float(), expected.float()) <= TOLERANCE, path
+        assert relative_error(have.float(), expected.float()) <= tolerance, path
 
 
 def served_quietly(function: Callable[[], Any]) -> Any:
@@ -283,7 +288,11 @@ def on(device: str, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_served_class(
-    name: str, data: st.DataObject, device: str = "cpu", backend: Any = None
+    name: str,
+    data: st.DataObject,
+    device: str = "cpu",
+    backend: Any = None,
+    tolerance: float = TOLERANCE,
 ) -> None:
     """Draw a stream of calls of the served class ``name`` and check each against its twin;
     on ``device``, with graphs from ``backend`` (default: the device's own)."""
@@ -313,11 +322,11 @@ def check_served_class(
             out = served_quietly(lambda: entry(**inputs, **chosen))  # noqa: B023
             if data.draw(st.booleans(), label="refilled before the read"):
                 refill(inputs)
-            assert_same(*read_alike(data, out, want), None)
+            assert_same(*read_alike(data, out, want), None, tolerance)
         assert graphed.stats.failed_captures == 0
         graphed.unwrap()
         after = dict(flat(recorded.entry(model)(**before)))
-    assert_same(after, dict(flat(baseline)), None)
+    assert_same(after, dict(flat(baseline)), None, tolerance)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in SERVED if SERVED[n].available()))
@@ -345,14 +354,20 @@ def packed_inputs(name: str, grids: list[tuple[int, int, int]]) -> dict[str, tor
 
 
 def check_packed_class(
-    name: str, data: st.DataObject, device: str = "cpu", backend: Any = None
+    name: str,
+    data: st.DataObject,
+    device: str = "cpu",
+    backend: Any = None,
+    tolerance: float = TOLERANCE,
 ) -> None:
     """Draw a stream of calls of the packed class ``name`` (images of drawn grids) and check
     each against its twin; on ``device``, with graphs from ``backend``."""
     model, _ = packed_tiny(name)
     twin, _ = packed_tiny(name)
     model, twin = model.to(device), twin.to(device)
-    frames = st.integers(1, 2) if PACKED_SERVED[name] == "qwen2_vl" else st.just(1)
+    # Several frames per grid entry only where the model takes them: GLM's towers read
+    # grid_thw's rows by frame and index out of bounds (a device-side assert on a GPU).
+    frames = st.integers(1, 2) if name.startswith("Qwen") else st.just(1)
     image = st.tuples(frames, st.integers(1, 3), st.integers(1, 3))
     with torch.inference_mode():
         graphed = layergraph.wrap(model, observe_calls=0, backend=backend, budget_step=32)
@@ -370,7 +385,8 @@ def check_packed_class(
             if data.draw(st.booleans(), label="refilled before the read"):
                 refill(inputs)
             real = reference.get("pixel_attention_mask")
-            assert_same(*read_alike(data, out, want), None if real is None else real.bool())
+            mask = None if real is None else real.bool()
+            assert_same(*read_alike(data, out, want), mask, tolerance)
         assert graphed.stats.failed_captures == 0
         graphed.unwrap()
 

@@ -379,3 +379,18 @@ def test_unwrap_gives_back_the_model_as_it_was(
     call(graphed)
     assert graphed.unwrap() is model
     before.assert_same(Snapshot.of(model, call))
+
+
+def test_a_collected_wrapper_that_cannot_undo_warns_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No caller is there to take the error of a wrapper's finalizer: it warns instead."""
+    from layergraph import module
+    from layergraph.ledger import ChangeLedger, UndoError
+
+    def failing(self: ChangeLedger) -> None:
+        raise UndoError("could not undo layer: it moved")
+
+    monkeypatch.setattr(ChangeLedger, "undo_all", failing)
+    with pytest.warns(UserWarning, match="could not undo its changes to the model: .*moved"):
+        module._undo_quietly(ChangeLedger(nn.Linear(2, 2)))
