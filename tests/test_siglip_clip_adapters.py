@@ -510,6 +510,24 @@ def test_fused_qkv_follows_in_place_updates_and_reallocation() -> None:
             )
 
 
+def test_a_model_fused_and_reallocated_in_inference_mode_is_restored_outside_it() -> None:
+    """Re-allocated (``double()``) in inference mode, so that its parameters are inference
+    tensors, wrapped with ``fuse_qkv`` and called there, unwrapped outside it: the parameters
+    get their own storage back with their values."""
+    model = built(transformers.SiglipVisionModel, siglip_config())
+    x = images(2).double()
+    with torch.inference_mode():
+        model.double()
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), fuse_qkv=True)
+        got = graphed(pixel_values=x).last_hidden_state
+        values = {name: p.clone() for name, p in model.named_parameters()}
+    graphed.unwrap()
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, values[name]), name
+    with torch.inference_mode():
+        torch.testing.assert_close(model(pixel_values=x).last_hidden_state, got)
+
+
 def test_fused_qkv_attention_weights_still_come_back() -> None:
     model = built(transformers.CLIPVisionModel, clip_config())
     model.set_attn_implementation("eager")

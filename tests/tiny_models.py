@@ -705,10 +705,11 @@ DUALS: dict[str, Tiny] = by_name(
 
 
 def retrieval_text() -> dict[str, Any]:
-    """A one-layer ModernBERT, ModernVBERT's text model, with its special tokens in a tiny
-    vocabulary."""
+    """A two-layer ModernBERT, ModernVBERT's text model, with its special tokens in a tiny
+    vocabulary (transformers 5.6's ModernBERT configuration refuses one layer, which holds no
+    sliding-window layer)."""
     return dict(
-        **ONE_LAYER_TEXT,
+        **{**ONE_LAYER_TEXT, "num_hidden_layers": 2},
         vocab_size=VOCAB,
         pad_token_id=0,
         bos_token_id=1,

@@ -156,6 +156,7 @@ class AlignedMLP(Change):
         self._pad()
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # shared tensors stay normal ones, written in any mode
     def _pad(self) -> None:
         up, down = self._up(), self._down()
         weight = up[0].weight

@@ -73,6 +73,7 @@ class FusedQKV(Change):
         self._fuse()
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # shared tensors stay normal ones, written in any mode
     def _fuse(self) -> None:
         projections = _projections(self.target)
         weights = [p.weight.data for p in projections]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layergraph_adapters.kit.hf_vision import VisionTowerPlan
+from layergraph_adapters.kit.hf_vision import VisionTowerPlan, pixels_of
 from layergraph_adapters.kit.rewrites import InferenceForward
 from layergraph_adapters.kit.tower_specs import find_module
 
@@ -106,10 +106,25 @@ class CapturablePositions(InferenceForward):
 
 
 class IdeficsPlan(VisionTowerPlan):
-    """The shared tower plan, with the embeddings' position ids made capturable."""
+    """The shared tower plan, with the embeddings' position ids made capturable and a call
+    without ``patch_attention_mask`` given its all-ones mask on the pixels' device.
+
+    The towers' own forward builds a missing mask on the CPU and copies it to the pixels'
+    device, a copy a CUDA stream capture refuses; Aria calls its Idefics3 tower that way
+    when it is given no ``pixel_mask``.
+    """
 
     def __init__(self, tower: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(tower, *args, **kwargs)
         found = find_module(tower, self.spec.embeddings)
         if found is not None:
             self._rewrites.append(CapturablePositions(found[1]))
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < 2 and kwargs.get("patch_attention_mask") is None:
+            pixels = pixels_of(args, kwargs)
+            rows, columns = (side // size for side, size in zip(pixels.shape[-2:], self.patch_size))
+            kwargs["patch_attention_mask"] = torch.ones(
+                pixels.shape[0], rows, columns, dtype=torch.bool, device=pixels.device
+            )
+        return super().region(*args, **kwargs)

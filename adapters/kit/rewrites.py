@@ -53,7 +53,8 @@ def give_back_storage(parameters: Sequence[nn.Parameter], own: Sequence[torch.Te
         now = parameter.data
         same = (storage.shape, storage.dtype, storage.device) == (now.shape, now.dtype, now.device)
         if same:
-            storage.copy_(now)
+            with torch.inference_mode():  # the storage may be an inference tensor
+                storage.copy_(now)
             parameter.data = storage
         else:
             parameter.data = now.clone(memory_format=torch.contiguous_format)
