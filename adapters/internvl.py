@@ -40,7 +40,7 @@ from layergraph.keys import CallInputs
 from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.fused_qkv import FusedQKV
 from layergraph_adapters.kit.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
-from layergraph_adapters.kit.tower_specs import TowerExample, TowerSpec, build_tower
+from layergraph_adapters.kit.tower_specs import TowerSpec, build_tower
 
 INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
     "internvit-300m": dict(
@@ -77,10 +77,6 @@ INTERNVL = TowerSpec(
     attention="attention",
     prefix_tokens=1,
     image_sizes="any",  # the position embedding is interpolated to any tile size
-    examples={
-        name: TowerExample("InternVLVisionModel", settings)
-        for name, settings in INTERNVIT_CONFIGS.items()
-    },
 )
 """InternViT: the class token; attention routed to the chosen backend by
 :class:`InternViTPlan`, which fuses q, k and v there with ``fuse_qkv``."""

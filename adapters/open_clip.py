@@ -24,14 +24,12 @@ import sys
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import torch
 from torch import nn
 
 from layergraph import (
     Adapter,
     AdapterMismatch,
     CapturePlan,
-    ExampleModel,
     PlanContext,
     WholeForward,
     hookimpl,
@@ -75,39 +73,6 @@ class OpenClipAdapter(Adapter):
             "fuse_gelu": fuse_gelu,
             "fuse_norm": fuse_norm,
         }
-
-    def example_models(self) -> list[str]:
-        try:
-            import open_clip  # noqa: F401
-        except ImportError:
-            return []
-        return [f"open_clip:{name}" for name in ("ViT-B-32", "ViT-L-14", "ViT-SO400M-14-SigLIP")]
-
-    def example_model(self, name: str) -> ExampleModel | None:
-        """The image tower of any open_clip architecture, as ``open_clip:NAME``, with random
-        weights (``open_clip.list_models()`` lists the names)."""
-        if not name.startswith("open_clip:"):
-            return None
-        try:
-            import open_clip
-        except ImportError:
-            return None
-        architecture = name.removeprefix("open_clip:")
-        if architecture not in open_clip.list_models():
-            return None
-
-        def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
-            model = open_clip.create_model(architecture, pretrained=None)
-            return model.visual.to(device, dtype).eval()
-
-        def inputs(
-            batch: int, dtype: torch.dtype, device: torch.device
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            size = open_clip.get_model_config(architecture)["vision_cfg"].get("image_size", 224)
-            height, width = (size, size) if isinstance(size, int) else size
-            return (torch.randn(batch, 3, height, width, dtype=dtype, device=device),), {}
-
-        return ExampleModel(name=name, adapter=self.name, build=build, inputs=inputs)
 
     def recognizes(self, model: nn.Module) -> bool:
         if "open_clip" not in sys.modules:

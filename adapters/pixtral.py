@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,7 @@ from layergraph_adapters.kit.packed_tower import (
     read_inputs,
     workspace,
 )
-from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TowerExample
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, require_transformers
 
 _HOLDERS: dict[str, tuple[str, ...]] = {
@@ -511,11 +511,6 @@ class PixtralAdapter(PackedTowerAdapter):
     name = "pixtral"
     families = (FAMILY,)
     plan_class = PixtralPlan
-    examples: ClassVar[Mapping[str, TowerExample]] = {
-        "pixtral-12b": TowerExample("PixtralVisionModel", {}),
-    }
-    """Pixtral-12B's tower (its configuration's defaults, which transformers documents as
-    Pixtral-12B's)."""
 
     def __init__(
         self,
@@ -526,30 +521,6 @@ class PixtralAdapter(PackedTowerAdapter):
     ) -> None:
         super().__init__(attention, max_tokens, budget_step)
         self.feature_layers = feature_layers
-
-    def example_inputs(
-        self,
-        config: Any,
-        sizes: Sequence[tuple[int, int]],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Images of ``sizes`` scaled down to fit ``image_size`` a side and their sides rounded
-        up to whole patches, as Pixtral's processor resizes them, padded to the largest into
-        one batch of random pixels, and ``image_sizes``."""
-        patch, largest = config.patch_size, config.image_size
-        padded = []
-        for height, width in sizes:
-            scale = min(1.0, largest / max(height, width))
-            padded.append(
-                tuple(-(-max(1, round(side * scale)) // patch) * patch for side in (height, width))
-            )
-        rows = max(height for height, _ in padded)
-        columns = max(width for _, width in padded)
-        pixels = torch.randn(
-            len(sizes), config.num_channels, rows, columns, dtype=dtype, device=device
-        )
-        return (pixels,), {"image_sizes": torch.tensor(padded, device=device)}
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
         require_transformers(self.name, PIXTRAL_CHECKED)

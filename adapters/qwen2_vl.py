@@ -57,9 +57,9 @@ import functools
 import itertools
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,7 +85,7 @@ from layergraph_adapters.kit.packed_tower import (
 )
 from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
 from layergraph_adapters.kit.position_resampling import resampled_positions_for
-from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TowerExample
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
@@ -707,23 +707,6 @@ class Qwen2VLPlan(PackedTowerPlan):
         return module.proj(out.reshape(tokens, -1))
 
 
-_QWEN2_5_VL_TOWER = dict(
-    depth=32,
-    hidden_size=1280,
-    num_heads=16,
-    intermediate_size=3420,
-    window_size=112,
-    fullatt_block_indexes=[7, 15, 23, 31],
-    spatial_merge_size=2,
-    patch_size=14,
-    temporal_patch_size=2,
-)
-"""Qwen2.5-VL's tower (every size of the family has it), but for its output width."""
-
-PROMPT_TEXT_TOKENS = 32
-"""Text tokens around the images of an example VLM's prompt."""
-
-
 class Qwen2VLAdapter(PackedTowerAdapter):
     """Graphs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or GLM (GLM-4.1V, GLM-4.5V,
     GLM-4.6V, GLM-OCR, GLM-5-Next) vision tower, alone or inside its VLM, per token budget.
@@ -769,56 +752,6 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         "fuse_gate",
         "fuse_rotary",
     )
-    examples: ClassVar[Mapping[str, TowerExample]] = {
-        "qwen2.5-vl-7b": TowerExample(
-            "qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
-            {**_QWEN2_5_VL_TOWER, "out_hidden_size": 3584},
-        ),
-        "qwen3-vl-8b": TowerExample(
-            "qwen3_vl.Qwen3VLVisionModel",
-            dict(
-                depth=27,
-                hidden_size=1152,
-                num_heads=16,
-                intermediate_size=4304,
-                out_hidden_size=4096,
-                num_position_embeddings=2304,
-                deepstack_visual_indexes=[8, 16, 24],
-                spatial_merge_size=2,
-                patch_size=16,
-                temporal_patch_size=2,
-            ),
-        ),
-        "qwen3.5": TowerExample("qwen3_5.Qwen3_5VisionModel", {}),
-        "glm-4.1v-9b": TowerExample("glm4v.Glm4vVisionModel", {}),
-    }
-    """Qwen2.5-VL-7B's, Qwen3-VL-8B's, Qwen3.5's and GLM-4.1V-9B's towers (the last two their
-    configurations' defaults)."""
-    vlm_examples: ClassVar[Mapping[str, TowerExample]] = {
-        "qwen2.5-vl-3b": TowerExample(
-            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
-            dict(
-                vision_config={**_QWEN2_5_VL_TOWER, "out_hidden_size": 2048},
-                text_config=dict(
-                    hidden_size=2048,
-                    intermediate_size=11008,
-                    num_hidden_layers=36,
-                    num_attention_heads=16,
-                    num_key_value_heads=2,
-                    vocab_size=151936,
-                    max_position_embeddings=32768,
-                    rope_parameters=dict(
-                        rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24]
-                    ),
-                ),
-                image_token_id=151655,
-                video_token_id=151656,
-                vision_start_token_id=151652,
-                vision_end_token_id=151653,
-            ),
-        ),
-    }
-    """Qwen2.5-VL-3B: a 32-layer tower of 1280 and a 36-layer language model of 2048."""
 
     def __init__(
         self,
@@ -841,61 +774,6 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         self.fuse_gelu = fuse_gelu
         self.fuse_rotary = fuse_rotary
         self.fuse_gate = fuse_gate
-
-    def example_inputs(
-        self,
-        config: Any,
-        sizes: Sequence[tuple[int, int]],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The patches of images of ``sizes`` as the towers take them (rows of
-        ``in_channels * temporal_patch_size * patch_size**2`` values) and ``grid_thw``, each
-        side rounded to the nearest multiple of patch times merge size, as the processors
-        resize images."""
-        factor = config.patch_size * config.spatial_merge_size
-        grids = [
-            [1, *(max(factor, round(side / factor) * factor) // config.patch_size for side in size)]
-            for size in sizes
-        ]
-        features = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        tokens = sum(rows * columns for _, rows, columns in grids)
-        pixels = torch.randn(tokens, features, dtype=dtype, device=device)
-        return (pixels,), {"grid_thw": torch.tensor(grids, device=device)}
-
-    def example_prompt(
-        self,
-        config: Any,
-        sizes: Sequence[tuple[int, int]],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> dict[str, Any]:
-        """:data:`PROMPT_TEXT_TOKENS` random text tokens with the images in their middle, each
-        image one image token per merged patch between the vision start and end tokens, as
-        the Qwen processors lay them out; ``pixel_values`` and ``image_grid_thw`` as
-        :meth:`example_inputs` makes them for the VLM's tower."""
-        vision = config.vision_config
-        (pixels,), tower_inputs = self.example_inputs(vision, sizes, dtype, device)
-        grids = tower_inputs["grid_thw"]
-        images = []
-        for _, rows, columns in grids.tolist():
-            merged = rows * columns // vision.spatial_merge_size**2
-            images += [
-                config.vision_start_token_id,
-                *[config.image_token_id] * merged,
-                config.vision_end_token_id,
-            ]
-        vocabulary = config.get_text_config().vocab_size
-        text = torch.randint(
-            min(1000, vocabulary // 2), min(100000, vocabulary), (PROMPT_TEXT_TOKENS,)
-        ).tolist()
-        half = PROMPT_TEXT_TOKENS // 2
-        ids = [*text[:half], *images, *text[half:]]
-        return {
-            "input_ids": torch.tensor([ids], device=device),
-            "pixel_values": pixels,
-            "image_grid_thw": grids,
-        }
 
 
 def _described(backend: AttentionBackend) -> str:

@@ -36,9 +36,9 @@ states, pass other arguments, or whose mask does not mark each image's first
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ from layergraph_adapters.kit.packed_tower import (
     image_slots,
     read_inputs,
 )
-from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS, TowerExample
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
 from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED
 
 FAMILY = PackedFamily(
@@ -385,20 +385,6 @@ class Siglip2Adapter(PackedTowerAdapter):
     plan_class = Siglip2Plan
     speed_options = ("fuse_norm", "fuse_gelu")
     default_budget_step = 256
-    examples: ClassVar[Mapping[str, TowerExample]] = {
-        "siglip2-so400m-naflex": TowerExample(
-            "Siglip2VisionModel",
-            dict(
-                hidden_size=1152,
-                intermediate_size=4304,
-                num_hidden_layers=27,
-                num_attention_heads=16,
-                patch_size=16,
-                num_patches=256,
-            ),
-        ),
-    }
-    """SigLIP2 so400m/16 NaFlex's tower."""
 
     def __init__(
         self,
@@ -411,36 +397,6 @@ class Siglip2Adapter(PackedTowerAdapter):
         super().__init__(attention, max_tokens, budget_step)
         self.fuse_norm = fuse_norm
         self.fuse_gelu = fuse_gelu
-
-    def example_inputs(
-        self,
-        config: Any,
-        sizes: Sequence[tuple[int, int]],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """A padded batch of images of ``sizes`` as SigLIP2's processor gives it with
-        ``max_num_patches`` the configuration's ``num_patches``: each image resized to at
-        most that many patches, keeping its aspect; random patches, ``pixel_attention_mask``
-        and ``spatial_shapes``."""
-        from transformers.models.siglip2.image_processing_siglip2 import (
-            get_image_size_for_max_num_patches,
-        )
-
-        patch, most = config.patch_size, config.num_patches
-        grids = [
-            tuple(side // patch for side in get_image_size_for_max_num_patches(h, w, patch, most))
-            for h, w in sizes
-        ]
-        mask = torch.zeros(len(sizes), most, dtype=torch.int32, device=device)
-        for row, (rows, columns) in enumerate(grids):
-            mask[row, : rows * columns] = 1
-        features = config.num_channels * patch * patch
-        pixels = torch.randn(len(sizes), most, features, dtype=dtype, device=device)
-        return (pixels * mask[..., None].to(dtype),), {
-            "pixel_attention_mask": mask,
-            "spatial_shapes": torch.tensor(grids, device=device),
-        }
 
 
 def _read_grids(

@@ -17,14 +17,12 @@ import sys
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import torch
 from torch import nn
 
 from layergraph import (
     Adapter,
     AdapterMismatch,
     CapturePlan,
-    ExampleModel,
     PlanContext,
     WholeForward,
     hookimpl,
@@ -111,30 +109,6 @@ class TimmVisionTransformerAdapter(Adapter):
             functools.partial(_TimmViTPlan, model, vit),
             context,
         )
-
-    def example_models(self) -> list[str]:
-        return ["vit_base_patch16_224", "vit_large_patch16_224", "eva02_base_patch14_224"]
-
-    def example_model(self, name: str) -> ExampleModel | None:
-        """Any timm ViT or Eva by its timm name (``timm:`` in front is accepted)."""
-        name = name.removeprefix("timm:")
-        try:
-            import timm
-        except ImportError:
-            return None
-        if not timm.is_model(name):
-            return None
-
-        def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
-            return timm.create_model(name, pretrained=False).to(device, dtype).eval()
-
-        def inputs(
-            batch: int, dtype: torch.dtype, device: torch.device
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            shape = timm.models.get_pretrained_cfg_value(name, "input_size") or (3, 224, 224)
-            return (torch.randn(batch, *shape, dtype=dtype, device=device),), {}
-
-        return ExampleModel(name=name, adapter=self.name, build=build, inputs=inputs)
 
 
 class _TimmViTPlan(WholeForward):

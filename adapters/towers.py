@@ -20,7 +20,7 @@ from layergraph_adapters.kit.fused_qkv import fused_attention_forward
 from layergraph_adapters.kit.hf_vision import adapter_class
 from layergraph_adapters.kit.idefics import IdeficsPlan
 from layergraph_adapters.kit.mllama import MllamaVisionPlan, tiles_of_images
-from layergraph_adapters.kit.tower_specs import TowerExample, TowerSpec, images
+from layergraph_adapters.kit.tower_specs import TowerSpec, images
 
 __all__ = [
     "AIMV2",
@@ -35,23 +35,12 @@ __all__ = [
     "VIT",
 ]
 
-SO400M = dict(
-    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16
-)
-"""SigLIP so400m's layers, which Idefics2, Idefics3 and SmolVLM start from."""
-
 SIGLIP = TowerSpec(
     adapter="siglip",
     classes=("SiglipVisionModel", "SiglipVisionTransformer"),
     casts_pixels=True,
     family="SigLIP",
     fused_attention=fused_attention_forward,
-    examples={
-        "siglip-so400m-384": TowerExample(
-            "SiglipVisionModel",
-            dict(SO400M, image_size=384, patch_size=14),
-        ),
-    },
 )
 """SigLIP (SigLIP2 checkpoints of fixed resolution load as this class too): no class token,
 the attention-pooling head captured with the layers. Inside PaliGemma, LLaVA-OneVision,
@@ -64,20 +53,6 @@ CLIP = TowerSpec(
     family="CLIP",
     prefix_tokens=1,
     fused_attention=fused_attention_forward,
-    examples={
-        "clip-vit-l-336": TowerExample(
-            "CLIPVisionModel",
-            dict(
-                hidden_size=1024,
-                intermediate_size=4096,
-                num_hidden_layers=24,
-                num_attention_heads=16,
-                image_size=336,
-                patch_size=14,
-                projection_dim=768,
-            ),
-        ),
-    },
 )
 """CLIP: the class token; the projection of ``CLIPVisionModelWithProjection`` included. Inside
 LLaVA and LLaVA-NeXT, which read layer -2."""
@@ -105,17 +80,6 @@ IDEFICS = TowerSpec(
     fused_attention=fused_attention_forward,
     inputs=images_with_patch_mask,
     plan=IdeficsPlan,
-    examples={
-        "idefics2-8b-980": TowerExample(
-            "idefics2.Idefics2VisionTransformer", dict(SO400M, image_size=980, patch_size=14)
-        ),
-        "idefics3-8b-364": TowerExample(
-            "Idefics3VisionTransformer", dict(SO400M, image_size=364, patch_size=14)
-        ),
-        "smolvlm2-2.2b-384": TowerExample(
-            "SmolVLMVisionTransformer", dict(SO400M, image_size=384, patch_size=14)
-        ),
-    },
 )
 """The SigLIP-derived towers of Idefics2, Idefics3 and SmolVLM: no class token, images of any
 size. The VLMs pass a ``patch_attention_mask``, a batched input of the graphs like the pixels,
@@ -126,18 +90,6 @@ JANUS = TowerSpec(
     classes=("JanusVisionModel",),
     casts_pixels=True,
     family="Janus",
-    examples={
-        "janus-pro-384": TowerExample(
-            "JanusVisionModel",
-            dict(
-                hidden_size=1024,
-                num_hidden_layers=24,
-                num_attention_heads=16,
-                image_size=384,
-                patch_size=16,
-            ),
-        ),
-    },
 )
 """Janus's SigLIP-L tower (its q and k norms leave ``fuse_qkv`` out); inside ``JanusModel``
 and ``JanusForConditionalGeneration``."""
@@ -150,19 +102,6 @@ AIMV2 = TowerSpec(
     mlp="ffn",
     image_sizes=lambda config: "any" if config.is_native else "fixed",
     fused_attention=fused_attention_forward,
-    examples={
-        "aimv2-large-224": TowerExample(
-            "Aimv2VisionModel",
-            dict(
-                hidden_size=1024,
-                intermediate_size=2816,
-                num_hidden_layers=24,
-                num_attention_heads=8,
-                image_size=224,
-                patch_size=14,
-            ),
-        ),
-    },
 )
 """AIMv2: no class token, a SwiGLU MLP, the attention-pooling head captured with the layers;
 the native-resolution checkpoints (sinusoidal positions) take any image size."""
@@ -176,24 +115,6 @@ DINOV2 = TowerSpec(
     attention="attention",
     prefix_tokens=lambda config: 1 + getattr(config, "num_register_tokens", 0),
     image_sizes="any",  # the position embedding is interpolated to every image
-    examples={
-        "dinov2-large-224": TowerExample(
-            "Dinov2Model",
-            dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, image_size=518),
-            image_size=224,
-        ),
-        "dinov2-reg-large-224": TowerExample(
-            "Dinov2WithRegistersModel",
-            dict(
-                hidden_size=1024,
-                num_hidden_layers=24,
-                num_attention_heads=16,
-                image_size=518,
-                patch_size=14,
-            ),
-            image_size=224,
-        ),
-    },
 )
 """DINOv2, with and without register tokens: the class token and the registers."""
 
@@ -205,7 +126,6 @@ VIT = TowerSpec(
     layers=("layers", "encoder.layer"),  # transformers 5.17 moved the layers to the model
     attention="attention",
     prefix_tokens=1,
-    examples={"vit-base-224": TowerExample("ViTModel", {})},
 )
 """transformers' ViT: the class token, the pooler captured with the layers."""
 
@@ -217,20 +137,6 @@ LLAMA4 = TowerSpec(
     embeddings=(),
     prefix_tokens=1,
     image_sizes="fixed",  # rotary positions of the configuration's patch grid
-    examples={
-        "llama4-scout-336": TowerExample(
-            "Llama4VisionModel",
-            dict(
-                hidden_size=1408,
-                intermediate_size=5632,
-                num_hidden_layers=34,
-                num_attention_heads=16,
-                image_size=336,
-                patch_size=14,
-                vision_output_dim=4096,
-            ),
-        ),
-    },
 )
 """Llama 4's vision model: a class token, 2-d rotary attention (which leaves ``fuse_qkv``
 out), and the pixel-shuffle adapter captured with the layers."""
@@ -246,20 +152,6 @@ MLLAMA = TowerSpec(
     image_sizes="fixed",
     inputs=tiles_of_images,
     plan=MllamaVisionPlan,
-    examples={
-        "mllama-11b-560": TowerExample(
-            "MllamaVisionModel",
-            dict(
-                hidden_size=1280,
-                intermediate_size=5120,
-                num_hidden_layers=32,
-                num_global_layers=8,
-                attention_heads=16,
-                image_size=560,
-                patch_size=14,
-            ),
-        ),
-    },
 )
 """Llama 3.2 Vision's tower: tiles of images as a 6-d input with aspect-ratio ids and masks,
 a local and a global encoder (:mod:`layergraph_adapters.kit.mllama`)."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import layergraph
-from layergraph.plugins import get_registry
+from layergraph.bench.examples import example_model
 from layergraph.reference import plain_graph
 from layergraph.timing import median_ms, waited_ms
 
@@ -41,7 +41,7 @@ def hand_written(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
 
 
 def measure(name: str, batch: int, iters: int) -> list[dict[str, Any]]:
-    example = get_registry().example_model(name)
+    example = example_model(name)
     device = torch.device("cuda")
     model = example.build(torch.bfloat16, device)
     args, kwargs = example.inputs(batch, torch.bfloat16, device)

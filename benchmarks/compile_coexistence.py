@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 import layergraph
-from layergraph.plugins import get_registry
+from layergraph.bench.examples import example_model
 from layergraph.reference import plain_graph
 from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
 
@@ -51,7 +51,7 @@ def main() -> int:
     args = parser.parse_args()
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     device = torch.device("cuda")
-    example = get_registry().example_model(args.model)
+    example = example_model(args.model)
     torch.manual_seed(0)
     model = example.build(torch.bfloat16, device)
     inputs = {batch: example.inputs(batch, torch.bfloat16, device) for batch in sizes}

@@ -46,6 +46,7 @@ from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import waited_ms
 from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
+from layergraph_adapters.example_models.towers import TOWER_EXAMPLES
 from layergraph_adapters.internvl import INTERNVL
 from layergraph_adapters.kit.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.kit.tower_specs import (
@@ -200,7 +201,7 @@ def measure(
     graph (default: :func:`~layergraph.reference.plain_graph` on a GPU, none on the CPU)."""
     if hand_graph is None and device.type == "cuda":
         hand_graph = plain_graph
-    example = spec.examples[name]
+    example = TOWER_EXAMPLES[name][1]
     row = Row(family=spec.family, adapter=spec.adapter, model=name)
     try:
         tower_class = transformers_class(example.tower)
@@ -263,13 +264,12 @@ def wider_output(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor
 def run(*, tiny: bool, models: set[str] | None, iters: int, device: torch.device) -> list[Row]:
     """A row for every example configuration (those named in ``models``, if given)."""
     rows = []
-    for spec in SPECS:
-        for name in spec.examples:
-            if models is None or name in models:
-                rows.append(measure(spec, name, tiny=tiny, device=device, iters=iters))
-                gc.collect()  # the tower and its graphs, before the next is built
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    for name, (spec, _) in TOWER_EXAMPLES.items():
+        if models is None or name in models:
+            rows.append(measure(spec, name, tiny=tiny, device=device, iters=iters))
+            gc.collect()  # the tower and its graphs, before the next is built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 import layergraph
+from layergraph.bench.examples import example_model
 from layergraph.bench.profile import profile_call
-from layergraph.plugins import get_registry
 from layergraph.timing import interleaved_waited_ms
 from layergraph.validation import relative_error
 
@@ -90,7 +90,7 @@ def fixed_rows(
     profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows of one example model, one per batch size."""
-    example = get_registry().example_model(name)
+    example = example_model(name)
     model = example.build(torch.bfloat16, device)
     reference = copy.deepcopy(model).float()
     off = layergraph.wrap(copy.deepcopy(model), **baseline)

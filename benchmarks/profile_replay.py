@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import layergraph
-from layergraph.plugins import get_registry
+from layergraph.bench.examples import example_model
 from layergraph.reference import compiled_reduce_overhead, plain_graph
 from layergraph.timing import median_ms
 from layergraph.validation import first_tensor, relative_error
@@ -144,7 +144,7 @@ def measure_model(
 
     Eager and the hand-written graph are always measured.
     """
-    example = get_registry().example_model(name)
+    example = example_model(name)
     model = example.build(torch.bfloat16, torch.device("cuda"))
     args, kwargs = example.inputs(batch, torch.bfloat16, torch.device("cuda"))
     device = torch.device("cuda")

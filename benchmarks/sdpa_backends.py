@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import layergraph
-from layergraph.plugins import get_registry
+from layergraph.bench.examples import example_model
 from layergraph.timing import captured_ms, median_ms
 from layergraph.validation import first_tensor, relative_error
 
@@ -74,7 +74,7 @@ def attention_ms(batch: int, heads: int, head_dim: int, tokens: int, backend: st
 
 def siglip_tower(batch_sizes: list[int]) -> list[dict]:
     """SigLIP wrapped with compile_region and fuse_qkv, captured under each backend."""
-    example = get_registry().example_model("siglip-so400m-384")
+    example = example_model("siglip-so400m-384")
     rows = []
     for backend, chosen in BACKENDS.items():
         torch.manual_seed(0)

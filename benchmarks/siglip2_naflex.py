@@ -82,9 +82,9 @@ from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import interleaved_waited_ms, waited_ms
 from layergraph.validation import relative_error
-from layergraph_adapters.siglip2 import Siglip2Adapter
+from layergraph_adapters.example_models.packed import PACKED_EXAMPLES
 
-SO400M = dict(Siglip2Adapter.examples["siglip2-so400m-naflex"].settings)
+SO400M = dict(PACKED_EXAMPLES["siglip2-so400m-naflex"].example.settings)
 """``Siglip2VisionConfig`` of SigLIP2 so400m/16 NaFlex."""
 BASE = dict(
     hidden_size=768,

@@ -21,16 +21,12 @@ import transformers
 import layergraph
 from layergraph.reference import plain_graph
 from layergraph.timing import median_ms
+from layergraph_adapters.example_models.towers import TOWER_EXAMPLES
 from layergraph_adapters.kit.tower_specs import build_tower
-from layergraph_adapters.towers import CLIP, SIGLIP
 
 TOWERS = {
-    "siglip-so400m-384": (
-        "SiglipVisionModel",
-        SIGLIP.examples["siglip-so400m-384"].settings,
-        384,
-    ),
-    "clip-vit-l-336": ("CLIPVisionModel", CLIP.examples["clip-vit-l-336"].settings, 336),
+    name: (TOWER_EXAMPLES[name][1].tower, TOWER_EXAMPLES[name][1].settings, size)
+    for name, size in (("siglip-so400m-384", 384), ("clip-vit-l-336", 336))
 }
 
 

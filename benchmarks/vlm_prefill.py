@@ -17,52 +17,63 @@ the wrapper observing 8 calls.
 from __future__ import annotations
 
 import argparse
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
+from layergraph.bench.examples import ExampleModel
 from layergraph.bench.requests import REQUEST_SIZES, run_prefill
+from layergraph_adapters.example_models.packed import (
+    PACKED_EXAMPLES,
+    PackedExample,
+    packed_example_model,
+    qwen_inputs,
+    qwen_prompt,
+)
 from layergraph_adapters.kit.tower_specs import TowerExample
-from layergraph_adapters.qwen2_vl import Qwen2VLAdapter
 
 TINY_SIZES = ((56, 56), (56, 112), (112, 112), (112, 168), (168, 224))
 """Image sizes (height, width) of the tiny stream."""
 
 
-class TinyVLM(Qwen2VLAdapter):
-    """The ``qwen2_vl`` adapter with one more example VLM: Qwen2.5-VL-3B's shape, small."""
+TINY_VLM = PackedExample(
+    "qwen2_vl",
+    TowerExample(
+        "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
+        {
+            **PACKED_EXAMPLES["qwen2.5-vl-3b"].example.settings,
+            "vision_config": dict(
+                depth=4,
+                hidden_size=32,
+                num_heads=2,
+                intermediate_size=64,
+                out_hidden_size=32,
+                window_size=56,
+                fullatt_block_indexes=[1, 3],
+                spatial_merge_size=2,
+                patch_size=14,
+                temporal_patch_size=2,
+            ),
+            "text_config": dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                vocab_size=151936,
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3]),
+            ),
+        },
+    ),
+    qwen_inputs,
+    qwen_prompt,
+)
+"""Qwen2.5-VL-3B's shape, small: the example VLM ``qwen2.5-vl-tiny``."""
 
-    vlm_examples: ClassVar[dict[str, TowerExample]] = {
-        "qwen2.5-vl-tiny": TowerExample(
-            "qwen2_5_vl.Qwen2_5_VLForConditionalGeneration",
-            {
-                **Qwen2VLAdapter.vlm_examples["qwen2.5-vl-3b"].settings,
-                "vision_config": dict(
-                    depth=4,
-                    hidden_size=32,
-                    num_heads=2,
-                    intermediate_size=64,
-                    out_hidden_size=32,
-                    window_size=56,
-                    fullatt_block_indexes=[1, 3],
-                    spatial_merge_size=2,
-                    patch_size=14,
-                    temporal_patch_size=2,
-                ),
-                "text_config": dict(
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    num_key_value_heads=1,
-                    vocab_size=151936,
-                    rope_parameters=dict(
-                        rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3]
-                    ),
-                ),
-            },
-        )
-    }
+
+def tiny_vlm() -> ExampleModel:
+    """:data:`TINY_VLM` as an example model."""
+    return packed_example_model("qwen2.5-vl-tiny", TINY_VLM)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("the Qwen2.5-VL-3B-sized VLM needs a CUDA GPU; --tiny runs anywhere")
     observe = args.observe_calls
     report = run_prefill(
-        TinyVLM().example_model("qwen2.5-vl-tiny") if args.tiny else "qwen2.5-vl-3b",
+        tiny_vlm() if args.tiny else "qwen2.5-vl-3b",
         args.requests or (12 if args.tiny else 60),
         seed=args.seed,
         sizes=TINY_SIZES if args.tiny else REQUEST_SIZES,

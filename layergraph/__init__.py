@@ -9,9 +9,9 @@ from .adapter import (
     Adapter,
     AdapterMismatch,
     CapturePlan,
-    ExampleModel,
     PlanContext,
     WholeForward,
+    moved_example_model,
 )
 from .gate import EagerModeWarning
 from .hookspecs import hookimpl
@@ -35,7 +35,6 @@ __all__ = [
     "Change",
     "ChangeLedger",
     "EagerModeWarning",
-    "ExampleModel",
     "GraphMismatchError",
     "GraphStats",
     "GraphedModule",
@@ -52,3 +51,11 @@ __all__ = [
     "unwrap",
     "wrap",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``ExampleModel``, moved to :mod:`layergraph.bench.examples`, with a
+    ``DeprecationWarning`` (``layergraph.ExampleModel`` goes in 0.3)."""
+    if name == "ExampleModel":
+        return moved_example_model(__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

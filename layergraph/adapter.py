@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -32,6 +32,7 @@ from .packing import Packing
 if TYPE_CHECKING:
     from .attention.backends import AttentionBackend
     from .attention.layout import AttentionMetadata, PackedLayout, SequenceLayout
+    from .bench.example_model import ExampleModel
 
 __all__ = [
     "PLUGIN_API_VERSION",
@@ -39,7 +40,6 @@ __all__ = [
     "AdapterMismatch",
     "AttentionRegistry",
     "CapturePlan",
-    "ExampleModel",
     "PlanContext",
     "WholeForward",
     "own_forward",
@@ -276,38 +276,6 @@ class PlanContext:
         return self.part_planner(part, dict(options or {}))
 
 
-@dataclass(frozen=True)
-class ExampleModel:
-    """A model an adapter can build with random weights, and inputs for it.
-
-    Used by the demo and the benchmark, so that nothing is downloaded: ``build(dtype, device)``
-    makes the model from its configuration, in eval mode; ``inputs(batch, dtype, device)``
-    returns the ``(args, kwargs)`` of one call with ``batch`` random images. A model that
-    takes every image at its own size (a native-resolution tower) also has ``sized_inputs``:
-    ``sized_inputs(sizes, dtype, device)``, one call with random images of ``sizes``
-    (``(height, width)`` in pixels each), laid out and resized as the model's processor
-    would; ``inputs`` is it with images of one size. A whole VLM also has ``prompt``:
-    ``prompt(sizes, dtype, device)``, the keyword inputs of one prompt of a few random text
-    tokens around images of ``sizes``, as its processor lays them out, for a prefill
-    (``layergraph bench --prefill``).
-    """
-
-    name: str
-    adapter: str
-    build: Callable[[torch.dtype, torch.device], nn.Module]
-    inputs: Callable[[int, torch.dtype, torch.device], tuple[tuple[Any, ...], dict[str, Any]]]
-    sized_inputs: (
-        Callable[
-            [Sequence[tuple[int, int]], torch.dtype, torch.device],
-            tuple[tuple[Any, ...], dict[str, Any]],
-        ]
-        | None
-    ) = None
-    prompt: (
-        Callable[[Sequence[tuple[int, int]], torch.dtype, torch.device], dict[str, Any]] | None
-    ) = None
-
-
 class Adapter:
     """Model knowledge for one family of models, registered under :attr:`name`.
 
@@ -341,11 +309,14 @@ class Adapter:
         raise NotImplementedError
 
     def example_models(self) -> list[str]:
-        """Names of the models :meth:`example_model` builds (those worth listing)."""
+        """Deprecated (goes in 0.3): the names of the models :meth:`example_model` builds.
+        Example models come from a plugin's ``example_model_names`` hook now."""
         return []
 
     def example_model(self, name: str) -> ExampleModel | None:
-        """The example model called ``name``, or ``None`` if this adapter has none by that name."""
+        """Deprecated (goes in 0.3): the example model called ``name``, or ``None``. Example
+        models come from a plugin's ``example_model`` hook now
+        (:mod:`layergraph.bench.examples`)."""
         return None
 
     def __repr__(self) -> str:
@@ -384,3 +355,24 @@ def make_plan(adapter: Adapter, model: nn.Module, context: PlanContext) -> Captu
         )
         return adapter.plan(model)  # type: ignore[call-arg]
     return adapter.plan(model, context)
+
+
+def __getattr__(name: str) -> Any:
+    """``ExampleModel``, moved to :mod:`layergraph.bench.examples`, with a
+    ``DeprecationWarning`` (the old path goes in 0.3)."""
+    if name == "ExampleModel":
+        return moved_example_model(__name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def moved_example_model(where: str) -> type:
+    """:class:`~layergraph.bench.examples.ExampleModel`, asked for by its old path ``where``."""
+    from .bench.example_model import ExampleModel
+
+    warnings.warn(
+        f"{where}.ExampleModel moved to layergraph.bench.examples.ExampleModel (the old path "
+        f"goes in 0.3)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return ExampleModel

@@ -370,9 +370,9 @@ def _unknown_model(command: str, name: str) -> str | None:
         if timm.is_model(timm_name):
             return None
         return f"argument --model: timm has no model {timm_name!r} (timm.list_models() lists them)"
-    from .plugins import get_registry
+    from .bench.examples import example_model_names
 
-    names = get_registry().example_model_names()
+    names = example_model_names()
     if name in names:
         return None
     return (
@@ -388,9 +388,9 @@ def _unfit_model(args: argparse.Namespace) -> str | None:
     asked = (args.prefill, args.image_size, args.stream, args.start)
     if all(value is None for value in asked):
         return None
-    from .plugins import get_registry
+    from .bench.examples import example_model
 
-    example = get_registry().example_model(args.model)
+    example = example_model(args.model)
     if args.prefill is not None and example.prompt is None:
         return (
             f"argument --prefill: {args.model} is no VLM with example prompts; choose one "

@@ -26,11 +26,15 @@ if TYPE_CHECKING:
     from .adapter import Adapter
     from .attention.backends import AttentionBackend
     from .attention.layout import AttentionMetadata, PackedLayout, SequenceLayout
+    from .bench.example_model import ExampleModel
 
 __all__ = [
     "PROJECT_NAME",
     "attention_metadata",
     "capture_context",
+    "eager_check",
+    "example_model",
+    "example_model_names",
     "hookimpl",
     "hookspec",
     "recognize_model",
@@ -150,3 +154,21 @@ def eager_check(model: nn.Module) -> Callable[[], str | None] | None:
     the wrapped model); the function is called on every call and must be cheap. Must not
     import a framework the user has not imported.
     """
+
+
+@hookspec(firstresult=True)
+def example_model(name: str) -> ExampleModel | None:
+    """The example model called ``name`` that this plugin builds, or ``None``.
+
+    An :class:`~layergraph.bench.examples.ExampleModel`: a model built from its configuration
+    with random weights and inputs for it, for the demo, ``layergraph bench`` and the
+    benchmarks, so that nothing is downloaded. The first result that is not ``None`` wins.
+    Building happens when its ``build`` is called, not here; must not import a framework the
+    user has not imported unless ``name`` is this plugin's.
+    """
+
+
+@hookspec
+def example_model_names() -> list[str]:
+    """The names of the example models this plugin builds that are worth listing
+    (``layergraph bench --list``); ``example_model`` may build others (any timm name, say)."""

@@ -21,13 +21,13 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 import torch
 
 from . import hookspecs
-from .adapter import Adapter, ExampleModel, plan_api_version
+from .adapter import Adapter, plan_api_version
 from .advice import refusal
 from .attention import builtin_backends
 from .attention.backends import AttentionBackend
@@ -39,6 +39,9 @@ from .attention.layout import (
 )
 from .version import __version__
 from .warn import warn
+
+if TYPE_CHECKING:
+    from .bench.example_model import ExampleModel
 
 __all__ = [
     "DISABLE_ENV",
@@ -415,7 +418,7 @@ class AdapterRegistry:
         ordered = []
         for generic in (False, True):
             for first_party in (True, False):
-                for name, factory in self._default_factories():
+                for name, factory in self.default_factories():
                     info = self._adapters[name][1]
                     if (
                         bool(getattr(factory, "generic", False)) is generic
@@ -445,7 +448,7 @@ class AdapterRegistry:
             PluginFailureWarning,
         )
 
-    def _default_factories(self) -> list[tuple[str, AdapterFactory]]:
+    def default_factories(self) -> list[tuple[str, AdapterFactory]]:
         """Each adapter's name and factory, for the factories that need no arguments."""
         return [
             (name, factory)
@@ -454,31 +457,36 @@ class AdapterRegistry:
         ]
 
     def example_model(self, name: str) -> ExampleModel:
-        """The example model called ``name`` from whichever adapter builds it.
-
-        Adapters whose factory needs arguments have no default instance and are skipped; an
-        error raised by an adapter's ``example_model`` propagates.
-        """
-        for _, factory in self._default_factories():
-            example = factory().example_model(name)
-            if example is not None:
-                return example
-        raise UnknownAdapterError(
-            f"no adapter builds a model called {name!r}; built-in names: "
-            f"{', '.join(self.example_model_names())}, or timm:NAME for any timm ViT, "
-            f"open_clip:NAME for any open_clip architecture"
+        """The example model ``name`` from the plugins' ``example_model`` hook (or a deprecated
+        ``Adapter.example_model``); :class:`UnknownAdapterError` lists those there are."""
+        found = self.plugin_manager.hook.example_model(name=name) or next(
+            self._from_adapters(lambda adapter: adapter.example_model(name)), None
         )
+        if found is None:
+            raise UnknownAdapterError(
+                f"no plugin builds a model called {name!r}; built-in names: "
+                f"{', '.join(self.example_model_names())}, or timm:NAME for any timm ViT, "
+                f"open_clip:NAME for any open_clip architecture"
+            )
+        return found
 
     def example_model_names(self) -> list[str]:
-        """Every example model name the registered adapters list.
+        """The names the ``example_model_names`` hooks list, sorted."""
+        listed = self.plugin_manager.hook.example_model_names()
+        listed += self._from_adapters(lambda adapter: adapter.example_models())
+        return sorted({name for names in listed for name in names})
 
-        Adapters whose factory needs arguments are skipped; an error raised by an adapter's
-        ``example_models`` propagates.
-        """
-        names: list[str] = []
-        for _, factory in self._default_factories():
-            names += factory().example_models()
-        return sorted(names)
+    def _from_adapters(self, ask: Callable[[Adapter], Any]) -> Iterator[Any]:
+        """Each answer of ``ask(adapter)`` from an adapter made without options, deprecated."""
+        for _, factory in self.default_factories():
+            if answer := ask(adapter := factory()):
+                warn(
+                    f"the {adapter.name} adapter offers example models through its deprecated "
+                    f"example_model(s) methods: implement the example_model and "
+                    f"example_model_names hooks in its plugin instead (they go in 0.3)",
+                    DeprecationWarning,
+                )
+                yield answer
 
     def create(self, name: str, options: dict[str, Any]) -> Adapter:
         """An adapter instance from the factory named ``name``, given adapter ``options``."""
@@ -508,11 +516,9 @@ class _Recognizer:
 
 
 def _hooks_of(plugin: Any) -> pluggy.HookRelay:
-    """The hooks of a plugin manager that holds ``plugin`` alone, to call its implementations.
-
-    pluggy's ``subset_hook_caller`` would do, but before pluggy 1.7 it keeps the other plugins
-    whose implementations are named through ``specname``, and would call those again.
-    """
+    """The hooks of a plugin manager that holds ``plugin`` alone, to call its implementations
+    (pluggy's ``subset_hook_caller`` before pluggy 1.7 calls ``specname`` implementations of
+    other plugins too)."""
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
     manager.register(plugin)

@@ -6,20 +6,23 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
 
-import layergraph
-from layergraph.bench import BenchReport, run_benchmark
-from layergraph.plugins import AdapterRegistry, get_registry
+from layergraph.bench import BenchReport, ExampleModel, run_benchmark
+from layergraph.bench.examples import example_model, example_model_names
+from layergraph_adapters.example_models.packed import (
+    PACKED_EXAMPLES,
+    PackedExample,
+    packed_example_model,
+    pixtral_inputs,
+    qwen_inputs,
+    siglip2_inputs,
+)
 from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
-from layergraph_adapters.pixtral import PixtralAdapter
-from layergraph_adapters.qwen2_vl import Qwen2VLAdapter
-from layergraph_adapters.siglip2 import Siglip2Adapter
 
 CPU = torch.device("cpu")
 
@@ -35,13 +38,14 @@ TINY_QWEN = dict(
     patch_size=14,
     temporal_patch_size=2,
 )
-TINY_TOWERS: dict[str, tuple[type[layergraph.Adapter], TowerExample]] = {
-    "qwen2_vl": (
-        Qwen2VLAdapter,
+TINY_TOWERS: dict[str, PackedExample] = {
+    "qwen2_vl": PackedExample(
+        "qwen2_vl",
         TowerExample("qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel", TINY_QWEN),
+        qwen_inputs,
     ),
-    "pixtral": (
-        PixtralAdapter,
+    "pixtral": PackedExample(
+        "pixtral",
         TowerExample(
             "PixtralVisionModel",
             dict(
@@ -53,9 +57,10 @@ TINY_TOWERS: dict[str, tuple[type[layergraph.Adapter], TowerExample]] = {
                 image_size=280,
             ),
         ),
+        pixtral_inputs,
     ),
-    "siglip2": (
-        Siglip2Adapter,
+    "siglip2": PackedExample(
+        "siglip2",
         TowerExample(
             "Siglip2VisionModel",
             dict(
@@ -67,63 +72,44 @@ TINY_TOWERS: dict[str, tuple[type[layergraph.Adapter], TowerExample]] = {
                 num_patches=64,
             ),
         ),
+        siglip2_inputs,
     ),
 }
-"""Each packed adapter with a two-layer tower of its family, as an example."""
+"""A two-layer tower of each packed adapter's family, as an example."""
 
 
-def tiny_adapter(adapter: type[layergraph.Adapter], example: TowerExample) -> type:
-    """``adapter`` with one example, ``tiny``: a two-layer tower of its family."""
-
-    class Tiny(adapter):  # type: ignore[misc, valid-type]
-        examples: ClassVar[dict[str, TowerExample]] = {"tiny": example}
-
-    return Tiny
-
-
-def registry_with(factory: Callable[..., Any]) -> AdapterRegistry:
-    """A registry holding only ``factory``."""
-
-    class Plugin:
-        @layergraph.hookimpl
-        def register_adapters(self, register: Callable[..., None]) -> None:
-            register(factory)
-
-    registry = AdapterRegistry()
-    registry.add_plugin(Plugin(), "local-plugin", "localdist", "0.1")
-    return registry
+def tiny_example(family: str) -> ExampleModel:
+    """The example model ``tiny``: a two-layer tower of ``family``."""
+    return packed_example_model("tiny", TINY_TOWERS[family])
 
 
 @pytest.mark.parametrize(
     ("name", "adapter"),
     [
-        ("qwen2.5-vl-7b", Qwen2VLAdapter),
-        ("qwen3-vl-8b", Qwen2VLAdapter),
-        ("qwen3.5", Qwen2VLAdapter),
-        ("glm-4.1v-9b", Qwen2VLAdapter),
-        ("pixtral-12b", PixtralAdapter),
-        ("siglip2-so400m-naflex", Siglip2Adapter),
+        ("qwen2.5-vl-7b", "qwen2_vl"),
+        ("qwen3-vl-8b", "qwen2_vl"),
+        ("qwen3.5", "qwen2_vl"),
+        ("glm-4.1v-9b", "qwen2_vl"),
+        ("pixtral-12b", "pixtral"),
+        ("siglip2-so400m-naflex", "siglip2"),
     ],
 )
-def test_packed_examples_are_listed_and_take_any_image_size(
-    name: str, adapter: type[layergraph.Adapter]
-) -> None:
-    registry = get_registry()
-    assert name in registry.example_model_names()
-    example = registry.example_model(name)
-    assert example.adapter == adapter.name and example.sized_inputs is not None
-    tower = adapter.examples[name]
+def test_packed_examples_are_listed_and_take_any_image_size(name: str, adapter: str) -> None:
+    assert name in example_model_names()
+    example = example_model(name)
+    assert example.adapter == adapter and example.sized_inputs is not None
+    tower = PACKED_EXAMPLES[name].example
     try:
         config = transformers_class(tower.tower).config_class(**tower.settings)
     except (AttributeError, ImportError):
         pytest.skip(f"this transformers has no {tower.tower}")
 
     def patches(*sizes: tuple[int, int]) -> int:
-        return tokens(adapter.name, config, *example.sized_inputs(sizes, torch.float32, CPU))
+        return tokens(adapter, config, *example.sized_inputs(sizes, torch.float32, CPU))
 
     one, other = patches((300, 500)), patches((600, 200))
     assert one > 0 and other > 0 and patches((300, 500), (600, 200), (300, 500)) == 2 * one + other
-    assert tokens(adapter.name, config, *example.inputs(3, torch.float32, CPU)) == 3 * patches(
+    assert tokens(adapter, config, *example.inputs(3, torch.float32, CPU)) == 3 * patches(
         (448, 448)
     )
 
@@ -144,28 +130,25 @@ def tokens(adapter: str, config: Any, args: tuple[Any, ...], kwargs: dict[str, A
 def test_qwen_inputs_round_each_side_to_patch_times_merge(
     size: tuple[int, int], grid: tuple[int, int]
 ) -> None:
-    adapter = Qwen2VLAdapter()
-    config = transformers_class(TINY_TOWERS["qwen2_vl"][1].tower).config_class(**TINY_QWEN)
-    (pixels,), kwargs = adapter.example_inputs(config, [size, size], torch.float16, CPU)
+    config = transformers_class(TINY_TOWERS["qwen2_vl"].example.tower).config_class(**TINY_QWEN)
+    (pixels,), kwargs = qwen_inputs(config, [size, size], torch.float16, CPU)
     assert kwargs["grid_thw"].tolist() == [[1, *grid]] * 2
     assert pixels.shape == (2 * math.prod(grid), 3 * 2 * 14 * 14)
     assert pixels.dtype == torch.float16
 
 
 def test_pixtral_inputs_fit_the_largest_side_and_pad_to_the_batch() -> None:
-    adapter = PixtralAdapter()
     config = transformers_class("PixtralVisionModel").config_class(image_size=1024, patch_size=16)
-    (pixels,), kwargs = adapter.example_inputs(config, [(100, 1500), (40, 50)], torch.float32, CPU)
+    (pixels,), kwargs = pixtral_inputs(config, [(100, 1500), (40, 50)], torch.float32, CPU)
     # 1500 pixels wide is scaled to 1024: 100 * 1024 / 1500 = 68 rows, rounded up to 80
     assert kwargs["image_sizes"].tolist() == [[80, 1024], [48, 64]]
     assert pixels.shape == (2, 3, 80, 1024)
 
 
 def test_siglip2_inputs_keep_each_image_within_the_patch_budget() -> None:
-    adapter = Siglip2Adapter()
-    settings = TINY_TOWERS["siglip2"][1].settings
+    settings = TINY_TOWERS["siglip2"].example.settings
     config = transformers_class("Siglip2VisionModel").config_class(**settings)
-    (pixels,), kwargs = adapter.example_inputs(config, [(64, 64), (16, 400)], torch.float32, CPU)
+    (pixels,), kwargs = siglip2_inputs(config, [(64, 64), (16, 400)], torch.float32, CPU)
     grids = kwargs["spatial_shapes"].tolist()
     mask = kwargs["pixel_attention_mask"]
     assert pixels.shape == (2, 64, 3 * 4 * 4) and mask.shape == (2, 64)
@@ -177,24 +160,21 @@ def test_siglip2_inputs_keep_each_image_within_the_patch_budget() -> None:
 
 @pytest.mark.parametrize("family", sorted(TINY_TOWERS))
 def test_example_inputs_are_what_each_tower_takes(family: str) -> None:
-    adapter, example = TINY_TOWERS[family]
+    tiny = TINY_TOWERS[family]
+    example = tiny.example
     tower = build_tower(example.tower, example.settings, torch.float32, CPU)
     config = transformers_class(example.tower).config_class(**example.settings)
-    args, kwargs = adapter().example_inputs(config, [(56, 84), (112, 56)], torch.float32, CPU)
+    args, kwargs = tiny.inputs(config, [(56, 84), (112, 56)], torch.float32, CPU)
     with torch.inference_mode():
         output = tower(*args, **kwargs)
     assert torch.isfinite(output.last_hidden_state).all()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_run_benchmark_feeds_a_packed_tower_images_of_the_size_asked(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    adapter, example = TINY_TOWERS["qwen2_vl"]
-    registry = registry_with(tiny_adapter(adapter, example))
-    monkeypatch.setattr("layergraph.bench.run.get_registry", lambda: registry)
-    small = run_benchmark("tiny", [1], iters=1, image_size=(56, 56))
-    report = run_benchmark("tiny", [2, 1], iters=1, image_size=(112, 168), profile=True)
+def test_run_benchmark_feeds_a_packed_tower_images_of_the_size_asked(tmp_path: Path) -> None:
+    tiny = tiny_example("qwen2_vl")
+    small = run_benchmark(tiny, [1], iters=1, image_size=(56, 56))
+    report = run_benchmark(tiny, [2, 1], iters=1, image_size=(112, 168), profile=True)
     assert report.image_size == (112, 168) and report.adapter == "qwen2_vl"
     one, two = report.rows
     # 112x168 is 8x12 patches, 56x56 is 4x4: six times the tokens, and the FLOPs beside
@@ -277,8 +257,7 @@ def test_a_stream_of_mixed_sizes_is_served_eagerly_then_from_graphs(family: str)
     graphs the answers equal eager's to float32 rounding."""
     from layergraph.bench.requests import run_image_stream
 
-    adapter, example = TINY_TOWERS[family]
-    model = tiny_adapter(adapter, example)().example_model("tiny")
+    model = tiny_example(family)
     sizes = ((56, 56), (56, 112), (112, 84), (84, 168), (28, 224))
     counts = [1, 3, 2, 1, 2, 3, 1, 1, 2, 3]
     report = run_image_stream(model, counts, sizes=sizes, observe_calls=4)

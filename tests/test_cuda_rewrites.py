@@ -66,9 +66,9 @@ def _vit_base() -> torch.nn.Module:
 
 def _siglip() -> torch.nn.Module:
     pytest.importorskip("transformers")
-    from layergraph_adapters.towers import SIGLIP
+    from layergraph_adapters.example_models.towers import tower_example
 
-    return SIGLIP.example_model("siglip-so400m-384").build(torch.bfloat16, "cuda")
+    return tower_example("siglip-so400m-384").build(torch.bfloat16, "cuda")
 
 
 def _internvit() -> torch.nn.Module:

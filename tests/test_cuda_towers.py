@@ -21,7 +21,7 @@ from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
 
-from layergraph_adapters.towers import CLIP, SIGLIP  # noqa: E402
+from layergraph_adapters.example_models.towers import tower_example  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -35,7 +35,7 @@ def pixels(batch: int, size: int) -> torch.Tensor:
 
 def test_siglip_so400m() -> None:
     torch.manual_seed(0)
-    model = SIGLIP.example_model("siglip-so400m-384").build(torch.bfloat16, "cuda")
+    model = tower_example("siglip-so400m-384").build(torch.bfloat16, "cuda")
     inputs = [pixels(batch, 384) for batch in BATCHES]
     with torch.inference_mode():
         expected = [model(pixel_values=x) for x in inputs]
@@ -51,7 +51,7 @@ def test_siglip_so400m() -> None:
 
 def test_clip_vit_l_336_layer_minus_two() -> None:
     torch.manual_seed(0)
-    model = CLIP.example_model("clip-vit-l-336").build(torch.bfloat16, "cuda")
+    model = tower_example("clip-vit-l-336").build(torch.bfloat16, "cuda")
     inputs = [pixels(batch, 336) for batch in BATCHES]
     with torch.inference_mode():
         expected = [

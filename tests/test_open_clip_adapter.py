@@ -250,11 +250,10 @@ def test_any_open_clip_architecture_is_an_example_model_of_the_bench() -> None:
     """``layergraph bench --model open_clip:NAME``: the architecture's image tower with random
     weights, and images of its size; the listed names and unknown ones."""
     from layergraph import UnknownAdapterError
-    from layergraph.plugins import get_registry
+    from layergraph.bench.examples import example_model, example_model_names
 
-    registry = get_registry()
-    assert "open_clip:ViT-L-14" in registry.example_model_names()
-    example = registry.example_model("open_clip:ViT-B-16-SigLIP")
+    assert "open_clip:ViT-L-14" in example_model_names()
+    example = example_model("open_clip:ViT-B-16-SigLIP")
     tower = example.build(torch.float32, torch.device("cpu"))
     (x,), _ = example.inputs(2, torch.float32, torch.device("cpu"))
     assert x.shape == (2, 3, 224, 224) and example.adapter == "open_clip"
@@ -266,4 +265,4 @@ def test_any_open_clip_architecture_is_an_example_model_of_the_bench() -> None:
     assert_close(got, want)
     graphed.unwrap()
     with pytest.raises(UnknownAdapterError, match="open_clip:NAME"):
-        registry.example_model("open_clip:ViT-Z-99")
+        example_model("open_clip:ViT-Z-99")

@@ -10,6 +10,7 @@ import torch
 
 import layergraph
 from layergraph import plugins
+from layergraph.bench.examples import ExampleModel, example_model, example_model_names
 from layergraph.plugins import AdapterRegistry, UnknownAdapterError
 
 GOOD_PLUGIN = """
@@ -307,24 +308,47 @@ def test_adapters_that_need_arguments_are_not_asked_to_recognize() -> None:
 
 
 def test_errors_inside_example_models_propagate() -> None:
-    class Buggy(layergraph.Adapter):
-        name = "buggy"
+    class Buggy:
+        @layergraph.hookimpl
+        def example_model_names(self) -> list[str]:
+            raise TypeError("bug in example_model_names")
 
-        def example_models(self) -> list[str]:
-            raise TypeError("bug in example_models")
-
-        def example_model(self, name: str) -> layergraph.ExampleModel | None:
+        @layergraph.hookimpl
+        def example_model(self, name: str) -> ExampleModel | None:
             raise TypeError("bug in example_model")
 
-    registry = registry_with(Buggy)
-    with pytest.raises(TypeError, match="bug in example_models"):
-        registry.example_model_names()
+    registry = registry_with()
+    registry.add_plugin(Buggy(), "buggy", "buggydist", "0.1")
+    with pytest.raises(TypeError, match="bug in example_model_names"):
+        example_model_names(registry)
     with pytest.raises(TypeError, match=r"bug in example_model$"):
-        registry.example_model("buggy-model")
+        example_model("buggy-model", registry)
 
 
-def test_example_models_skip_factories_that_need_arguments() -> None:
-    example = layergraph.ExampleModel(
+def test_example_models_come_from_the_hooks_and_unknown_names_list_them() -> None:
+    example = ExampleModel(
+        name="tiny", adapter="tiny", build=lambda *_: None, inputs=lambda *_: None
+    )
+
+    class Examples:
+        @layergraph.hookimpl
+        def example_model_names(self) -> list[str]:
+            return ["tiny"]
+
+        @layergraph.hookimpl
+        def example_model(self, name: str) -> ExampleModel | None:
+            return example if name == "tiny" else None
+
+    registry = registry_with()
+    registry.add_plugin(Examples(), "examples", "exampledist", "0.1")
+    assert example_model_names(registry) == ["tiny"]
+    assert example_model("tiny", registry) is example
+    with pytest.raises(layergraph.UnknownAdapterError, match="built-in names: tiny"):
+        example_model("huge", registry)
+
+
+def test_examples_of_adapter_methods_still_work_with_a_deprecation_warning() -> None:
+    example = ExampleModel(
         name="tiny", adapter="tiny", build=lambda *_: None, inputs=lambda *_: None
     )
 
@@ -340,12 +364,16 @@ def test_example_models_skip_factories_that_need_arguments() -> None:
         def example_models(self) -> list[str]:
             return ["tiny"]
 
-        def example_model(self, name: str) -> layergraph.ExampleModel | None:
+        def example_model(self, name: str) -> ExampleModel | None:
             return example if name == "tiny" else None
 
     registry = registry_with(NeedsStack, Tiny)
-    assert registry.example_model_names() == ["tiny"]
-    assert registry.example_model("tiny") is example
+    with pytest.warns(DeprecationWarning, match="the tiny adapter offers example models"):
+        assert example_model_names(registry) == ["tiny"]
+    with pytest.warns(DeprecationWarning, match="implement the example_model and"):
+        assert example_model("tiny", registry) is example
+    with pytest.warns(DeprecationWarning, match="layergraph.bench.examples.ExampleModel"):
+        assert layergraph.ExampleModel is ExampleModel
 
 
 WRAPPER_PLUGINS = {

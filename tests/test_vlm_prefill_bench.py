@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from layergraph.bench.examples import example_model
 from layergraph.bench.requests import RequestsReport, draw_requests, run_prefill
-from layergraph.plugins import get_registry
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,8 +54,8 @@ def test_the_tiny_stream_is_timed_eager_and_wrapped_and_the_logits_agree(
 
 
 def test_prompts_lay_out_one_image_token_per_merged_patch(bench: Any) -> None:
-    example = bench.TinyVLM().example_model("qwen2.5-vl-tiny")
-    config = transformers.Qwen2_5_VLConfig(**bench.TinyVLM.vlm_examples["qwen2.5-vl-tiny"].settings)
+    example = bench.tiny_vlm()
+    config = transformers.Qwen2_5_VLConfig(**bench.TINY_VLM.example.settings)
     for images in draw_requests([1, 2, 3, 2, 1], bench.TINY_SIZES, seed=3):
         prompt = example.prompt(images, torch.float32, CPU)
         ids = prompt["input_ids"][0].tolist()
@@ -80,7 +80,7 @@ def test_requests_are_drawn_reproducibly_of_the_counts_asked() -> None:
 
 def test_the_report_renders_and_round_trips_as_json(bench: Any, tmp_path: Path) -> None:
     report = run_prefill(
-        bench.TinyVLM().example_model("qwen2.5-vl-tiny"),
+        bench.tiny_vlm(),
         3,
         sizes=bench.TINY_SIZES,
         observe_calls=1,
@@ -102,7 +102,7 @@ def test_the_report_renders_and_round_trips_as_json(bench: Any, tmp_path: Path) 
 def test_a_model_without_prompts_is_refused() -> None:
     with pytest.raises(ValueError, match="vit_base_patch16_224 is no VLM with example prompts"):
         run_prefill("vit_base_patch16_224", 1)
-    assert get_registry().example_model("qwen2.5-vl-3b").prompt is not None
+    assert example_model("qwen2.5-vl-3b").prompt is not None
 
 
 @pytest.mark.parametrize(

@@ -26,12 +26,12 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, PlanContext
+from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
@@ -55,6 +55,9 @@ from layergraph_adapters.kit.tower_specs import (
     pair,
 )
 from layergraph_adapters.kit.versions import require_transformers
+
+if TYPE_CHECKING:
+    from layergraph.bench.example_model import ExampleModel
 
 
 def vlm_feature_layers(model: nn.Module, spec: TowerSpec) -> int | list[int] | None:
@@ -146,6 +149,7 @@ class VisionTowerAdapter(Adapter):
         }
 
     def example_models(self) -> list[str]:
+        """Deprecated with :attr:`TowerSpec.examples`."""
         return list(self.spec.examples)
 
     def example_model(self, name: str) -> ExampleModel | None:

@@ -35,12 +35,12 @@ import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from layergraph import Adapter, AdapterMismatch, CapturePlan, ExampleModel, PlanContext
+from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext
 from layergraph.adapter import own_forward
 from layergraph.attention import (
     AttentionBackend,
@@ -56,6 +56,9 @@ from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
+
+if TYPE_CHECKING:
+    from layergraph.bench.example_model import ExampleModel
 
 __all__ = [
     "EXAMPLE_IMAGE_SIZE",
@@ -156,15 +159,13 @@ class PackedTowerAdapter(Adapter):
     :attr:`plan_class` as keyword arguments, each ``"auto"`` resolved for the tower
     (:func:`~layergraph_adapters.kit.automatic.build_with_automatic_options`)."""
     examples: ClassVar[Mapping[str, TowerExample]] = {}
-    """Well-known towers the adapter serves, by name, for ``layergraph bench``: transformers
-    classes built from their configurations' settings with random weights, fed images of
-    :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) unless asked for others. A
-    family with examples implements :meth:`example_inputs`; one whose tower is not a
-    transformers class overrides ``example_models`` and ``example_model`` instead."""
+    """Deprecated (goes in 0.3; example models come from a plugin's ``example_model`` hook,
+    :mod:`layergraph.bench.examples`): well-known towers the adapter serves, by name, fed
+    images of :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) by
+    :meth:`example_inputs`."""
     vlm_examples: ClassVar[Mapping[str, TowerExample]] = {}
-    """Well-known VLMs holding such a tower, by name, for ``layergraph bench --prefill``: built
-    likewise, each given prompts by :meth:`example_prompt`, which a family with them
-    implements."""
+    """Deprecated likewise: well-known VLMs holding such a tower, given prompts by
+    :meth:`example_prompt`."""
 
     def __init__(
         self, attention: str = "auto", max_tokens: int = 16384, budget_step: int | None = None
@@ -185,6 +186,8 @@ class PackedTowerAdapter(Adapter):
         return [*self.examples, *self.vlm_examples]
 
     def example_model(self, name: str) -> ExampleModel | None:
+        from layergraph.bench.example_model import ExampleModel
+
         vlm = name in self.vlm_examples
         example = self.vlm_examples[name] if vlm else self.examples.get(name)
         if example is None:
@@ -227,7 +230,7 @@ class PackedTowerAdapter(Adapter):
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """One call's ``(args, kwargs)`` for a tower of ``config``: random images of ``sizes``
         (``(height, width)`` in pixels), resized and laid out as the family's processor and
-        VLMs do, in ``dtype`` on ``device``. For :attr:`examples`; nothing else calls it."""
+        VLMs do, in ``dtype`` on ``device``. Deprecated with :attr:`examples`."""
         raise NotImplementedError(f"the {self.name} adapter has no example towers")
 
     def example_prompt(
@@ -239,7 +242,8 @@ class PackedTowerAdapter(Adapter):
     ) -> dict[str, Any]:
         """One prompt's keyword inputs for a VLM of ``config``: a few random text tokens
         around images of ``sizes`` (``(height, width)`` in pixels), laid out as the VLM's
-        processor lays them out, in ``dtype`` on ``device``. For :attr:`vlm_examples`."""
+        processor lays them out, in ``dtype`` on ``device``. Deprecated with
+        :attr:`vlm_examples`."""
         raise NotImplementedError(f"the {self.name} adapter has no example VLMs")
 
     def find(self, model: nn.Module) -> tuple[nn.Module, PackedFamily]:

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from layergraph import AdapterMismatch, ExampleModel
+from layergraph import AdapterMismatch
 
 if TYPE_CHECKING:
+    from layergraph.bench.example_model import ExampleModel
     from layergraph_adapters.kit.fused_qkv import FusedQKV
     from layergraph_adapters.kit.hf_vision import VisionTowerPlan
 
@@ -88,7 +89,8 @@ def images(
 
 @dataclass(frozen=True)
 class TowerExample:
-    """A well-known tower of a family, built from its configuration with random weights."""
+    """A well-known tower of a family, built from its configuration with random weights (an
+    example model's recipe, :mod:`layergraph_adapters.example_models`)."""
 
     tower: str
     """The tower's class (see :func:`transformers_class`)."""
@@ -148,8 +150,8 @@ class TowerSpec:
     :class:`~layergraph_adapters.kit.hf_vision.VisionTowerPlan` in the family's own module;
     ``None``: the shared one."""
     examples: Mapping[str, TowerExample] = field(default_factory=dict)
-    """Well-known towers of the family by name, for the demo, ``layergraph bench`` and
-    benchmarks."""
+    """Deprecated (goes in 0.3; example models come from a plugin's ``example_model`` hook,
+    :mod:`layergraph.bench.examples`): well-known towers of the family by name."""
 
     def prefix_for(self, config: Any) -> int:
         """Tokens per image besides the patches, for a tower of ``config``."""
@@ -160,7 +162,10 @@ class TowerSpec:
         return self.image_sizes(config) if callable(self.image_sizes) else self.image_sizes
 
     def example_model(self, name: str) -> ExampleModel | None:
-        """The example model ``name`` of this family, fed what a larger model feeds it."""
+        """Deprecated with :attr:`examples`: the example model ``name`` of this family, fed
+        what a larger model feeds it."""
+        from layergraph.bench.example_model import ExampleModel
+
         example = self.examples.get(name)
         if example is None:
             return None

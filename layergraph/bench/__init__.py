@@ -13,6 +13,7 @@ that takes every image at its own size serves it images of mixed sizes
 (:func:`run_image_stream`).
 """
 
+from .examples import ExampleModel, example_model, example_model_names
 from .report import BenchReport, BenchRow
 from .requests import RequestsReport, run_image_stream, run_prefill
 from .run import run_benchmark
@@ -22,11 +23,14 @@ from .stream import StreamReport, StreamRow, parse_stream, run_stream
 __all__ = [
     "BenchReport",
     "BenchRow",
+    "ExampleModel",
     "RequestsReport",
     "StartReport",
     "StartRow",
     "StreamReport",
     "StreamRow",
+    "example_model",
+    "example_model_names",
     "parse_stream",
     "run_benchmark",
     "run_image_stream",

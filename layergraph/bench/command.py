@@ -197,11 +197,11 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    from ..plugins import get_registry
     from . import BenchReport, run_benchmark
+    from .examples import example_model, example_model_names
 
     if args.list_models:
-        for name in get_registry().example_model_names():
+        for name in example_model_names():
             console.print(name)
         console.print("timm:NAME (any timm VisionTransformer or Eva)")
         console.print("open_clip:NAME (any open_clip architecture's image tower)")
@@ -209,7 +209,7 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
     if args.start is not None:
         return _bench_start(console, args)
     if args.prefill is not None or (
-        args.stream is not None and get_registry().example_model(args.model).sized_inputs
+        args.stream is not None and example_model(args.model).sized_inputs
     ):
         return _bench_requests(console, args)
     if not torch.cuda.is_available():

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from ..adapter import ExampleModel
 from ..module import wrap
-from ..plugins import get_registry
 from ..testing import SimulatedGraphs
 from ..timing import timed_call
 from ..validation import first_tensor, relative_error
+from .examples import ExampleModel, example_model
 from .run import versions_in_use
 
 __all__ = [
@@ -173,7 +172,7 @@ def run_prefill(
     ``layergraph bench --list-models`` whose example has a ``prompt``, or the example
     itself), eager and then wrapped (two passes); see the module's text. ``observe_calls``
     goes to ``wrap`` (``None``: its default)."""
-    example = get_registry().example_model(model) if isinstance(model, str) else model
+    example = example_model(model) if isinstance(model, str) else model
     if example.prompt is None:
         raise ValueError(
             f"{example.name} is no VLM with example prompts; a prefill needs one (such as "
@@ -201,7 +200,7 @@ def run_image_stream(
     it takes every image at its own size), one per entry of ``counts``, of that many images
     of sizes drawn from ``sizes``, each request one call; eager and then wrapped (two
     passes); see the module's text."""
-    example = get_registry().example_model(model) if isinstance(model, str) else model
+    example = example_model(model) if isinstance(model, str) else model
     if example.sized_inputs is None:
         raise ValueError(
             f"{example.name} takes images of one size; a stream of images of mixed sizes is "

@@ -17,11 +17,11 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..module import wrap
-from ..plugins import get_registry
 from ..reference import compiled_reduce_overhead, plain_graph
 from ..timing import median_ms, waited_ms
 from ..validation import first_tensor, relative_error
 from ..version import __version__
+from .examples import ExampleModel, example_model
 from .profile import flops_by_kind, profile_call
 from .report import BenchReport, BenchRow
 
@@ -29,7 +29,7 @@ __all__ = ["run_benchmark"]
 
 
 def run_benchmark(
-    model_name: str,
+    model_name: str | ExampleModel,
     batch_sizes: Sequence[int],
     *,
     dtype: torch.dtype = torch.bfloat16,
@@ -40,7 +40,7 @@ def run_benchmark(
     image_size: tuple[int, int] | None = None,
     on_row: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
-    """Time ``model_name`` (an adapter's example model) at each batch size, all methods.
+    """Time ``model_name`` (an example model, or its name) at each batch size, all methods.
 
     On a GPU: eager; layergraph (``wrap``'s defaults) with every batch size captured ahead
     into one pool (capture time and pool size recorded, and the largest batch captured alone
@@ -64,7 +64,7 @@ def run_benchmark(
     grid on the host, which a capture refuses), and ``BenchReport.notes`` says so.
     ``on_row`` is called with the report after each batch size, for live display.
     """
-    example = get_registry().example_model(model_name)
+    example = example_model(model_name) if isinstance(model_name, str) else model_name
     inputs = example.inputs
     if image_size is not None:
         sized = example.sized_inputs

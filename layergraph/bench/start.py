@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from ..module import wrap
-from ..plugins import get_registry
 from ..validation import compare_outputs
+from .examples import example_model
 from .report import describe_options
 from .run import versions_in_use
 
@@ -217,7 +217,7 @@ def run_start(
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch sizes must be at least 1, got {list(batch_sizes)}")
-    example = get_registry().example_model(model_name)
+    example = example_model(model_name)
     if example.sized_inputs is not None:
         raise ValueError(
             f"{example.name} takes every image at its own size: its token budgets are "
@@ -317,7 +317,7 @@ def _measure(parameters: dict[str, Any]) -> dict[str, Any]:
 
     from ..testing import SimulatedGraphs
 
-    example = get_registry().example_model(parameters["model"])
+    example = example_model(parameters["model"])
     device = torch.device(parameters["device"])
     dtype = getattr(torch, parameters["dtype"])
     sizes = parameters["batch_sizes"]

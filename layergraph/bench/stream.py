@@ -30,9 +30,9 @@ import torch
 
 from ..graphs import GraphBackend
 from ..module import wrap
-from ..plugins import get_registry
 from ..runner import DEFAULT_BATCH_SIZES
 from ..validation import DEFAULT_TOLERANCE, first_tensor, relative_error
+from .examples import example_model
 
 __all__ = ["StreamReport", "StreamRow", "parse_stream", "run_stream"]
 
@@ -136,7 +136,7 @@ def run_stream(
     """
     if passes < 1:
         raise ValueError(f"passes must be at least 1, got {passes}")
-    example = get_registry().example_model(model_name)
+    example = example_model(model_name)
     if example.sized_inputs is not None:
         raise ValueError(
             f"{example.name} takes every image at its own size: a stream of batches of one "

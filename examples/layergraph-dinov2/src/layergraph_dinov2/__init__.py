@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import layergraph
+from layergraph.bench.examples import ExampleModel
 from layergraph.keys import CallInputs
 from layergraph_adapters.kit.patch_embedding import PatchMatmul
 
@@ -46,25 +47,6 @@ class Dinov2Adapter(layergraph.Adapter):
                 f"{type(model).__name__}"
             )
         return Dinov2Plan(model, patch_matmul=self.patch_matmul)
-
-    def example_models(self) -> list[str]:
-        return ["dinov2-small"]
-
-    def example_model(self, name: str) -> layergraph.ExampleModel | None:
-        if name != "dinov2-small":
-            return None
-
-        def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
-            from transformers import Dinov2Config, Dinov2Model
-
-            config = Dinov2Config(hidden_size=384, num_hidden_layers=12, num_attention_heads=6)
-            with torch.device(device):
-                return Dinov2Model(config).to(dtype).eval()
-
-        def inputs(batch: int, dtype: torch.dtype, device: torch.device) -> Any:
-            return (torch.randn(batch, 3, 224, 224, dtype=dtype, device=device),), {}
-
-        return layergraph.ExampleModel(name, self.name, build, inputs)
 
 
 class Dinov2Plan(layergraph.WholeForward):
@@ -96,3 +78,27 @@ class Dinov2Plan(layergraph.WholeForward):
 @layergraph.hookimpl
 def register_adapters(register: Callable[[Any], Any]) -> None:
     register(Dinov2Adapter)
+
+
+@layergraph.hookimpl
+def example_model(name: str) -> ExampleModel | None:
+    """A DINOv2-S with random weights, for ``layergraph bench --model dinov2-small``."""
+    if name != "dinov2-small":
+        return None
+
+    def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
+        from transformers import Dinov2Config, Dinov2Model
+
+        config = Dinov2Config(hidden_size=384, num_hidden_layers=12, num_attention_heads=6)
+        with torch.device(device):
+            return Dinov2Model(config).to(dtype).eval()
+
+    def inputs(batch: int, dtype: torch.dtype, device: torch.device) -> Any:
+        return (torch.randn(batch, 3, 224, 224, dtype=dtype, device=device),), {}
+
+    return ExampleModel(name, Dinov2Adapter.name, build, inputs)
+
+
+@layergraph.hookimpl
+def example_model_names() -> list[str]:
+    return ["dinov2-small"]

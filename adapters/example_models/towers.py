@@ -1,0 +1,174 @@
+"""Example models of the fixed-size transformers towers (the ``towers`` and ``internvl``
+plugins' families): each built from its configuration with random weights and fed what a
+larger model feeds it (:attr:`~layergraph_adapters.kit.tower_specs.TowerSpec.inputs`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from layergraph.bench.examples import ExampleModel
+from layergraph_adapters import towers
+from layergraph_adapters.internvl import INTERNVIT_CONFIGS, INTERNVL
+from layergraph_adapters.kit.tower_specs import (
+    TowerExample,
+    TowerSpec,
+    build_tower,
+    pair,
+    transformers_class,
+)
+
+__all__ = ["SO400M", "TOWER_EXAMPLES", "tower_example", "tower_example_model"]
+
+SO400M = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16
+)
+"""SigLIP so400m's layers, which Idefics2, Idefics3 and SmolVLM start from."""
+
+TOWER_EXAMPLES: dict[str, tuple[TowerSpec, TowerExample]] = {
+    "siglip-so400m-384": (
+        towers.SIGLIP,
+        TowerExample("SiglipVisionModel", dict(SO400M, image_size=384, patch_size=14)),
+    ),
+    "clip-vit-l-336": (
+        towers.CLIP,
+        TowerExample(
+            "CLIPVisionModel",
+            dict(
+                hidden_size=1024,
+                intermediate_size=4096,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                image_size=336,
+                patch_size=14,
+                projection_dim=768,
+            ),
+        ),
+    ),
+    "idefics2-8b-980": (
+        towers.IDEFICS,
+        TowerExample(
+            "idefics2.Idefics2VisionTransformer", dict(SO400M, image_size=980, patch_size=14)
+        ),
+    ),
+    "idefics3-8b-364": (
+        towers.IDEFICS,
+        TowerExample("Idefics3VisionTransformer", dict(SO400M, image_size=364, patch_size=14)),
+    ),
+    "smolvlm2-2.2b-384": (
+        towers.IDEFICS,
+        TowerExample("SmolVLMVisionTransformer", dict(SO400M, image_size=384, patch_size=14)),
+    ),
+    "janus-pro-384": (
+        towers.JANUS,
+        TowerExample(
+            "JanusVisionModel",
+            dict(
+                hidden_size=1024,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                image_size=384,
+                patch_size=16,
+            ),
+        ),
+    ),
+    "aimv2-large-224": (
+        towers.AIMV2,
+        TowerExample(
+            "Aimv2VisionModel",
+            dict(
+                hidden_size=1024,
+                intermediate_size=2816,
+                num_hidden_layers=24,
+                num_attention_heads=8,
+                image_size=224,
+                patch_size=14,
+            ),
+        ),
+    ),
+    "dinov2-large-224": (
+        towers.DINOV2,
+        TowerExample(
+            "Dinov2Model",
+            dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, image_size=518),
+            image_size=224,
+        ),
+    ),
+    "dinov2-reg-large-224": (
+        towers.DINOV2,
+        TowerExample(
+            "Dinov2WithRegistersModel",
+            dict(
+                hidden_size=1024,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                image_size=518,
+                patch_size=14,
+            ),
+            image_size=224,
+        ),
+    ),
+    "vit-base-224": (towers.VIT, TowerExample("ViTModel", {})),
+    "llama4-scout-336": (
+        towers.LLAMA4,
+        TowerExample(
+            "Llama4VisionModel",
+            dict(
+                hidden_size=1408,
+                intermediate_size=5632,
+                num_hidden_layers=34,
+                num_attention_heads=16,
+                image_size=336,
+                patch_size=14,
+                vision_output_dim=4096,
+            ),
+        ),
+    ),
+    "mllama-11b-560": (
+        towers.MLLAMA,
+        TowerExample(
+            "MllamaVisionModel",
+            dict(
+                hidden_size=1280,
+                intermediate_size=5120,
+                num_hidden_layers=32,
+                num_global_layers=8,
+                attention_heads=16,
+                image_size=560,
+                patch_size=14,
+            ),
+        ),
+    ),
+    **{
+        name: (INTERNVL, TowerExample("InternVLVisionModel", settings))
+        for name, settings in INTERNVIT_CONFIGS.items()
+    },
+}
+"""Well-known towers by name: SigLIP so400m, CLIP ViT-L/14-336, the Idefics2, Idefics3 and
+SmolVLM2 towers, Janus-Pro's, AIMv2-L, DINOv2-L (with and without registers) at 224, ViT-B,
+Llama 4 Scout's, Llama 3.2 Vision 11B's, InternViT-300M and InternViT-6B."""
+
+
+def tower_example(name: str) -> ExampleModel | None:
+    """The example tower ``name`` of :data:`TOWER_EXAMPLES`, or ``None``."""
+    if name not in TOWER_EXAMPLES:
+        return None
+    return tower_example_model(name, *TOWER_EXAMPLES[name])
+
+
+def tower_example_model(name: str, spec: TowerSpec, example: TowerExample) -> ExampleModel:
+    """``example``, a tower of ``spec``'s family, as the example model ``name``."""
+
+    def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
+        return build_tower(example.tower, example.settings, dtype, device)
+
+    def inputs(
+        batch: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        config = transformers_class(example.tower).config_class(**example.settings)
+        size = pair(example.image_size or config.image_size)
+        return (), spec.inputs(config, batch, size, dtype, device)
+
+    return ExampleModel(name=name, adapter=spec.adapter, build=build, inputs=inputs)
