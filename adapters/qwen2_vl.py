@@ -56,8 +56,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +74,7 @@ from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
+from layergraph_adapters.kit.grid_metadata import GridMetadata, GridMetadataCache
 from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
@@ -200,9 +200,6 @@ _PRECOMPUTED = (
     "interp_weights",
 )
 """The tower's arguments that replace what it computes from ``grid_thw``."""
-_HOST_CALLS_KEPT = 32
-"""Calls' grids whose host metadata a plan keeps (the most recent): a stream of images of a few
-sizes computes each size's once."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,6 +251,8 @@ class PackedBuffers:
     loaded: tuple[tuple[int, int, int], ...] | None = None
     """The grids whose metadata the buffers hold (``None`` before the first load): a call of
     the same grids writes only its pixels."""
+    filled: int = 0
+    """The rows of :attr:`pixels` the last call wrote (the rest are zeros)."""
     prepared: set[int] = field(default_factory=set)
     """The metadata (by ``id``) whose backend's per-forward work (a dense backend's block
     mask) the forward running now has done; emptied at its first layer."""
@@ -278,25 +277,11 @@ def _grid_beside_pixels(
     return args, {**kwargs, "grid_thw": moved}
 
 
-@dataclass(frozen=True)
-class _HostCall:
-    """What a call's ``grid_thw`` gives on the host, padded later to a budget."""
-
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    window_index: torch.Tensor | None
-    cu_window_seqlens: torch.Tensor | None
-    """Both ``None`` for a tower without windows."""
-    interp_indices: torch.Tensor | None
-    interp_weights: torch.Tensor | None
-    """Both ``None`` for a tower without learned positions."""
-
-
 @dataclass(eq=False)
 class _CallParts:
     """What :meth:`Qwen2VLPlan.pack` reads from a call, and its host metadata on demand.
 
-    The metadata (:class:`_HostCall`: boundaries, positions, windows, position table rows) is
+    The metadata (:class:`GridMetadata`: boundaries, positions, windows, position table rows) is
     computed the first time a graph needs it (:meth:`Qwen2VLPlan.load`), so a call served
     eagerly, which runs the tower's own forward, never pays for it: for Qwen3-VL's learned
     positions it is the larger part of the host work of a call.
@@ -307,12 +292,12 @@ class _CallParts:
     """``grid_thw`` on the host."""
     grids: tuple[tuple[int, int, int], ...]
     fixed: dict[str, Any]
-    compute: Callable[[tuple[tuple[int, int, int], ...], torch.Tensor], _HostCall]
+    compute: Callable[[tuple[tuple[int, int, int], ...]], GridMetadata]
 
     @functools.cached_property
-    def host(self) -> _HostCall:
+    def host(self) -> GridMetadata:
         """The call's metadata on the host, computed once."""
-        return self.compute(self.grids, self.grid)
+        return self.compute(self.grids)
 
 
 class Qwen2VLPlan(PackedTowerPlan):
@@ -385,8 +370,8 @@ class Qwen2VLPlan(PackedTowerPlan):
             """A window's side in merged tokens."""
             self.window_tokens = self.window_side**2 * self.budget_unit
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
-        self._host_calls: OrderedDict[tuple[tuple[int, int, int], ...], _HostCall] = OrderedDict()
-        """The metadata of the last calls' grids, the most recent last."""
+        self._host_calls = GridMetadataCache(lambda grid: self._compute_host_call(grid))
+        """The metadata of calls' grids, from each grid entry's, kept."""
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's full-attention layers and, for a tower with
         windows, its windowed layers (``attention="auto"`` times them apart)."""
@@ -444,13 +429,13 @@ class Qwen2VLPlan(PackedTowerPlan):
                 f"are not [patches, features] and [entries, 3]"
             )
         on_host = grid.cpu()
-        self._check_grid(on_host)
-        if self.grid_rows and bool((on_host[:, 0] > 1).any()):
+        grids = tuple(tuple(map(int, row)) for row in on_host.tolist())
+        self._check_grid(grids)
+        if self.grid_rows and any(t > 1 for t, _, _ in grids):
             raise UnsupportedCall(
                 "an entry of grid_thw holds several frames, and the tower's forward reads "
                 "grid_thw's rows by frame (its VLM passes a video as one row per frame)"
             )
-        grids = tuple(tuple(map(int, row)) for row in on_host.tolist())
         tokens = sum(t * h * w for t, h, w in grids)
         if tokens != pixels.shape[0]:
             raise UnsupportedCall(
@@ -464,38 +449,26 @@ class Qwen2VLPlan(PackedTowerPlan):
             size=tokens,
             signature=signature,
             tensors=(pixels,),
-            parts=_CallParts(pixels, on_host, grids, fixed, self._host_call),
+            parts=_CallParts(pixels, on_host, grids, fixed, self._host_calls),
         )
 
-    def _check_grid(self, grid: torch.Tensor) -> None:
-        """Raise :class:`~layergraph.keys.UnsupportedCall` for a ``grid_thw`` the tower cannot
-        take: no entry, or a side that is not a positive multiple of the merge size."""
-        if grid.shape[0] == 0:
+    def _check_grid(self, grids: tuple[tuple[int, int, int], ...]) -> None:
+        """Raise :class:`~layergraph.keys.UnsupportedCall` for ``grid_thw`` rows the tower
+        cannot take: none, or a side that is not a positive multiple of the merge size."""
+        if not grids:
             raise UnsupportedCall("input grid_thw holds no image or video")
         merge = self.owner.spatial_merge_size
-        for row in grid.tolist():
+        for row in grids:
             t, h, w = row
             if t < 1 or h < merge or w < merge or h % merge or w % merge:
                 raise UnsupportedCall(
-                    f"input grid_thw row {row}: t must be positive, h and w positive multiples "
-                    f"of the spatial merge size {merge}"
+                    f"input grid_thw row {list(row)}: t must be positive, h and w positive "
+                    f"multiples of the spatial merge size {merge}"
                 )
 
-    def _host_call(self, grids: tuple[tuple[int, int, int], ...], grid: torch.Tensor) -> _HostCall:
-        """The metadata of a call of ``grids`` (``grid`` on the host): the last
-        :data:`_HOST_CALLS_KEPT` grids' are kept, so that images of sizes that recur cost no
-        host work but their loading."""
-        host = self._host_calls.pop(grids, None)
-        if host is None:
-            host = self._compute_host_call(grid)
-            if len(self._host_calls) >= _HOST_CALLS_KEPT:
-                self._host_calls.popitem(last=False)
-        self._host_calls[grids] = host
-        return host
-
-    def _compute_host_call(self, grid: torch.Tensor) -> _HostCall:
-        """The call's boundaries, positions and windows, by transformers' own functions, from
-        ``grid_thw`` on the host."""
+    def _compute_host_call(self, grid: torch.Tensor) -> GridMetadata:
+        """The boundaries, positions and windows of ``grid_thw`` on the host (one entry: the
+        calls' are joined from their entries'), by transformers' own functions."""
         from transformers.vision_utils import (
             get_vision_cu_seqlens,
             get_vision_interpolation_indices_and_weights,
@@ -518,7 +491,7 @@ class Qwen2VLPlan(PackedTowerPlan):
                 align_corners=tower.interpolation_align_corners,
                 spatial_merge_size=tower.spatial_merge_size,
             )
-        return _HostCall(
+        return GridMetadata(
             position_ids=get_vision_position_ids(grid, tower.spatial_merge_size),
             cu_seqlens=get_vision_cu_seqlens(grid),
             window_index=window_index,
@@ -616,7 +589,9 @@ class Qwen2VLPlan(PackedTowerPlan):
         if buffers.loaded != call.parts.grids:
             self._load_metadata(buffers, call)
         buffers.pixels[:tokens].copy_(pixels)
-        buffers.pixels[tokens:].zero_()
+        if buffers.filled > tokens:
+            buffers.pixels[tokens : buffers.filled].zero_()
+        buffers.filled = tokens
 
     def _load_metadata(self, buffers: PackedBuffers, call: PackedCall) -> None:
         """Write the metadata of ``call``'s grids into ``buffers``, through their staging
@@ -665,14 +640,21 @@ class Qwen2VLPlan(PackedTowerPlan):
         return (buffers.pixels,), kwargs
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
+        leaves, spec = pytree.tree_flatten(output)
+        return pytree.tree_unflatten(self.cut_leaves(leaves, spec, call, budget)[0], spec)
+
+    def cut_leaves(
+        self, leaves: Sequence[Any], spec: pytree.TreeSpec, call: PackedCall, budget: int
+    ) -> tuple[list[Any], pytree.TreeSpec]:
+        """The call's rows of each tensor whose rows are the budget's tokens or merged tokens
+        (views); the output's structure is unchanged."""
         rows = {budget: call.size, budget // self.budget_unit: call.size // self.budget_unit}
-
-        def real(leaf: Any) -> Any:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] in rows:
-                return leaf[: rows[leaf.shape[0]]]
-            return leaf
-
-        return pytree.tree_map(real, output)
+        return [
+            leaf[: rows[leaf.shape[0]]]
+            if isinstance(leaf, torch.Tensor) and leaf.dim() and leaf.shape[0] in rows
+            else leaf
+            for leaf in leaves
+        ], spec
 
     def attend_packed(
         self,

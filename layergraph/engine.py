@@ -32,6 +32,7 @@ from .keys import ShapeKey
 from .options import RunnerOptions
 from .packing import Call, Packing, buffer_tensors
 from .policy import Costs
+from .rebuild import Rebuilds
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
 from .warn import warn
@@ -85,6 +86,7 @@ class GraphEngine:
         self.options = options
         self.backend = backend
         self.packing = packing
+        self._rebuild = Rebuilds()
         self.max_graphs = max_graphs
         self._captured_region = captured_region or plan.region
         """What warm-up and capture run: the plan's region, or a compiled version of it."""
@@ -425,7 +427,7 @@ class GraphEngine:
             entry.record.held.track(leaves)
         else:
             leaves = [leaf.clone() if aliases(leaf, entry.storages) else leaf for leaf in leaves]
-        output = pytree.tree_unflatten(list(leaves), spec)
+        output = self._rebuild(leaves, spec)
         if self.options.validate:
             self._validate_once(entry, call, output)
         return output
