@@ -38,6 +38,7 @@ from layergraph.attention import (
 )
 from layergraph.keys import CallInputs
 from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.fused_norm import SCALED_LAYER
 from layergraph_adapters.kit.fused_qkv import FusedQKV
 from layergraph_adapters.kit.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
 from layergraph_adapters.kit.tower_specs import TowerSpec, build_tower
@@ -77,6 +78,7 @@ INTERNVL = TowerSpec(
     attention="attention",
     prefix_tokens=1,
     image_sizes="any",  # the position embedding is interpolated to any tile size
+    layer_form=SCALED_LAYER,
 )
 """InternViT: the class token; attention routed to the chosen backend by
 :class:`InternViTPlan`, which fuses q, k and v there with ``fuse_qkv``."""

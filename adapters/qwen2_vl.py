@@ -71,7 +71,7 @@ from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
-from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.fused_norm import BLOCK, LayerForm, fused_norms
 from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.grid_metadata import GridMetadata, GridMetadataCache
@@ -106,6 +106,7 @@ class _TowerKind(PackedFamily):
     layers: str = "blocks"
     attention: str = "attn"
     checked: str = QWEN2_VL_CHECKED
+    layer_form: LayerForm | None = BLOCK
     windows: bool = False
     """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
     learned_positions: bool = False
@@ -113,7 +114,8 @@ class _TowerKind(PackedFamily):
     ``interp_weights``: the table's rows each patch reads and their weights)."""
     grid_rows: bool = False
     """Whether the forward reads ``grid_thw`` on the device, one row per frame (GLM-4.1V's
-    learned position table, resampled with ``grid_sample`` to the height and width of the row
+    learned position table, resampled with ``grid_sample`` (which ``positions_matmul``
+    replaces) to the height and width of the row
     ``grid_thw[frame]``): the graph is given the call's rows in a buffer of one slot per frame
     (:attr:`PackedBuffers.grid_thw`), and a call with an entry of several frames, whose rows
     the forward reads by frame index, runs eagerly."""
@@ -326,7 +328,9 @@ class Qwen2VLPlan(PackedTowerPlan):
         super().__init__(tower, adapter, context, kind)
         self.patch_rewrites = [
             *packed_patch_matmul_for(tower.patch_embed, patch_matmul),
-            *resampled_positions_for(getattr(tower, "embeddings", None), positions_matmul),
+            *resampled_positions_for(
+                getattr(tower, "embeddings", None), positions_matmul, kind.grid_rows
+            ),
         ]
         """The patch embedding as one matrix product with ``patch_matmul``, the position table
         resampled as one with ``positions_matmul``; empty without either."""
@@ -351,7 +355,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         )
         """What the routed attention rotates q and k with: the family's
         ``apply_rotary_pos_emb_vision``, or with ``fuse_rotary`` its fused kernel."""
-        self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm)
+        self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm, kind.layer_form)
         """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
         self.windows = kind.windows
         self.learned_positions = kind.learned_positions

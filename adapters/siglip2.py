@@ -49,7 +49,7 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import Change, ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph_adapters.kit import naflex
-from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.fused_norm import ENCODER_LAYER, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.grid_positions import GridPositions
 from layergraph_adapters.kit.packed_tower import (
@@ -71,6 +71,7 @@ FAMILY = PackedFamily(
     layers="encoder.layers",
     attention="self_attn",
     checked=TRANSFORMERS_CHECKED,
+    layer_form=ENCODER_LAYER,
 )
 """SigLIP2's tower, held as ``vision_model`` or ``vision_tower`` by any model."""
 
@@ -166,7 +167,7 @@ class Siglip2Plan(PackedTowerPlan):
         layers = list(tower.encoder.layers)
         self.rewrites: list[Change] = [
             *gelu_epilogues([layer.mlp for layer in layers], fuse_gelu),
-            *fused_norms(layers, fuse_norm),
+            *fused_norms(layers, fuse_norm, FAMILY.layer_form),
         ]
         """The ``fuse_gelu`` and ``fuse_norm`` rewrites of the encoder's layers; empty
         without them."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from layergraph import hookimpl
+from layergraph_adapters.kit.fused_norm import ENCODER_LAYER
 from layergraph_adapters.kit.fused_qkv import fused_attention_forward
 from layergraph_adapters.kit.hf_vision import adapter_class
 from layergraph_adapters.kit.idefics import IdeficsPlan
@@ -41,6 +42,7 @@ SIGLIP = TowerSpec(
     casts_pixels=True,
     family="SigLIP",
     fused_attention=fused_attention_forward,
+    layer_form=ENCODER_LAYER,
 )
 """SigLIP (SigLIP2 checkpoints of fixed resolution load as this class too): no class token,
 the attention-pooling head captured with the layers. Inside PaliGemma, LLaVA-OneVision,
@@ -53,6 +55,7 @@ CLIP = TowerSpec(
     family="CLIP",
     prefix_tokens=1,
     fused_attention=fused_attention_forward,
+    layer_form=ENCODER_LAYER,
 )
 """CLIP: the class token; the projection of ``CLIPVisionModelWithProjection`` included. Inside
 LLaVA and LLaVA-NeXT, which read layer -2."""

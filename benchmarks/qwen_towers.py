@@ -25,13 +25,13 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 from transformers import vision_utils
 
+from layergraph_adapters.example_models.packed import PACKED_EXAMPLES
 from layergraph_adapters.kit.versions import (
     GLM_VISION_CHECKED,
     QWEN2_VL_CHECKED,
     QWEN3_5_VISION_CHECKED,
     UNCHECKED_VARIABLE,
 )
-from layergraph_adapters.qwen2_vl import Qwen2VLAdapter
 
 ADAPTER = "qwen2_vl"
 """The layergraph adapter that serves these towers."""
@@ -67,10 +67,9 @@ def towers(tiny: bool) -> list[Tower]:
     patch 16, merge 2, a 48x48 position table, 3584 out: Qwen3-VL-8B's without the deep-stack
     mergers); GLM-4.1V-9B's too (24 layers of 1536, 12 heads, patch 14, merge 2, 4096 out, a
     24x24 position table). The full-size ones are the ``qwen2_vl`` adapter's example towers
-    (``layergraph bench --list-models``)."""
-    examples = Qwen2VLAdapter.examples
-    qwen25 = dict(examples["qwen2.5-vl-7b"].settings)
-    qwen3 = dict(examples["qwen3-vl-8b"].settings)
+    (``layergraph bench --list-models``, ``layergraph_adapters.example_models``)."""
+    qwen25 = dict(PACKED_EXAMPLES["qwen2.5-vl-7b"].example.settings)
+    qwen3 = dict(PACKED_EXAMPLES["qwen3-vl-8b"].example.settings)
     qwen35: dict[str, Any] = {}
     glm4v: dict[str, Any] = {}
     if tiny:

@@ -32,7 +32,16 @@ pytestmark = pytest.mark.skipif(
     fused_norm_unavailable(torch.device("cpu")) is not None,
     reason="runs the kernel on CPU tensors, through Triton's interpreter",
 )
-KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v", "glm_ocr"]
+KINDS = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "glm4v",
+    "glm_ocr",
+    "glm5_next",
+]
 GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
 
 

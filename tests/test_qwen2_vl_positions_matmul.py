@@ -63,7 +63,7 @@ def test_left_to_auto_only_the_glm_tables_take_it(monkeypatch: pytest.MonkeyPatc
 
 
 def test_other_modules_and_modes_are_refused() -> None:
-    with pytest.raises(ValueError, match="Linear is not one"):
+    with pytest.raises(ValueError, match="Linear has none"):
         ResampledPositions(torch.nn.Linear(2, 2))
     embeddings = model("glm4v").embeddings
     embeddings.interpolated_method = "bilinear"

@@ -24,13 +24,14 @@ norm-only path. The attention and the MLP are called as modules, so the other re
 only: the kernel rounds once where eager rounds after each operation. While ``torch.compile``
 traces a layer nothing is handed over (Inductor fuses the add and the norm itself).
 
-Layers served: transformers' ``InternVLVisionLayer`` (LayerNorm and InternViT-6B's RMSNorm),
-``CLIPEncoderLayer``, ``SiglipEncoderLayer`` and ``Siglip2EncoderLayer``, open_clip's self-attention
-``ResidualAttentionBlock`` (``LayerScale`` or no layer scales), the packed towers' blocks
-(Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's, Qwen3-VL-MoE's and Qwen3.5's ``VisionBlock``,
-GLM-4.1V's, GLM-4.5V's and GLM-OCR's, LayerNorm or RMSNorm), and timm's ``Block`` (the blocks of
-``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Dropout and drop
-path are left out: they do nothing at inference.
+Layers served: those whose family declares their form (:class:`LayerForm`, in the family's
+record: ``TowerSpec.layer_form``, ``PackedFamily.layer_form``; CLIP's, SigLIP's, SigLIP2's,
+InternViT's, the Qwen and GLM towers'), and the frameworks' blocks found by their class
+(:data:`FRAMEWORK_FORMS`): open_clip's self-attention ``ResidualAttentionBlock``
+(``LayerScale`` or no layer scales) and timm's ``Block`` (the blocks of
+``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Norms served:
+``nn.LayerNorm``, ``nn.RMSNorm`` and transformers' RMSNorm classes, recognised by what they
+compute (:func:`norm_kind`). Dropout and drop path are left out: they do nothing at inference.
 
 A layer's own forward runs instead for training calls, calls with gradients enabled, under
 autocast, and for inputs the kernel does not take (a dtype other than float16, bfloat16 and
@@ -43,6 +44,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -51,16 +53,19 @@ from torch import nn
 from layergraph_adapters.kit.rewrites import InferenceForward
 from layergraph_adapters.kit.triton_kernels import kernel_takes, triton_unavailable
 
-__all__ = ["FusedAddNorm", "fused_norm_unavailable", "fused_norms", "norm_kind"]
-
-_RMS_NORM_CLASSES = (
-    "InternVLVisionRMSNorm",
-    "Qwen2_5_VLRMSNorm",
-    "Glm4vRMSNorm",
-    "Glm4vMoeRMSNorm",
-    "GlmOcrRMSNorm",
-)
-"""RMSNorm classes computing ``weight * (x * rsqrt(mean(x^2) + variance_epsilon))``."""
+__all__ = [
+    "BLOCK",
+    "ENCODER_LAYER",
+    "FRAMEWORK_FORMS",
+    "OPEN_CLIP_BLOCK",
+    "SCALED_LAYER",
+    "TIMM_BLOCK",
+    "FusedAddNorm",
+    "LayerForm",
+    "fused_norm_unavailable",
+    "fused_norms",
+    "norm_kind",
+]
 
 
 def fused_norm_unavailable(device: torch.device) -> str | None:
@@ -70,17 +75,54 @@ def fused_norm_unavailable(device: torch.device) -> str | None:
 
 def norm_kind(norm: nn.Module) -> Literal["layer_norm", "rms_norm"] | None:
     """Which norm ``norm`` computes over the last dimension, or ``None`` if not one the kernel
-    computes: ``nn.LayerNorm`` (and subclasses, timm's included), ``nn.RMSNorm`` and
-    InternViT's RMSNorm."""
+    computes: ``nn.LayerNorm`` (and subclasses, timm's included), ``nn.RMSNorm`` and the
+    RMSNorm classes of transformers' models (InternViT-6B's, the Qwen and GLM towers')."""
     if isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) and len(norm.normalized_shape) == 1:
         return "layer_norm" if isinstance(norm, nn.LayerNorm) else "rms_norm"
-    if type(norm).__name__ in _RMS_NORM_CLASSES and hasattr(norm, "variance_epsilon"):
-        return "rms_norm"
-    return None
+    return "rms_norm" if _computes_rms_norm(norm) else None
 
 
-def fused_norms(layers: list[nn.Module], setting: bool) -> list[FusedAddNorm]:
-    """One :class:`FusedAddNorm` per layer for an adapter's ``fuse_norm`` option.
+_RMS_PROBES: dict[tuple[type, float, torch.dtype, str], bool] = {}
+"""Whether a norm class computes transformers' RMSNorm, by class, epsilon, dtype and device
+type, as :func:`_computes_rms_norm` found."""
+
+
+def _computes_rms_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` computes ``weight * (x * rsqrt(mean(x^2) + variance_epsilon))`` (in
+    float32, cast back before the weight), as transformers' RMSNorm classes do: a module
+    holding one vector ``weight`` and a ``variance_epsilon``, whose forward is seen to give
+    that on a probe, once per class, epsilon, dtype and device type."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.is_meta:
+        return False
+    if hasattr(weight, "to_local"):  # tensor-parallel: as a plain instance of its class was seen
+        return any(probed and kind is type(norm) for (kind, *_), probed in _RMS_PROBES.items())
+    if not isinstance(eps, float) or len(list(norm.parameters())) != 1 or list(norm.buffers()):
+        return False
+    key = (type(norm), eps, weight.dtype, weight.device.type)
+    if key not in _RMS_PROBES:
+        with torch.no_grad():
+            probe = torch.randn(4, weight.shape[0], dtype=weight.dtype, device=weight.device)
+            wide = probe.float()
+            want = weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(
+                probe.dtype
+            )
+            got = type(norm).forward(norm, probe)
+        tolerance = 1e-5 if weight.dtype == torch.float32 else 1e-2
+        _RMS_PROBES[key] = (
+            isinstance(got, torch.Tensor)
+            and got.shape == want.shape
+            and torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+        )
+    return _RMS_PROBES[key]
+
+
+def fused_norms(
+    layers: list[nn.Module], setting: bool, form: LayerForm | None = None
+) -> list[FusedAddNorm]:
+    """One :class:`FusedAddNorm` per layer for an adapter's ``fuse_norm`` option, the layers
+    of ``form`` (their family's, :class:`LayerForm`; ``None``: one of the frameworks' blocks).
 
     Raises ``ValueError`` when a layer is not one served (see the module docstring) or the
     kernel cannot run where the model lives (:func:`fused_norm_unavailable`).
@@ -95,7 +137,7 @@ def fused_norms(layers: list[nn.Module], setting: bool) -> list[FusedAddNorm]:
     )
     if reason is not None:
         raise ValueError(reason)
-    rewrites = [FusedAddNorm(layer) for layer in layers]
+    rewrites = [FusedAddNorm(layer, form) for layer in layers]
     for rewrite, following in itertools.pairwise(rewrites):
         rewrite.next_layer = following if following.kernel_first_norm() else None
     return rewrites
@@ -104,21 +146,27 @@ def fused_norms(layers: list[nn.Module], setting: bool) -> list[FusedAddNorm]:
 class FusedAddNorm(InferenceForward):
     """Computes one layer's residual adds and second norm with the fused kernel while applied.
 
-    Raises ``ValueError`` for a layer of a class not served, a norm the kernel does not
+    ``form``: the layer's (its family's :class:`LayerForm`); ``None``: one of
+    :data:`FRAMEWORK_FORMS` that accepts it. Raises ``ValueError`` for a layer not served, a
+    norm the kernel does not
     compute, hooks on the modules the kernel stands in for (the second norm, the layer
     scales), or tensor-parallel (DTensor) weights there.
     """
 
-    def __init__(self, layer: nn.Module) -> None:
-        parts = _layer_parts(layer)
-        if parts is None:
+    def __init__(self, layer: nn.Module, form: LayerForm | None = None) -> None:
+        if form is None:
+            form = next((known for known in FRAMEWORK_FORMS if known.accepts(layer)), None)
+        if form is None or not form.accepts(layer):
             raise ValueError(
-                f"fuse_norm serves transformers' InternVLVisionLayer, CLIPEncoderLayer, "
-                f"SiglipEncoderLayer, Siglip2EncoderLayer and the Qwen-VL and GLM-4.1V vision "
-                f"blocks, timm's Block "
-                f"and open_clip's ResidualAttentionBlock; {type(layer).__name__} is not one"
+                f"fuse_norm serves the layers whose family declares their form (layer_form), "
+                f"timm's Block and open_clip's ResidualAttentionBlock; "
+                f"{type(layer).__name__} is not one"
             )
-        self._call_layer, (first_name, self._norm_name), self._scale_names = parts
+        self._call_layer, (first_name, self._norm_name), self._scale_names = (
+            form.call,
+            form.norms,
+            form.scales,
+        )
         norm = getattr(layer, self._norm_name)
         kind = norm_kind(norm)
         if kind is None:
@@ -250,10 +298,10 @@ def _rms_eps(norm: nn.Module, dtype: torch.dtype) -> float:
 
 
 def _decomposed_rms_norm(norm: nn.Module) -> Literal["rms_norm"] | None:
-    """``"rms_norm"`` for an RMSNorm class of transformers (:data:`_RMS_NORM_CLASSES`, written
-    as several PyTorch operations) without hooks, DTensor weights or a weight of another
-    width; ``None`` otherwise."""
-    if type(norm).__name__ not in _RMS_NORM_CLASSES or norm_kind(norm) != "rms_norm":
+    """``"rms_norm"`` for an RMSNorm class of transformers (written as several PyTorch
+    operations, :func:`_computes_rms_norm`) without hooks, DTensor weights or a weight of
+    another width; ``None`` otherwise."""
+    if isinstance(norm, nn.RMSNorm) or not _computes_rms_norm(norm):
         return None
     weight = getattr(norm, "weight", None)
     if norm._forward_hooks or norm._forward_pre_hooks or hasattr(weight, "to_local"):
@@ -272,40 +320,65 @@ ScaleNames = tuple[str | None, str | None]
 or an ``Identity``), ``None`` for a layer without."""
 
 
-def _layer_parts(layer: nn.Module) -> tuple[LayerCall, NormNames, ScaleNames] | None:
-    """How ``layer`` is computed fused, the attributes holding its two norms and those
-    holding its layer scales, or ``None`` for a layer that is not served."""
-    name = type(layer).__name__
-    if name == "InternVLVisionLayer":
-        return _internvit_layer, ("layernorm_before", "layernorm_after"), ("lambda_1", "lambda_2")
-    if name in ("CLIPEncoderLayer", "SiglipEncoderLayer", "Siglip2EncoderLayer"):
-        return _clip_layer, ("layer_norm1", "layer_norm2"), (None, None)
-    if name in _PACKED_BLOCKS:
-        return _packed_block, ("norm1", "norm2"), (None, None)
-    if _is_open_clip_block(layer):
-        return _open_clip_block, ("ln_1", "ln_2"), ("ls_1", "ls_2")
-    timm_classes = _timm_classes()
-    if timm_classes is None or type(layer).forward is not timm_classes[0].forward:
-        return None
-    if not all(
-        isinstance(s, nn.Identity) or type(s) is timm_classes[1] for s in (layer.ls1, layer.ls2)
-    ):
-        return None
-    return _timm_block, ("norm1", "norm2"), ("ls1", "ls2")
+@dataclass(frozen=True)
+class LayerForm:
+    """How a family's pre-norm layer computes, for ``fuse_norm``: its call written with the
+    kernel, where its norms and layer scales live, and which layers have the form.
+
+    A family's record declares its layers' form (``TowerSpec.layer_form``,
+    ``PackedFamily.layer_form``); the frameworks' blocks (timm's, open_clip's) are found by
+    :data:`FRAMEWORK_FORMS`. A layer of a form computes ``x + ls1 * attn(norm1(x))`` and then
+    ``x + ls2 * mlp(norm2(x))`` with the attribute names given.
+    """
+
+    call: LayerCall
+    norms: NormNames
+    scales: ScaleNames = (None, None)
+    accepts: Callable[[nn.Module], bool] = lambda layer: True
+    """Whether a layer has the form (the frameworks' forms check their classes)."""
 
 
-_PACKED_BLOCKS = (
-    "Qwen2VLVisionBlock",
-    "Qwen2_5_VLVisionBlock",
-    "Qwen3VLVisionBlock",
-    "Qwen3VLMoeVisionBlock",
-    "Qwen3_5VisionBlock",
-    "Qwen3_5MoeVisionBlock",
-    "Glm4vVisionBlock",
-    "Glm4vMoeVisionBlock",
-    "GlmOcrVisionBlock",
+def _block_call(
+    rewrite: FusedAddNorm, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    block = rewrite.module
+    attention = block.attn(rewrite.first_norm(hidden_states), *args, **kwargs)
+    residual, normed = rewrite.add_norm(hidden_states, attention)
+    return rewrite.add_scaled(residual, block.mlp(normed))
+
+
+def _scaled_layer_call(rewrite: FusedAddNorm, hidden_states: torch.Tensor) -> torch.Tensor:
+    layer = rewrite.module
+    attention, _ = layer.attention(rewrite.first_norm(hidden_states))
+    residual, normed = rewrite.add_norm(hidden_states, attention)
+    return rewrite.add_scaled(residual, layer.dropout(layer.mlp(normed)))
+
+
+def _encoder_layer_call(
+    rewrite: FusedAddNorm,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    layer = rewrite.module
+    attention, _ = layer.self_attn(
+        hidden_states=rewrite.first_norm(hidden_states), attention_mask=attention_mask, **kwargs
+    )
+    residual, normed = rewrite.add_norm(hidden_states, attention)
+    return rewrite.add_scaled(residual, layer.mlp(normed))
+
+
+ENCODER_LAYER = LayerForm(_encoder_layer_call, ("layer_norm1", "layer_norm2"))
+"""transformers' CLIP-style encoder layer: ``self_attn`` (returning the output and weights)
+between ``layer_norm1`` and ``layer_norm2``, no layer scales (CLIP, SigLIP, SigLIP2)."""
+SCALED_LAYER = LayerForm(
+    _scaled_layer_call, ("layernorm_before", "layernorm_after"), ("lambda_1", "lambda_2")
 )
-"""Packed towers' blocks computing ``x + attn(norm1(x), ...)`` then ``x + mlp(norm2(x))``."""
+"""InternViT's layer: ``attention`` between ``layernorm_before`` and ``layernorm_after``, layer
+scales ``lambda_1`` and ``lambda_2``."""
+BLOCK = LayerForm(_block_call, ("norm1", "norm2"))
+"""A block computing ``x + attn(norm1(x), ...)`` then ``x + mlp(norm2(x))`` (the Qwen and GLM
+towers')."""
 
 
 def _timm_classes() -> tuple[type, type] | None:
@@ -331,27 +404,6 @@ def _is_open_clip_block(layer: nn.Module) -> bool:
     return all(type(s) in (nn.Identity, LayerScale) for s in (layer.ls_1, layer.ls_2))
 
 
-def _internvit_layer(rewrite: FusedAddNorm, hidden_states: torch.Tensor) -> torch.Tensor:
-    layer = rewrite.module
-    attention, _ = layer.attention(rewrite.first_norm(hidden_states))
-    residual, normed = rewrite.add_norm(hidden_states, attention)
-    return rewrite.add_scaled(residual, layer.dropout(layer.mlp(normed)))
-
-
-def _clip_layer(
-    rewrite: FusedAddNorm,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    layer = rewrite.module
-    attention, _ = layer.self_attn(
-        hidden_states=rewrite.first_norm(hidden_states), attention_mask=attention_mask, **kwargs
-    )
-    residual, normed = rewrite.add_norm(hidden_states, attention)
-    return rewrite.add_scaled(residual, layer.mlp(normed))
-
-
 def _timm_block(
     rewrite: FusedAddNorm,
     x: torch.Tensor,
@@ -362,15 +414,6 @@ def _timm_block(
     if attn_mask is not None:
         kwargs["attn_mask"] = attn_mask
     residual, normed = rewrite.add_norm(x, block.attn(rewrite.first_norm(x), **kwargs))
-    return rewrite.add_scaled(residual, block.mlp(normed))
-
-
-def _packed_block(
-    rewrite: FusedAddNorm, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
-) -> torch.Tensor:
-    block = rewrite.module
-    attention = block.attn(rewrite.first_norm(hidden_states), *args, **kwargs)
-    residual, normed = rewrite.add_norm(hidden_states, attention)
     return rewrite.add_scaled(residual, block.mlp(normed))
 
 
@@ -387,3 +430,22 @@ def _open_clip_block(
     attention = block.attention(q_x=rewrite.first_norm(q_x), attn_mask=attn_mask)
     residual, normed = rewrite.add_norm(q_x, attention)
     return rewrite.add_scaled(residual, block.mlp(normed))
+
+
+def _is_timm_block(layer: nn.Module) -> bool:
+    """Whether ``layer`` is timm's ``Block`` (its forward) with layer scales that are
+    ``LayerScale`` or ``Identity``."""
+    classes = _timm_classes()
+    if classes is None or type(layer).forward is not classes[0].forward:
+        return False
+    return all(isinstance(s, nn.Identity) or type(s) is classes[1] for s in (layer.ls1, layer.ls2))
+
+
+TIMM_BLOCK = LayerForm(_timm_block, ("norm1", "norm2"), ("ls1", "ls2"), _is_timm_block)
+"""timm's ``Block`` (the blocks of ``VisionTransformer``)."""
+OPEN_CLIP_BLOCK = LayerForm(
+    _open_clip_block, ("ln_1", "ln_2"), ("ls_1", "ls_2"), _is_open_clip_block
+)
+"""open_clip's self-attention ``ResidualAttentionBlock``."""
+FRAMEWORK_FORMS = (TIMM_BLOCK, OPEN_CLIP_BLOCK)
+"""The forms found by the layer's class, where no family record declares one."""

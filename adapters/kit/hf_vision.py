@@ -249,7 +249,7 @@ class VisionTowerPlan(CapturePlan):
             *([RowMajorOutput(embeddings)] if embeddings is not None else []),
             *patch_matmul_for(embeddings, patch_matmul),
             *gelu_epilogues(mlps, fuse_gelu),
-            *fused_norms(self.layers(), fuse_norm),
+            *fused_norms(self.layers(), fuse_norm, self.spec.layer_form),
         ]
         """What is rewritten while wrapped, each a change made through the ledger: the
         embeddings' output made row-major (SigLIP's comes out column-major,

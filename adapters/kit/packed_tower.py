@@ -59,6 +59,7 @@ from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, trans
 
 if TYPE_CHECKING:
     from layergraph.bench.example_model import ExampleModel
+    from layergraph_adapters.kit.fused_norm import LayerForm
 
 __all__ = [
     "EXAMPLE_IMAGE_SIZE",
@@ -107,6 +108,10 @@ class PackedFamily:
     cls: type | None = field(default=None, compare=False)
     """The tower class itself, for one defined where :attr:`module` is not importable by name
     (a notebook, a test); ``None``: looked up by :attr:`module` and :attr:`name`."""
+    layer_form: LayerForm | None = field(default=None, compare=False)
+    """How the tower's layers compute, for ``fuse_norm``
+    (:class:`~layergraph_adapters.kit.fused_norm.LayerForm`); ``None``: ``fuse_norm`` does not
+    serve them."""
 
     def tower_class(self) -> type | None:
         """The tower class, if its modeling module is imported; never imports it."""

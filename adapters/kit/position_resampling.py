@@ -28,9 +28,6 @@ __all__ = ["ResampledPositions", "bicubic_rows", "resampled_positions_for"]
 _CUBIC_A = -0.75
 """The cubic convolution's coefficient that ``F.grid_sample`` uses."""
 
-_SERVED = ("Glm4vVisionEmbeddings", "Glm4vMoeVisionEmbeddings")
-"""Embedding modules whose forward resamples their table with ``grid_sample``."""
-
 
 def bicubic_rows(table: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``F.grid_sample(table as [1, width, side, side], grid of (x, y), mode="bicubic",
@@ -63,17 +60,19 @@ def _taps(coordinate: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def resampled_positions_for(
-    embeddings: nn.Module | None, setting: bool
+    embeddings: nn.Module | None, setting: bool, resamples: bool = True
 ) -> list[ResampledPositions]:
     """The :class:`ResampledPositions` for an adapter's ``positions_matmul`` option, or none
-    without it. Raises ``ValueError`` where ``embeddings`` (a tower's ``embeddings``, ``None``
-    for a tower without) is not a module it serves."""
+    without it. ``resamples``: whether the tower's family record says its ``embeddings``
+    resample their table with ``grid_sample`` (GLM-4.1V's and GLM-4.5V's). Raises
+    ``ValueError`` where they do not, or where ``embeddings`` (``None`` for a tower without)
+    is not a module it serves."""
     if not setting:
         return []
-    if embeddings is None:
+    if embeddings is None or not resamples:
         raise ValueError(
-            "positions_matmul resamples a learned position table (the GLM-4.1V and GLM-4.5V "
-            "towers'); this tower has no embeddings module"
+            "positions_matmul resamples a learned position table with grid_sample (the "
+            "GLM-4.1V and GLM-4.5V towers do); this tower does not"
         )
     return [ResampledPositions(embeddings)]
 
@@ -83,14 +82,14 @@ class ResampledPositions(InferenceForward):
     table resampled to each patch's place in its image) with :func:`bicubic_rows` while
     applied.
 
-    Raises ``ValueError`` for a module of another class, an interpolation other than bicubic,
-    or a table that is not square.
+    Raises ``ValueError`` for a module without a position table, an interpolation other than
+    bicubic, or a table that is not square.
     """
 
     def __init__(self, embeddings: nn.Module) -> None:
         name = type(embeddings).__name__
-        if name not in _SERVED:
-            raise ValueError(f"positions_matmul serves {', '.join(_SERVED)}; {name} is not one")
+        if not hasattr(embeddings, "position_embedding"):
+            raise ValueError(f"positions_matmul needs a position_embedding table; {name} has none")
         if getattr(embeddings, "interpolated_method", None) != "bicubic":
             raise ValueError(
                 f"positions_matmul computes bicubic resampling; {name} uses "

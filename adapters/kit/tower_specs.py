@@ -28,6 +28,7 @@ from layergraph import AdapterMismatch
 
 if TYPE_CHECKING:
     from layergraph.bench.example_model import ExampleModel
+    from layergraph_adapters.kit.fused_norm import LayerForm
     from layergraph_adapters.kit.fused_qkv import FusedQKV
     from layergraph_adapters.kit.hf_vision import VisionTowerPlan
 
@@ -132,6 +133,10 @@ class TowerSpec:
     """The attention forward ``fuse_qkv`` routes each layer's attention to (it takes q, k and v
     from one product); ``None``: the family's attention has no such forward, and ``fuse_qkv``
     is refused."""
+    layer_form: LayerForm | None = None
+    """How the family's layers compute, for ``fuse_norm``
+    (:class:`~layergraph_adapters.kit.fused_norm.LayerForm`); ``None``: ``fuse_norm`` does not
+    serve them."""
     casts_pixels: bool = False
     """Whether the tower casts the pixels it is given to its weights' dtype before using them,
     as most transformers patch embeddings do: float32 pixels from a processor then reach the
