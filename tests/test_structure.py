@@ -1,32 +1,83 @@
-"""The core's shape: no import circle (imports made only for type checking, and those inside
-functions, counted too) and no module over 600 lines."""
+"""The house's shape, checked from the source: no import circle in the core or the adapters
+(imports made only for type checking, and those inside functions, counted too), serving code
+that imports no tooling at run time, and each module within the line budget of its room."""
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 import layergraph
+import layergraph_adapters
 
-CORE = Path(layergraph.__file__).parent
-LONGEST = 600
+PACKAGES = {
+    "layergraph": Path(layergraph.__file__).parent,
+    "layergraph_adapters": Path(layergraph_adapters.__file__).parent,
+}
+
+TOOLING = (
+    "layergraph.bench",
+    "layergraph.cli",
+    "layergraph.demo",
+    "layergraph.testing",
+    "layergraph.reference",
+    "layergraph_adapters.example_models",
+)
+"""The tooling rooms: benchmarks, the command line, the demo, test and reference helpers, the
+example models. Serving code (everything else) never imports them at run time."""
+
+TYPE_ONLY_TOOLING = {"layergraph.bench.example_model"}
+"""Tooling modules serving code may name in type annotations only (imports under
+``TYPE_CHECKING``): the example model type, the return type of a hook the core declares."""
+
+DEPRECATED_BRIDGES = {
+    ("layergraph.adapter", "layergraph.bench.example_model"): "layergraph.ExampleModel, 0.3",
+    ("layergraph_adapters.kit.packed_tower", "layergraph.bench.example_model"): (
+        "PackedTowerAdapter.examples, 0.3"
+    ),
+    ("layergraph_adapters.kit.tower_specs", "layergraph.bench.example_model"): (
+        "TowerSpec.examples, 0.3"
+    ),
+}
+"""Run-time imports of tooling kept for a deprecated interface, with what and until when."""
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str
+    type_only: bool
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for path in CORE.rglob("*.py"):
-        parts = list(path.relative_to(CORE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The core modules ``name`` imports anywhere in its text."""
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    """The lines of the ``if TYPE_CHECKING:`` blocks of a module."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[Import]:
+    """The modules of either package that ``name`` imports anywhere in its text."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    type_only = _type_checking_lines(tree)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        targets = []
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - node.level + 1]
@@ -35,10 +86,11 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 target = node.module or ""
             for alias in node.names:
                 child = f"{target}.{alias.name}"
-                found.add(child if child in modules else target)
+                targets.append(child if child in modules else target)
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {target for target in found if target in modules and target != name}
+            targets = [alias.name for alias in node.names]
+        found.update(Import(target, node.lineno in type_only) for target in targets)
+    return {found for found in found if found.target in modules and found.target != name}
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -73,10 +125,15 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return circles
 
 
-def test_the_core_has_no_import_circle() -> None:
+def _graph() -> dict[str, set[Import]]:
     modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_core_and_the_adapters_have_no_import_circle() -> None:
+    graph = {name: {i.target for i in found} for name, found in _graph().items()}
     assert "layergraph.engine" in graph["layergraph.runner"]  # the reader finds imports
+    assert "layergraph_adapters.kit.hf_vision" in graph["layergraph_adapters.towers"]
     assert _circles(graph) == []
 
 
@@ -84,10 +141,36 @@ def test_a_circle_is_found() -> None:
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_core_module_is_over_600_lines() -> None:
-    long = {
-        str(path.relative_to(CORE.parent)): lines
-        for path in CORE.rglob("*.py")
-        if (lines := len(path.read_text().splitlines())) > LONGEST
-    }
+def _tooling(name: str) -> bool:
+    return any(name == room or name.startswith(room + ".") for room in TOOLING)
+
+
+def test_serving_code_imports_no_tooling_at_run_time() -> None:
+    found = {}
+    for name, imports in _graph().items():
+        if _tooling(name):
+            continue
+        for imported in imports:
+            if not _tooling(imported.target):
+                continue
+            if imported.type_only and imported.target in TYPE_ONLY_TOOLING:
+                continue
+            if (name, imported.target) not in DEPRECATED_BRIDGES:
+                found[name] = imported.target
+    assert found == {}
+
+
+LINE_BUDGETS = {"layergraph": 600, "layergraph_adapters.kit": 600}
+"""The most lines a module of each room may have: the core's and the kit's."""
+
+
+def test_every_module_is_within_the_line_budget_of_its_room() -> None:
+    long = {}
+    for name, path in _modules().items():
+        rooms = [room for room in LINE_BUDGETS if name == room or name.startswith(room + ".")]
+        if not rooms:
+            continue
+        budget = LINE_BUDGETS[max(rooms, key=len)]
+        if (lines := len(path.read_text().splitlines())) > budget:
+            long[name] = lines
     assert long == {}

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from layergraph.bench.example_model import ExampleModel
     from layergraph_adapters.kit.fused_norm import LayerForm
     from layergraph_adapters.kit.fused_qkv import FusedQKV
-    from layergraph_adapters.kit.hf_vision import VisionTowerPlan
 
 __all__ = [
     "TEXT_ONLY_ARGUMENTS",
@@ -150,7 +149,7 @@ class TowerSpec:
     """Where a larger model holds the tower (the model itself is tried first)."""
     inputs: Inputs = images
     """What a larger model calls the tower with, for example models and benchmarks."""
-    plan: type[VisionTowerPlan] | None = None
+    plan: type | None = None
     """The plan class of a family with quirks, a subclass of
     :class:`~layergraph_adapters.kit.hf_vision.VisionTowerPlan` in the family's own module;
     ``None``: the shared one."""
