@@ -47,6 +47,13 @@ class BatchedLane:
         """The model changed under the graphs: nothing of the lane's own outlives them (routes
         are chosen again with the cache's next generation)."""
 
+    def token_totals(self) -> tuple[tuple[int, int], ...]:
+        """Calls by token total: none, for batches."""
+        return ()
+
+    def start_from(self, totals: Sequence[tuple[int, int]], budgets: Sequence[int]) -> None:
+        """Learnt token budgets from another process: nothing to start, for batches."""
+
     def serve(self, call: CallInputs, fresh: bool) -> Any:
         """Serve one call from its bucket's graph; ``fresh`` forces cloned outputs."""
         if self.options.measured:

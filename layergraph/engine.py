@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -37,7 +37,12 @@ from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
 from .warn import warn
 
-__all__ = ["CaptureFailedWarning", "GraphEngine", "StaleOutputWarning"]
+__all__ = [
+    "CaptureFailedWarning",
+    "GraphEngine",
+    "Lane",
+    "StaleOutputWarning",
+]
 
 _MEASURED_RUNS = 3
 """Eager calls and replays timed at each capture; the fastest of each is kept."""
@@ -55,6 +60,38 @@ class StaleOutputWarning(UserWarning):
 class CaptureFailedWarning(UserWarning):
     """A shape's capture failed though its eager runs did not (an operator a CUDA stream capture
     refuses, a host read, a synchronisation): its calls run eagerly. Warned once per failure."""
+
+
+class Lane(Protocol):
+    """Which graph serves a call, over one :class:`GraphEngine`: batches
+    (:class:`~layergraph.batched_lane.BatchedLane`) or token budgets
+    (:class:`~layergraph.packed_lane.PackedLane`). Called under the engine's lock."""
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The learnt token budgets (none for batches, or while observing)."""
+        ...
+
+    def serve(self, call: Any, fresh: bool) -> Any:
+        """Serve ``call`` from a graph, or eagerly with the reason counted."""
+        ...
+
+    def capture(self, call: Any, sizes: Sequence[int] | None, progress: bool) -> list[ShapeKey]:
+        """Capture the graphs of ``sizes`` (batch sizes or token budgets) now from ``call``,
+        largest first; the keys held."""
+        ...
+
+    def forget(self) -> None:
+        """The model changed under the graphs: forget what the lane knew of it."""
+        ...
+
+    def token_totals(self) -> tuple[tuple[int, int], ...]:
+        """The calls learnt budgets were chosen from, by token total (for a warm start)."""
+        ...
+
+    def start_from(self, totals: Sequence[tuple[int, int]], budgets: Sequence[int]) -> None:
+        """Start learnt budgets from another process's (a warm start)."""
+        ...
 
 
 class GraphEngine:

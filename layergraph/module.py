@@ -397,8 +397,11 @@ class GraphedModule(nn.Module):
         """Capture graphs now for an example call, one per batch size, largest first.
 
         ``batch_sizes`` defaults to the wrapper's ``batch_sizes``. The example's rows are
-        repeated to fill each size; its other dimensions fix the sequence. Shows a progress bar
-        when rich is installed and ``progress`` is true. Returns the keys captured.
+        repeated to fill each size; its other dimensions fix the sequence. For a model that
+        packs images into token budgets the sizes are token budgets (default: those given to
+        ``wrap``, or learnt so far, or the one that holds the example), each captured from the
+        example's images that fit it. Shows a progress bar when rich is installed and
+        ``progress`` is true. Returns the keys captured.
         """
         self._check_wrapped()
         if self._plan.serves_forward:

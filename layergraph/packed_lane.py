@@ -19,9 +19,10 @@ from typing import Any
 
 from .budgets import OBSERVED_PER_BUDGET, BudgetPlanner
 from .engine import GraphEngine
-from .keys import BatchBuckets
+from .keys import BatchBuckets, ShapeKey
 from .packing import PackedCall, Packing
 from .policy import ROUTE_MARGIN, Costs
+from .progress import track
 
 __all__ = ["PackedLane", "check_budgets"]
 
@@ -202,6 +203,48 @@ class PackedLane:
             entry, _ = engine.capture(planned, example, measure=False)
             if entry is None:
                 return
+
+    def capture(
+        self, call: PackedCall, budgets: Sequence[int] | None, progress: bool
+    ) -> list[ShapeKey]:
+        """Capture the graphs of ``budgets`` now (default: the budgets given to ``wrap``, or
+        those learnt so far, or the smallest learnt budget that holds ``call``), largest
+        first, each from ``call`` or its first piece that fits (the images of ``call`` that
+        fit, :meth:`~layergraph.packing.Packing.split`), each measured against eager. A budget
+        none of whose pieces fit is left out; a graph measured slower than eager is not kept.
+        Returns the keys held. Called under the engine's lock.
+
+        Learnt budgets are still chosen from the traffic observed first: a graph of a budget
+        the plan then leaves out is dropped.
+        """
+        engine = self.engine
+        engine.plan.check_inputs(call)
+        planned = self._planner.budgets if self._planner is not None else ()
+        if budgets is None:
+            step = self.packing.budget_step
+            budgets = self.buckets.sizes or planned or (-(-call.size // step) * step,)
+        check_budgets(budgets, self.packing.budget_unit)
+        if len(set(budgets)) > engine.max_graphs:
+            raise RuntimeError(
+                f"cannot capture {len(set(budgets))} token budgets with max_graphs="
+                f"{engine.max_graphs}"
+            )
+        keys = []
+        for budget in track(
+            sorted(set(budgets), reverse=True), "capturing graphs", enabled=progress
+        ):
+            example = call if budget >= call.size else self.packing.split(call, budget)[0]
+            if example.size > budget or example.signature != call.signature:
+                continue
+            lookup = (budget, example.signature)
+            entry = engine.cache.get(lookup)
+            if entry is None:
+                entry, reason = engine.capture(budget, example)
+                if entry is None and engine.cache.failure(lookup) is not None:
+                    raise RuntimeError(f"cannot capture graphs: {reason}")
+            if entry is not None:
+                keys.append(entry.key)
+        return keys
 
     def _serve_split(self, call: PackedCall) -> Any:
         """A packed call above every budget, split by images into calls that fit, each served

@@ -17,10 +17,10 @@ from typing import Any
 from .adapter import CapturePlan
 from .batched_lane import BatchedLane
 from .budgets import PACKED_MAX_GRAPHS
-from .engine import CaptureFailedWarning, GraphEngine, StaleOutputWarning
+from .engine import CaptureFailedWarning, GraphEngine, Lane, StaleOutputWarning
 from .graphs import GraphBackend
 from .guards import HookFingerprint
-from .keys import CallInputs, ShapeKey, UnsupportedCall
+from .keys import ShapeKey, UnsupportedCall
 from .options import DEFAULT_BATCH_SIZES, DEFAULT_MAX_GRAPHS, RunnerOptions
 from .packed_lane import PackedLane
 from .policy import Costs
@@ -133,7 +133,7 @@ class GraphRunner:
             capture_contexts,
             eager_checks,
         )
-        self._lane: BatchedLane | PackedLane = (
+        self._lane: Lane = (
             PackedLane(self._engine, plan.packing) if packed else BatchedLane(self._engine)
         )
 
@@ -171,16 +171,16 @@ class GraphRunner:
 
         Every size in ``batch_sizes`` (default: the runner's buckets, or the example's batch
         with ``batch_sizes="auto"`` or ``None``) is captured from the example's rows, repeated
-        as needed. Capturing the largest first lets the smaller graphs reuse its pool memory.
-        Returns the keys of the graphs held: a graph measured slower than eager is not kept
+        as needed. For a packed plan the sizes are token budgets, each captured from the
+        example's images that fit it (:meth:`~layergraph.packed_lane.PackedLane.capture`).
+        Capturing the largest first lets the smaller graphs reuse its pool memory. Returns the
+        keys of the graphs held: a graph measured slower than eager is not kept
         (``stats.costs`` says by how much).
         """
-        if not isinstance(self._lane, BatchedLane):
-            raise RuntimeError(
-                "cannot capture graphs ahead of time for a packed plan: its token budgets are "
-                "captured when calls first need them"
-            )
-        call = CallInputs(args, kwargs)
+        try:
+            call = self._engine.packing.pack(args, kwargs)
+        except UnsupportedCall as unsupported:
+            raise RuntimeError(f"cannot capture graphs: {unsupported}") from None
         reason = self._engine.gate.reason(call)
         if reason is not None:
             raise RuntimeError(f"cannot capture graphs: {reason}")
@@ -203,8 +203,6 @@ class GraphRunner:
     def token_totals(self) -> tuple[tuple[int, int], ...]:
         """A packed plan's calls by token total, which its learnt budgets were chosen from, for
         a warm start; empty for batched plans and given budgets."""
-        if not isinstance(self._lane, PackedLane):
-            return ()
         with self._engine.lock:
             return self._lane.token_totals()
 
@@ -224,7 +222,7 @@ class GraphRunner:
             for lookup, costs in measured:
                 if cache.costs(lookup) is None:
                     cache.measured(lookup, costs)
-            if token_totals and isinstance(self._lane, PackedLane):
+            if token_totals:
                 self._lane.start_from(token_totals, token_budgets)
 
     def accept_current_hooks(self) -> None:

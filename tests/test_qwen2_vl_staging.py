@@ -20,7 +20,7 @@ from layergraph.staging import Staging
 from layergraph.testing import SimulatedGraphs
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_adapter import check
+from test_qwen2_vl_adapter import call, check
 from test_qwen2_vl_streams import model
 
 EQUAL_TOTALS = ([(1, 4, 6), (2, 2, 2), (1, 8, 8)], [(1, 8, 8), (1, 6, 4), (2, 2, 2)])
@@ -152,5 +152,32 @@ def test_the_pixels_past_a_call_are_zeros_after_a_larger_call_and_written_once()
             pixels = info.buffers.pixels
             assert pixels[:tokens].abs().sum() > 0 and not pixels[tokens:].any(), grids
         assert graphed.stats.replays == 4 and graphed.stats.eager_total == 0
+    finally:
+        graphed.unwrap()
+
+
+def test_token_budgets_are_captured_ahead_from_an_example_and_then_only_replayed() -> None:
+    """``graphed.capture`` on a packed tower: each budget captured from the example's images
+    that fit it, largest first; later calls of those budgets replay without capturing."""
+    tower = model("qwen2_5_vl")
+    graphed = layergraph.wrap(
+        tower, adapter="qwen2_vl", backend=SimulatedGraphs(), batch_sizes=[32, 128]
+    )
+    try:
+        pixels, grid = call([(1, 8, 8), (1, 4, 6)])  # 88 tokens, the first image 64
+        with torch.inference_mode():
+            keys = graphed.capture(pixels, grid_thw=grid, progress=False)
+            assert [key.batch for key in keys] == [128]  # its first image does not fit 32
+            first, second = call([(1, 4, 6), (1, 8, 8)])
+            keys = graphed.capture(first, grid_thw=second, progress=False)
+        assert [key.batch for key in keys] == [128, 32]  # its first image (24 tokens) fits 32
+        before = graphed.stats
+        for grids in ([(1, 4, 6)], [(1, 8, 8), (1, 2, 2)], [(1, 2, 4)]):
+            check(graphed, tower, grids)
+        stats = graphed.stats
+        assert stats.captures == before.captures == 2 and stats.eager_total == 0
+        assert stats.replays == before.replays + 3
+        with pytest.raises(ValueError, match="not multiples of 4"), torch.inference_mode():
+            graphed.capture(pixels, grid_thw=grid, batch_sizes=[30], progress=False)
     finally:
         graphed.unwrap()
