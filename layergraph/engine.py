@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -152,23 +152,32 @@ class GraphEngine:
         all that was known of every key, is forgotten (the lanes forget theirs)."""
         if not self._watch.changed():
             return False
-        self.forget_everything()
+        self.forget("model")
         self.gate.refresh()
         return True
 
-    def forget_everything(self) -> None:
-        """The model changed under the graphs (parameters moved, hooks accepted): drop every
-        graph, sightings and failures, counting an invalidation if any graph was held."""
-        if len(self.cache):
+    def forget(self, scope: Literal["graphs", "knowledge", "model"]) -> None:
+        """The one way to forget. ``"graphs"``: drop every graph and the pool (the next capture
+        starts a new pool), keeping what is known of each key (sightings, costs, failures).
+        ``"knowledge"``: that too (``GraphedModule.release()``). ``"model"``: the model changed
+        under the graphs (parameters moved, hooks accepted): that too, and which signatures
+        were warmed up, an invalidation counted if any graph was held (the lane forgets its
+        own, :meth:`Lane.forget`)."""
+        if scope == "model" and len(self.cache):
             self.stats.invalidations += 1
-        self.cache.clear()
-        self._warmed.clear()
+        if scope == "graphs":
+            self.cache.drop_graphs()
+        else:
+            self.cache.clear()
+        if scope == "model":
+            self._warmed.clear()
         self.pool = None
 
-    def drop_graphs(self) -> None:
-        """Drop every graph and the pool; the next capture starts a new pool."""
-        self.cache.drop_graphs()
-        self.pool = None
+    def keep_budgets(self, budgets: Sequence[int]) -> None:
+        """Drop the graphs of budgets not in ``budgets`` (a new plan of learnt budgets); the
+        pool goes with the last graph."""
+        if self.cache.keep_buckets(budgets) and not len(self.cache):
+            self.pool = None
 
     # ---- eager calls --------------------------------------------------------------------------
 
@@ -302,7 +311,7 @@ class GraphEngine:
         """Drop every graph and the pool after ``key``'s capture ran out of memory, and record
         the failure; return the reason its calls run eagerly."""
         reason = f"capture of {key} ran out of device memory"
-        self.drop_graphs()
+        self.forget("graphs")
         self.backend.release_memory()
         self.cache.fail(lookup, reason)
         self.stats.failed_captures += 1

@@ -151,9 +151,9 @@ class PackedLane:
             engine.stats.replans += 1
             if self._planner.pools != self._pools_planned:
                 self._pools_planned = self._planner.pools
-                engine.drop_graphs()
-            elif engine.cache.keep_buckets(self._planner.budgets) and not len(engine.cache):
-                engine.pool = None
+                engine.forget("graphs")
+            else:
+                engine.keep_budgets(self._planner.budgets)
         return budget
 
     def _observe_eagerly(self, call: PackedCall) -> Any:

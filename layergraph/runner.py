@@ -236,7 +236,7 @@ class GraphRunner:
         """
         with self._engine.lock:
             if self._engine.hooks.accept():
-                self._engine.forget_everything()
+                self._engine.forget("model")
                 self._lane.forget()
 
     @property
@@ -279,6 +279,5 @@ class GraphRunner:
         """Drop every graph and the pool; the next call captures afresh, with the forward hooks
         the model has then (they become the baseline: no graph holds the older ones)."""
         with self._engine.lock:
-            self._engine.cache.clear()
-            self._engine.pool = None
+            self._engine.forget("knowledge")
             self._engine.hooks.accept()
