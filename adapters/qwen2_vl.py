@@ -417,16 +417,7 @@ class Qwen2VLPlan(PackedTowerPlan):
             raise UnsupportedCall("the tower needs hidden_states and grid_thw as tensors")
         if len(args) > 2:
             raise UnsupportedCall("arguments past grid_thw were passed by position")
-        given = sorted(set(fixed) & set(_PRECOMPUTED))
-        if given:
-            raise UnsupportedCall(f"precomputed {', '.join(given)} were given")
-        if any(isinstance(value, torch.Tensor) for value in fixed.values()):
-            raise UnsupportedCall("a tensor argument besides hidden_states and grid_thw")
-        frozen = tuple(sorted(fixed.items()))
-        try:
-            hash(frozen)
-        except TypeError:
-            raise UnsupportedCall("an argument that is not hashable") from None
+        frozen = _frozen_arguments(fixed) if fixed else ()
         if pixels.dim() != 2 or grid.dim() != 2 or grid.shape[1] != 3:
             raise UnsupportedCall(
                 f"input hidden_states {tuple(pixels.shape)} and grid_thw {tuple(grid.shape)} "
@@ -760,6 +751,23 @@ class Qwen2VLAdapter(PackedTowerAdapter):
         self.fuse_gelu = fuse_gelu
         self.fuse_rotary = fuse_rotary
         self.fuse_gate = fuse_gate
+
+
+def _frozen_arguments(fixed: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A call's arguments besides the pixels and the grid, as part of its signature; raises
+    :class:`~layergraph.keys.UnsupportedCall` for a precomputed argument, a tensor or a value
+    that is not hashable."""
+    given = sorted(set(fixed) & set(_PRECOMPUTED))
+    if given:
+        raise UnsupportedCall(f"precomputed {', '.join(given)} were given")
+    if any(isinstance(value, torch.Tensor) for value in fixed.values()):
+        raise UnsupportedCall("a tensor argument besides hidden_states and grid_thw")
+    frozen = tuple(sorted(fixed.items()))
+    try:
+        hash(frozen)
+    except TypeError:
+        raise UnsupportedCall("an argument that is not hashable") from None
+    return frozen
 
 
 def _described(backend: AttentionBackend) -> str:
