@@ -174,3 +174,59 @@ def test_every_module_is_within_the_line_budget_of_its_room() -> None:
         if (lines := len(path.read_text().splitlines())) > budget:
             long[name] = lines
     assert long == {}
+
+
+PRIVATE_USES = {
+    ("test_budgets.py", "budgets._fill_level"): "the planner's fill rule, checked alone",
+    ("test_capture_lanes.py", "capture_lanes._free_lanes"): "an empty free list per test",
+    ("test_cli.py", "cli._console"): "the console width the CLI picks for a pipe",
+    ("test_cuda_cudnn_ragged.py", "backend._graphs"): "one cuDNN graph per room",
+    ("test_cudnn_ragged.py", "backend._frontend"): "skips where cuDNN's frontend is absent",
+    ("test_cudnn_ragged.py", "backend._offsets"): "the ragged offsets, against a hand count",
+    ("test_cudnn_ragged.py", "cudnn_ragged._heads_contiguous"): "no copy of a contiguous q",
+    ("test_hooks.py", "graphed._runner"): "the runner's hook baseline",
+    ("test_faithful_replay.py", "recorder.tape()._steps"): "the operators a capture records",
+    ("test_ledger.py", "module._undo_quietly"): "the collected wrapper's undo, called directly",
+    ("test_policy.py", "graphed._plan"): "a plan made batch-dependent after wrapping",
+    ("test_qwen2_vl_dense_attention.py", "graphed.plan._backends"): "backends offered to auto",
+    ("test_qwen2_vl_eager.py", "qwen2_vl._grid_beside_pixels"): "an eager call's grid moved",
+    ("test_qwen2_vl_eager.py", "qwen2_vl.Qwen2VLPlan._compute_host_call"): (
+        "counts metadata computations"
+    ),
+    ("test_qwen2_vl_staging.py", "plan._compute_host_call"): "counts metadata computations",
+    ("test_qwen2_vl_staging.py", "entry.buffers.staging._hosts"): "the host buffers pinned",
+    ("test_siglip_clip_adapters.py", "feature_outputs._Rest"): "counts whole-tower runs",
+}
+"""The tests that read or patch a private name of layergraph's code, each with why: anything
+else a test needs is public API, or the API lacks it."""
+
+
+def _private_names() -> set[str]:
+    """The private names layergraph's and its adapters' code defines: functions, classes,
+    module-level names and attributes set on ``self``."""
+    names = set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+                    elif isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
+                        names.add(target.attr)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_tests_touch_private_names_only_where_listed() -> None:
+    private = _private_names()
+    tests = Path(__file__).parent
+    found = set()
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                owner = ast.unparse(node.value)
+                if owner not in ("self", "cls", "torch", "super()"):
+                    found.add((path.name, f"{owner}.{node.attr}"))
+    assert found == set(PRIVATE_USES)
