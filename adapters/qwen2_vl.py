@@ -81,6 +81,7 @@ from layergraph_adapters.kit.packed_tower import (
     PackedTowerPlan,
     copy_boundaries,
     image_slots,
+    pad_boundaries,
     workspace,
 )
 from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
@@ -597,12 +598,12 @@ class Qwen2VLPlan(PackedTowerPlan):
         fields = staging.host()
         fields["position_ids"][:tokens] = host.position_ids
         fields["position_ids"][tokens:] = 0
-        _pad_boundaries(fields["cu_seqlens"], host.cu_seqlens, tokens)
+        pad_boundaries(fields["cu_seqlens"], host.cu_seqlens)
         window = buffers.window
         if window is not None:
             fields["window_index"][:merged] = host.window_index
             fields["window_index"][merged:] = window.tail[merged:]
-            _pad_boundaries(fields["cu_window_seqlens"], host.cu_window_seqlens, tokens)
+            pad_boundaries(fields["cu_window_seqlens"], host.cu_window_seqlens)
         if buffers.interp_indices is not None:
             for name in ("interp_indices", "interp_weights"):
                 fields[name][:tokens] = getattr(host, name)
@@ -775,13 +776,6 @@ def _described(backend: AttentionBackend) -> str:
     if backend.implementation == backend.name:
         return backend.name
     return f"{backend.name} ({backend.implementation})"
-
-
-def _pad_boundaries(field: torch.Tensor, offsets: torch.Tensor, tokens: int) -> None:
-    """Write a call's boundaries into a host ``field`` of the budget's slots: the sequences
-    past the real ones are empty (they start and end at the last real token)."""
-    field[: offsets.numel()] = offsets
-    field[offsets.numel() :] = tokens
 
 
 @hookimpl

@@ -71,6 +71,7 @@ __all__ = [
     "find_packed_tower",
     "host_boundaries",
     "image_slots",
+    "pad_boundaries",
     "read_inputs",
     "workspace",
 ]
@@ -564,11 +565,18 @@ def image_slots(images: int, minimum: int = MIN_IMAGE_SLOTS) -> int:
 
 def host_boundaries(counts: Sequence[int], slots: int) -> torch.Tensor:
     """The ``cu_seqlens`` of sequences of ``counts`` tokens in ``slots`` slots, on the host
-    (int32): the slots past them empty, at the last real token."""
+    (int32): the slots past them empty, at the last real token (:func:`pad_boundaries`)."""
     offsets = torch.zeros(slots + 1, dtype=torch.int32)
-    offsets[1 : len(counts) + 1] = torch.tensor(list(counts), dtype=torch.int32).cumsum(0)
-    offsets[len(counts) + 1 :] = offsets[len(counts)]
+    ends = torch.tensor(list(counts), dtype=torch.int32).cumsum(0)
+    pad_boundaries(offsets, torch.cat([offsets[:1], ends]))
     return offsets
+
+
+def pad_boundaries(field: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Write a call's boundaries ``offsets`` (from 0) into ``field``, a budget's slots and one:
+    the sequences past the real ones are empty, starting and ending at the last real token."""
+    field[: offsets.numel()] = offsets
+    field[offsets.numel() :] = offsets[-1]
 
 
 def copy_boundaries(metadata: AttentionMetadata, boundaries: torch.Tensor) -> None:
