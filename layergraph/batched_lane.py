@@ -99,7 +99,7 @@ class BatchedLane:
         costs = engine.cache.costs(lookup)
         if costs is None:
             output, eager_ms = engine.time_eagerly(reason, call)
-            engine.cache.measured(lookup, Costs(eager_ms))
+            engine.cache.record_costs(lookup, Costs(eager_ms))
             return output
         if route.cost_ms >= costs.eager_ms * ROUTE_MARGIN:
             reason = f"{reason}; the graphs held ({route}) were not measured faster than eager"

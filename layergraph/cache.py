@@ -163,13 +163,13 @@ class GraphCache:
         """Calls counted of ``lookup`` without a graph (as halved)."""
         return self._sightings.get(lookup, 0)
 
-    def settle(self, lookup: Hashable, costs: Costs) -> GraphEntry | None:
+    def keep_if_it_pays(self, lookup: Hashable, costs: Costs) -> GraphEntry | None:
         """Give the graph of ``lookup``, stored unmeasured, its ``costs``: return the entry
         that holds them if the graph pays, else drop it (the costs kept) and return ``None``."""
         entry = self._graphs[lookup]
         if not costs.graph_pays:
             self.remove(lookup)
-            self.measured(lookup, costs)
+            self.record_costs(lookup, costs)
             return None
         settled = replace(entry, costs=costs)
         self._graphs[lookup] = settled
@@ -183,7 +183,7 @@ class GraphCache:
             return entry.costs
         return self._costs.get(lookup)
 
-    def measured(self, lookup: Hashable, costs: Costs) -> None:
+    def record_costs(self, lookup: Hashable, costs: Costs) -> None:
         """Record ``costs`` of ``lookup``, which has no graph."""
         self._costs.pop(lookup, None)
         self._costs[lookup] = costs
@@ -210,7 +210,7 @@ class GraphCache:
 
     def _keep_costs(self, lookup: Hashable, entry: GraphEntry) -> None:
         if entry.costs is not None:
-            self.measured(lookup, entry.costs)
+            self.record_costs(lookup, entry.costs)
 
     def _victim(self) -> Hashable | None:
         """The graph a new one would displace when ``max_graphs`` are held, else ``None``."""

@@ -301,7 +301,7 @@ class GraphEngine:
         started = time.perf_counter()
         costs = self._measure(entry.graph, entry.buffers, entry.output_leaves, call, entry.key)
         self.stats.capture_seconds += time.perf_counter() - started
-        kept = self.cache.settle(lookup, costs)
+        kept = self.cache.keep_if_it_pays(lookup, costs)
         if kept is not None:
             return kept, ""
         self.stats.slower_graphs += 1
@@ -382,7 +382,7 @@ class GraphEngine:
         self.stats.capture_seconds += time.perf_counter() - started
         if costs is not None and not costs.graph_pays:
             self.stats.slower_graphs += 1
-            self.cache.measured(lookup, costs)
+            self.cache.record_costs(lookup, costs)
             return None
         entry = GraphEntry(
             key=key,

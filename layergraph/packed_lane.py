@@ -123,7 +123,7 @@ class PackedLane:
         costs = engine.cache.costs(lookup)
         if costs is None:
             output, eager_ms = engine.time_eagerly(reason, call)
-            engine.cache.measured(lookup, Costs(eager_ms))
+            engine.cache.record_costs(lookup, Costs(eager_ms))
             return output
         cheapest = min(held, key=lambda entry: entry.costs.graph_ms)
         if cheapest.costs.graph_ms >= costs.eager_ms * ROUTE_MARGIN:

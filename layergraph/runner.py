@@ -221,7 +221,7 @@ class GraphRunner:
         with self._engine.lock:
             for lookup, costs in measured:
                 if cache.costs(lookup) is None:
-                    cache.measured(lookup, costs)
+                    cache.record_costs(lookup, costs)
             if token_totals:
                 self._lane.start_from(token_totals, token_budgets)
 
