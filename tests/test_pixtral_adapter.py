@@ -25,6 +25,7 @@ from layergraph import AdapterMismatch
 from layergraph.staging import Staging
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
+from layergraph_adapters.kit.feature_outputs import ON_DEMAND_REASON
 from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, UNCHECKED_VARIABLE
 
 transformers = pytest.importorskip("transformers")
@@ -487,7 +488,8 @@ def test_a_vlms_graph_keeps_the_hidden_states_it_reads_and_computes_others_on_de
         for have, expected in zip(out.hidden_states, want.hidden_states):
             assert relative_error(have, expected) <= TOLERANCE
         assert len(reruns) == (0 if SELECTS_BY_INDEX else 1)
-    assert graphed.stats.eager_total == 0
+    # The forward run for the hidden states the graph left out is counted (transformers 5.17).
+    assert graphed.stats.eager_calls == ({ON_DEMAND_REASON: 1} if reruns else {})
 
 
 @pytest.mark.usefixtures("registry")

@@ -177,6 +177,23 @@ def test_feature_layer_graph_stops_early_and_matches_hidden_states() -> None:
     assert "stop after layer 2 of 3" in reason
 
 
+def test_a_field_read_after_the_inference_block_is_computed_as_in_it() -> None:
+    """A field the feature graph left out, read after the caller's ``inference_mode()`` block
+    ended, runs the tower as the call would have: in inference mode, gradients off."""
+    model = built(transformers.CLIPVisionModel, clip_config())
+    x = images(2)
+    with torch.inference_mode():
+        whole = model(pixel_values=x)
+        graphed = layergraph.wrap(
+            model, adapter="clip", feature_layers=-2, backend=SimulatedGraphs()
+        )
+        got = graphed(pixel_values=x, output_hidden_states=True)
+    last = got.last_hidden_state  # computed now, outside the block
+    assert last.is_inference() and not last.requires_grad
+    torch.testing.assert_close(last, whole.last_hidden_state)
+    assert graphed.stats.eager_calls[ON_DEMAND_REASON] == 1
+
+
 def test_a_feature_graph_first_leaves_the_whole_towers_hidden_states_whole() -> None:
     """transformers installs its hidden-state hooks on the first call that asks for hidden
     states, on the layers present then. That first call being the feature graph's, with the

@@ -111,6 +111,10 @@ class _Later:
         count: Callable[[str, int | None], None],
     ) -> None:
         self._forward, self._args, self._kwargs, self._count = forward, args, kwargs, count
+        self._inference = torch.is_inference_mode_enabled()
+        self._grad = torch.is_grad_enabled()
+        """The call's modes, which the run keeps whenever it happens (a field read after
+        the caller's ``torch.inference_mode()`` block ended)."""
 
     def __call__(self) -> Any:
         tensors = [
@@ -119,7 +123,8 @@ class _Later:
             if isinstance(leaf, torch.Tensor)
         ]
         self._count(ON_DEMAND_REASON, len(tensors[0]) if tensors and tensors[0].dim() else None)
-        return self._forward(*self._args, **self._kwargs)
+        with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):
+            return self._forward(*self._args, **self._kwargs)
 
     def fields(self) -> tuple[str, ...] | None:
         """The keys of the forward's output, from a run on fake tensors (shapes only); ``None``
