@@ -19,7 +19,7 @@ import torch
 
 from .engine import GraphEngine
 from .keys import BatchBuckets, CallInputs, ShapeKey
-from .policy import ROUTE_MARGIN, Costs, Route, cheapest_route
+from .policy import Route, cheapest_route
 from .progress import track
 from .rows import NotPerRow, concatenate
 
@@ -95,15 +95,10 @@ class BatchedLane:
         route = self._held_route(call)
         if route is None:
             return self._eager(reason, call)
-        lookup = (call.batch, call.signature)
-        costs = engine.cache.costs(lookup)
-        if costs is None:
-            output, eager_ms = engine.time_eagerly(reason, call)
-            engine.cache.record_costs(lookup, Costs(eager_ms))
+        other = f"the graphs held ({route})"
+        pays, output = engine.other_way_pays(call, call.batch, reason, route.cost_ms, other)
+        if not pays:
             return output
-        if route.cost_ms >= costs.eager_ms * ROUTE_MARGIN:
-            reason = f"{reason}; the graphs held ({route}) were not measured faster than eager"
-            return self._eager(reason, call)
         if len(route.pieces) == 1:
             entry = engine.cache.get((route.pieces[0], call.signature))
             return engine.replay(entry, call, fresh, count=True)

@@ -31,7 +31,7 @@ from .guards import HookFingerprint, HookWatch, ParameterWatch, addresses
 from .keys import ShapeKey
 from .options import RunnerOptions
 from .packing import Call, Packing, buffer_tensors
-from .policy import Costs
+from .policy import ROUTE_MARGIN, Costs
 from .rebuild import Rebuilds
 from .stats import GraphStats
 from .validation import GraphMismatchError, compare_outputs
@@ -234,6 +234,27 @@ class GraphEngine:
         args, kwargs = call.arguments()
         with self.hooks.adopting():
             return self.backend.time_eager(lambda: self.plan.region(*args, **kwargs), call.size)
+
+    def other_way_pays(
+        self, call: Call, size: int, reason: str, other_ms: float, other: str
+    ) -> tuple[bool, Any]:
+        """Whether ``call``, which no graph of its own key (``size``, its signature) serves
+        (``reason``), is to go ``other``'s way (graphs held for its signature, measured at
+        ``other_ms``): ``(True, None)`` where that was measured faster than eager by
+        :data:`~layergraph.policy.ROUTE_MARGIN`. Otherwise ``(False, output)``, the call served
+        eagerly: timed on its key's first eager call (the eager time recorded), else counted
+        with ``reason`` and why ``other`` was not taken. The measured fallback of both lanes."""
+        lookup = (size, call.signature)
+        costs = self.cache.costs(lookup)
+        if costs is None:
+            output, eager_ms = self.time_eagerly(reason, call)
+            self.cache.record_costs(lookup, Costs(eager_ms))
+            return False, output
+        if other_ms >= costs.eager_ms * ROUTE_MARGIN:
+            reason = f"{reason}; {other} were not measured faster than eager"
+            args, kwargs = call.arguments()
+            return False, self.run_eagerly(reason, args, kwargs, size=call.size)
+        return True, None
 
     # ---- the entry of one budget --------------------------------------------------------------
 

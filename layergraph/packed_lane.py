@@ -21,7 +21,6 @@ from .budgets import OBSERVED_PER_BUDGET, BudgetPlanner
 from .engine import GraphEngine
 from .keys import BatchBuckets, ShapeKey
 from .packing import PackedCall, Packing
-from .policy import ROUTE_MARGIN, Costs
 from .progress import track
 
 __all__ = ["PackedLane", "check_budgets"]
@@ -119,19 +118,11 @@ class PackedLane:
         ]
         if not held:
             return self._eager(reason, call)
-        lookup = (budget, call.signature)
-        costs = engine.cache.costs(lookup)
-        if costs is None:
-            output, eager_ms = engine.time_eagerly(reason, call)
-            engine.cache.record_costs(lookup, Costs(eager_ms))
-            return output
         cheapest = min(held, key=lambda entry: entry.costs.graph_ms)
-        if cheapest.costs.graph_ms >= costs.eager_ms * ROUTE_MARGIN:
-            reason = (
-                f"{reason}; the larger budgets held ({cheapest.key.batch} tokens) were not "
-                f"measured faster than eager"
-            )
-            return self._eager(reason, call)
+        other = f"the larger budgets held ({cheapest.key.batch} tokens)"
+        pays, output = engine.other_way_pays(call, budget, reason, cheapest.costs.graph_ms, other)
+        if not pays:
+            return output
         entry = engine.cache.get((cheapest.key.batch, call.signature))
         return engine.replay(entry, call, fresh, count=True)
 
