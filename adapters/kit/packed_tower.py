@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,8 +78,7 @@ __all__ = [
 ]
 
 EXAMPLE_IMAGE_SIZE = 448
-"""The side, in pixels, of the square images an example tower's inputs hold unless asked for
-others."""
+"""Deprecated (goes in 0.3): ``layergraph_adapters.example_models.packed.EXAMPLE_IMAGE_SIZE``."""
 
 MIN_IMAGE_SLOTS = 8
 """Images (or frames) a graph holds at least; more round up to a power of two. Part of a
@@ -567,8 +567,7 @@ def host_boundaries(counts: Sequence[int], slots: int) -> torch.Tensor:
     """The ``cu_seqlens`` of sequences of ``counts`` tokens in ``slots`` slots, on the host
     (int32): the slots past them empty, at the last real token (:func:`pad_boundaries`)."""
     offsets = torch.zeros(slots + 1, dtype=torch.int32)
-    ends = torch.tensor(list(counts), dtype=torch.int32).cumsum(0)
-    pad_boundaries(offsets, torch.cat([offsets[:1], ends]))
+    pad_boundaries(offsets, torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32))
     return offsets
 
 
