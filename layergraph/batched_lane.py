@@ -171,17 +171,7 @@ class BatchedLane:
         for size in track(sizes, "capturing graphs", enabled=progress):
             rows = torch.arange(size, device=call.tensors[0].device) % call.batch
             example = CallInputs(*call.rebuild([t[rows] for t in call.tensors]))
-            lookup = (size, example.signature)
-            entry = engine.cache.get(lookup)
-            if entry is None:
-                if len(sizes) > engine.max_graphs:
-                    raise RuntimeError(
-                        f"cannot capture {len(sizes)} batch sizes with max_graphs="
-                        f"{engine.max_graphs}"
-                    )
-                entry, reason = engine.capture(size, example)
-                if entry is None and engine.cache.failure(lookup) is not None:
-                    raise RuntimeError(f"cannot capture graphs: {reason}")
+            entry = engine.capture_ahead(size, example, len(sizes))
             if entry is not None:
                 keys.append(entry.key)
         return keys

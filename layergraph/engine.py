@@ -315,6 +315,22 @@ class GraphEngine:
             raise cause
         return None, self._capture_failed(key, lookup, failed)
 
+    def capture_ahead(self, budget: int, call: Call, sizes: int) -> GraphEntry | None:
+        """The graph of ``budget`` for calls like ``call``, held or captured now (measured),
+        for a capture ahead of ``sizes`` sizes in all; ``None`` where it was measured slower
+        than eager. Raises ``RuntimeError`` where ``sizes`` do not fit ``max_graphs`` or the
+        capture failed."""
+        lookup = (budget, call.signature)
+        entry = self.cache.get(lookup)
+        if entry is not None:
+            return entry
+        if sizes > self.max_graphs:
+            raise RuntimeError(f"cannot capture {sizes} sizes with max_graphs={self.max_graphs}")
+        entry, reason = self.capture(budget, call)
+        if entry is None and self.cache.failure(lookup) is not None:
+            raise RuntimeError(f"cannot capture graphs: {reason}")
+        return entry
+
     def settle(self, entry: GraphEntry, call: Call) -> tuple[GraphEntry | None, str]:
         """Measure a graph captured unmeasured on ``call``, the first it serves; keep it if it
         pays, else drop it (its costs kept)."""

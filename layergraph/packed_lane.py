@@ -215,24 +215,13 @@ class PackedLane:
             step = self.packing.budget_step
             budgets = self.buckets.sizes or planned or (-(-call.size // step) * step,)
         check_budgets(budgets, self.packing.budget_unit)
-        if len(set(budgets)) > engine.max_graphs:
-            raise RuntimeError(
-                f"cannot capture {len(set(budgets))} token budgets with max_graphs="
-                f"{engine.max_graphs}"
-            )
+        largest_first = sorted(set(budgets), reverse=True)
         keys = []
-        for budget in track(
-            sorted(set(budgets), reverse=True), "capturing graphs", enabled=progress
-        ):
+        for budget in track(largest_first, "capturing graphs", enabled=progress):
             example = call if budget >= call.size else self.packing.split(call, budget)[0]
             if example.size > budget or example.signature != call.signature:
                 continue
-            lookup = (budget, example.signature)
-            entry = engine.cache.get(lookup)
-            if entry is None:
-                entry, reason = engine.capture(budget, example)
-                if entry is None and engine.cache.failure(lookup) is not None:
-                    raise RuntimeError(f"cannot capture graphs: {reason}")
+            entry = engine.capture_ahead(budget, example, len(largest_first))
             if entry is not None:
                 keys.append(entry.key)
         return keys
