@@ -37,7 +37,7 @@ from layergraph.attention import (
     choose_backend,
 )
 from layergraph.keys import CallInputs
-from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import SCALED_LAYER
 from layergraph_adapters.kit.fused_qkv import FusedQKV
 from layergraph_adapters.kit.hf_vision import VisionTowerAdapter, VisionTowerPlan, pixels_of
@@ -154,7 +154,7 @@ class InternViTPlan(VisionTowerPlan):
         attention: str,
         context: PlanContext,
         feature_layers: int | list[int] | None = None,
-        **rewrites: Any,
+        choices: SpeedChoices,
     ) -> None:
         config = tower.config
         heads = getattr(config, "num_attention_heads", None)
@@ -167,7 +167,7 @@ class InternViTPlan(VisionTowerPlan):
             raise AdapterMismatch(
                 f"hidden_size {config.hidden_size} is not a multiple of {heads} heads"
             )
-        super().__init__(tower, spec, feature_layers=feature_layers, **rewrites)
+        super().__init__(tower, spec, feature_layers=feature_layers, choices=choices)
         names = (*context.registry.attention_backend_names(), "auto")
         if attention not in names:
             raise ValueError(f"attention={attention!r}: choose one of {', '.join(names)}")

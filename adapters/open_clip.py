@@ -37,7 +37,7 @@ from layergraph import (
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
-from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
@@ -143,12 +143,10 @@ class _TowerChecks:
             )
 
 
-def _rewrites(
-    tower: nn.Module, *, patch_matmul: bool, fuse_gelu: bool | str, fuse_norm: bool
-) -> list[Change]:
-    """The speed options' rewrites of ``tower``'s patch embedding and blocks; ``ValueError``
-    where one does not fit (a timm trunk that is not a ViT, an MLP whose activation is not a
-    GELU)."""
+def _rewrites(tower: nn.Module, choices: SpeedChoices) -> list[Change]:
+    """The speed options' rewrites of ``tower``'s patch embedding and blocks; an option asked
+    for where it does not fit (a timm trunk that is not a ViT, an MLP whose activation is not a
+    GELU) is refused with a ``ValueError``."""
     trunk = getattr(tower, "trunk", None)
     if trunk is None:
         embedding, blocks, layout = tower.conv1, list(tower.transformer.resblocks), []
@@ -156,28 +154,31 @@ def _rewrites(
         blocks = list(getattr(trunk, "blocks", []))
         embedding = getattr(trunk, "patch_embed", None)
         if not blocks or embedding is None:
-            if patch_matmul or fuse_gelu or fuse_norm:
+
+            def refuse(setting: object) -> list[Change]:
                 raise ValueError(
                     f"the speed options rewrite a ViT's patch embedding and blocks; this tower's "
                     f"{type(trunk).__name__} trunk has none"
                 )
+
+            for name in ("patch_matmul", "fuse_norm", "fuse_gelu"):
+                choices.take(name, refuse, [])
             return []
         prefix = getattr(trunk, "num_prefix_tokens", 1)
         layout = [RowMajorOutput(embedding)] if prefix == 0 and hasattr(embedding, "proj") else []
-    return [
-        *layout,
-        *patch_matmul_for(embedding, patch_matmul),
-        *gelu_epilogues([block.mlp for block in blocks], fuse_gelu),
-        *fused_norms(blocks, fuse_norm),
-    ]
+    mlps = [block.mlp for block in blocks]
+    patch = choices.take("patch_matmul", lambda on: patch_matmul_for(embedding, on), [])
+    norms = choices.take("fuse_norm", lambda on: fused_norms(blocks, on), [])
+    gelus = choices.take("fuse_gelu", lambda setting: gelu_epilogues(mlps, setting), [])
+    return [*layout, *patch, *gelus, *norms]
 
 
 class _TowerPlan(_TowerChecks, WholeForward):
     """An open_clip image tower wrapped alone: its whole forward is the region."""
 
-    def __init__(self, tower: nn.Module, **options: Any) -> None:
+    def __init__(self, tower: nn.Module, *, choices: SpeedChoices) -> None:
         super().__init__(tower)
-        self._rewrites = _rewrites(tower, **options)
+        self._rewrites = _rewrites(tower, choices)
 
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         for rewrite in self._rewrites:
@@ -187,10 +188,10 @@ class _TowerPlan(_TowerChecks, WholeForward):
 class _RoutedTowerPlan(_TowerChecks, CapturePlan):
     """The image tower inside an open_clip model: its forward routed to the graphs."""
 
-    def __init__(self, tower: nn.Module, **options: Any) -> None:
+    def __init__(self, tower: nn.Module, *, choices: SpeedChoices) -> None:
         self.owner = tower
         self._forward = own_forward(tower)
-        self._rewrites = _rewrites(tower, **options)
+        self._rewrites = _rewrites(tower, choices)
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(*args, **kwargs)

@@ -64,13 +64,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from layergraph import AdapterMismatch, PlanContext, hookimpl
+from layergraph import PlanContext, hookimpl
 from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
+from layergraph_adapters.kit.automatic import SpeedChoices
 from layergraph_adapters.kit.fused_norm import BLOCK, LayerForm, fused_norms
 from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
@@ -318,46 +319,48 @@ class Qwen2VLPlan(PackedTowerPlan):
         adapter: Qwen2VLAdapter,
         context: PlanContext,
         kind: _TowerKind,
-        align_mlp: bool = False,
-        fuse_norm: bool = False,
-        fuse_gelu: bool | str = False,
-        fuse_rotary: bool = False,
-        fuse_gate: bool = False,
-        patch_matmul: bool = False,
-        positions_matmul: bool = False,
+        *,
+        choices: SpeedChoices,
     ) -> None:
         super().__init__(tower, adapter, context, kind)
+        blocks = list(tower.blocks)
+        embeddings = getattr(tower, "embeddings", None)
         self.patch_rewrites = [
-            *packed_patch_matmul_for(tower.patch_embed, patch_matmul),
-            *resampled_positions_for(
-                getattr(tower, "embeddings", None), positions_matmul, kind.grid_rows
+            *choices.take(
+                "patch_matmul", lambda on: packed_patch_matmul_for(tower.patch_embed, on), []
+            ),
+            *choices.take(
+                "positions_matmul",
+                lambda on: resampled_positions_for(embeddings, on, kind.grid_rows),
+                [],
             ),
         ]
         """The patch embedding as one matrix product with ``patch_matmul``, the position table
         resampled as one with ``positions_matmul``; empty without either."""
-        self.alignments = (
-            [AlignedMLP(block.mlp, fuse_activation=fuse_gate) for block in tower.blocks]
-            if align_mlp or fuse_gate
-            else []
+        self.norm_rewrites = choices.take(
+            "fuse_norm", lambda on: fused_norms(blocks, on, kind.layer_form), []
         )
+        """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
+        mlps = [block.mlp for block in blocks]
+        self.gelu_rewrites = choices.take(
+            "fuse_gelu", lambda setting: gelu_epilogues(mlps, setting), []
+        )
+        """One :class:`GeluEpilogue` per block with ``fuse_gelu``; empty without."""
+        aligned = choices.take("align_mlp", lambda on: [AlignedMLP(mlp) for mlp in mlps], [])
+        gated = choices.take(
+            "fuse_gate", lambda on: [AlignedMLP(mlp, fuse_activation=True) for mlp in mlps], []
+        )
+        self.alignments = gated or aligned
         """One :class:`AlignedMLP` per block with ``align_mlp`` or ``fuse_gate``; empty
         without."""
-        if self.alignments and fuse_gelu:
-            rewriter = "align_mlp" if align_mlp else "fuse_gate"
-            raise AdapterMismatch(f"fuse_gelu and {rewriter} both rewrite each block's MLP")
-        self.gelu_rewrites = gelu_epilogues([block.mlp for block in tower.blocks], fuse_gelu)
-        """One :class:`GeluEpilogue` per block with ``fuse_gelu``; empty without."""
         attention_class = type(tower.blocks[0].attn)
         own_rotation = sys.modules[attention_class.__module__].apply_rotary_pos_emb_vision
-        self.rotation: Callable[..., tuple[torch.Tensor, torch.Tensor]] = (
-            FusedRotary(own_rotation, next(tower.parameters()).device)
-            if fuse_rotary
-            else own_rotation
+        device = next(tower.parameters()).device
+        self.rotation: Callable[..., tuple[torch.Tensor, torch.Tensor]] = choices.take(
+            "fuse_rotary", lambda on: FusedRotary(own_rotation, device), own_rotation
         )
         """What the routed attention rotates q and k with: the family's
         ``apply_rotary_pos_emb_vision``, or with ``fuse_rotary`` its fused kernel."""
-        self.norm_rewrites = fused_norms(list(tower.blocks), fuse_norm, kind.layer_form)
-        """One fused add-and-norm rewrite per block with ``fuse_norm``; empty without."""
         self.windows = kind.windows
         self.learned_positions = kind.learned_positions
         self.grid_rows = kind.grid_rows

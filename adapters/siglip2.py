@@ -49,6 +49,7 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import Change, ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph_adapters.kit import naflex
+from layergraph_adapters.kit.automatic import SpeedChoices
 from layergraph_adapters.kit.fused_norm import ENCODER_LAYER, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.grid_positions import GridPositions
@@ -158,16 +159,17 @@ class Siglip2Plan(PackedTowerPlan):
         tower: nn.Module,
         adapter: Siglip2Adapter,
         *args: Any,
-        fuse_norm: bool = False,
-        fuse_gelu: bool | str = False,
+        choices: SpeedChoices,
     ) -> None:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         super().__init__(tower, adapter, *args)
         layers = list(tower.encoder.layers)
+        norms = choices.take("fuse_norm", lambda on: fused_norms(layers, on, FAMILY.layer_form), [])
+        mlps = [layer.mlp for layer in layers]
         self.rewrites: list[Change] = [
-            *gelu_epilogues([layer.mlp for layer in layers], fuse_gelu),
-            *fused_norms(layers, fuse_norm, FAMILY.layer_form),
+            *choices.take("fuse_gelu", lambda setting: gelu_epilogues(mlps, setting), []),
+            *norms,
         ]
         """The ``fuse_gelu`` and ``fuse_norm`` rewrites of the encoder's layers; empty
         without them."""

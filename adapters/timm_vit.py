@@ -29,7 +29,7 @@ from layergraph import (
 )
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
-from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
@@ -120,18 +120,18 @@ class _TimmViTPlan(WholeForward):
         model: nn.Module,
         vit: nn.Module,
         *,
-        patch_matmul: bool,
-        fuse_gelu: bool | str,
-        fuse_norm: bool,
+        choices: SpeedChoices,
     ) -> None:
         super().__init__(model)
         self.vit = vit
         mlps = [getattr(block, "mlp", block) for block in vit.blocks]
+        patch = choices.take("patch_matmul", lambda on: patch_matmul_for(vit.patch_embed, on), [])
+        norms = choices.take("fuse_norm", lambda on: fused_norms(list(vit.blocks), on), [])
         self._rewrites: list[Change] = [
             *([RowMajorOutput(vit.patch_embed)] if vit.num_prefix_tokens == 0 else []),
-            *patch_matmul_for(vit.patch_embed, patch_matmul),
-            *gelu_epilogues(mlps, fuse_gelu),
-            *fused_norms(list(vit.blocks), fuse_norm),
+            *patch,
+            *choices.take("fuse_gelu", lambda setting: gelu_epilogues(mlps, setting), []),
+            *norms,
         ]
         """What is rewritten while wrapped, each a change made through the ledger. Without
         class or register tokens the position embedding is added to the transposed patch

@@ -8,6 +8,8 @@ to the dtype's tolerance against the unmodified model, 1e-4 relative in float32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -144,9 +146,9 @@ def test_a_tanh_gelu_tower_takes_fuse_gelu_and_answers_within_rounding() -> None
 
 
 @pytest.mark.usefixtures("as_on_a_gpu")
-def test_options_are_tried_with_those_taken_before_them() -> None:
-    """An option that fits alone but not beside one taken earlier stays off, with the reason:
-    the plan returned is always one that was built."""
+def test_a_plan_taking_keywords_is_decided_by_trials_with_a_deprecation() -> None:
+    """The form before SpeedChoices: each "auto" option decided by a build with those taken
+    before it, the plan returned one that was built, and a DeprecationWarning."""
     from layergraph.adapter import AdapterMismatch, PlanContext
 
     built: list[dict[str, object]] = []
@@ -157,14 +159,87 @@ def test_options_are_tried_with_those_taken_before_them() -> None:
                 raise AdapterMismatch("fuse_gelu and align_mlp both rewrite each block's MLP")
             built.append(options)
 
-    plan = automatic.build_with_automatic_options(
-        torch.nn.Linear(2, 2),
-        {"fuse_gelu": "auto", "align_mlp": "auto"},
-        Plan,
-        PlanContext(registry=None),  # type: ignore[arg-type]
-    )
+    with pytest.warns(DeprecationWarning, match="takes the speed options as keywords"):
+        plan = automatic.build_with_automatic_options(
+            torch.nn.Linear(2, 2),
+            {"fuse_gelu": "auto", "align_mlp": "auto"},
+            Plan,
+            PlanContext(registry=None),  # type: ignore[arg-type]
+        )
     assert plan.speed_options == {
         "fuse_gelu": "on",
         "align_mlp": "off: fuse_gelu and align_mlp both rewrite each block's MLP",
     }
     assert built[-1] == {"fuse_gelu": True, "align_mlp": False}
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+def test_an_option_decided_first_wins_over_a_later_one_that_rewrites_the_same_modules() -> None:
+    from layergraph.adapter import AdapterMismatch, PlanContext
+
+    context = PlanContext(registry=None)  # type: ignore[arg-type]
+    module = torch.nn.Linear(2, 2)
+    choices = automatic.SpeedChoices(module, {"fuse_gelu": "auto", "align_mlp": "auto"}, context)
+    assert choices.take("fuse_gelu", lambda setting: ["gelu"], []) == ["gelu"]
+    assert choices.take("align_mlp", lambda on: ["aligned"], []) == []
+    assert choices.outcome() == {
+        "fuse_gelu": "on",
+        "align_mlp": "off: fuse_gelu and align_mlp both rewrite each block's MLP",
+    }
+    by_hand = automatic.SpeedChoices(module, {"fuse_gelu": True, "align_mlp": True}, context)
+    by_hand.take("fuse_gelu", lambda setting: ["gelu"], [])
+    with pytest.raises(AdapterMismatch, match="fuse_gelu and align_mlp both rewrite"):
+        by_hand.take("align_mlp", lambda on: ["aligned"], [])
+    with pytest.raises(ValueError, match="align_mlp='on': choose True, False or 'auto'"):
+        automatic.SpeedChoices(module, {"align_mlp": "on"}, context)
+
+
+def _open_clip_vit() -> torch.nn.Module:
+    pytest.importorskip("open_clip")
+    from test_fused_norm import open_clip_vit
+
+    return open_clip_vit()
+
+
+def _qwen_tower() -> torch.nn.Module:
+    from test_qwen2_vl_streams import model
+
+    return model("qwen2_5_vl")
+
+
+def _siglip2_tower() -> torch.nn.Module:
+    from test_siglip2_adapter import tower
+
+    return tower()
+
+
+@pytest.mark.usefixtures("as_on_a_gpu")
+@pytest.mark.parametrize(
+    ("build", "adapter", "options"),
+    [
+        (lambda: internvit("rms_norm"), "auto", {}),
+        (dinov2, "dinov2", {}),
+        (lambda: timm_vit(0.5), "timm", {}),
+        (_open_clip_vit, "open_clip", {}),
+        (_qwen_tower, "qwen2_vl", {"patch_matmul": "auto", "positions_matmul": "auto"}),
+        (_siglip2_tower, "siglip2", {"fuse_norm": "auto", "fuse_gelu": "auto"}),
+    ],
+    ids=["internvl", "dinov2", "timm", "open_clip", "qwen2_vl", "siglip2"],
+)
+def test_every_first_party_wrap_builds_its_plan_once(
+    build: Any, adapter: str | None, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each "auto" option is decided while the one plan is built: one CapturePlan per wrap."""
+    built: list[type] = []
+
+    def counted(cls: type, *args: Any, **kwargs: Any) -> Any:
+        built.append(cls)
+        return object.__new__(cls)
+
+    model = build().eval()
+    monkeypatch.setattr(layergraph.CapturePlan, "__new__", counted, raising=False)
+    graphed = layergraph.wrap(model, adapter=adapter, backend=SimulatedGraphs(), **options)
+    monkeypatch.undo()
+    assert len(built) == 1, built
+    assert graphed.speed_options and "on" in graphed.speed_options.values()
+    graphed.unwrap()

@@ -1,4 +1,4 @@
-"""Speed options on by default where they fit: the value ``"auto"``.
+"""Speed options on by default where they fit: the value ``"auto"``, decided in one plan build.
 
 ``fuse_qkv``, ``patch_matmul``, ``positions_matmul``, ``fuse_norm``, ``fuse_gelu``,
 ``align_mlp``, ``fuse_gate`` and ``fuse_rotary`` change a tower's values by rounding only and
@@ -6,15 +6,18 @@ take GPU time off every call, graphed or eager; the transformers adapters (every
 :mod:`layergraph_adapters.towers`, and ``internvl``), ``timm`` and ``open_clip`` default
 ``fuse_qkv``, ``patch_matmul``, ``fuse_norm`` and ``fuse_gelu`` to ``"auto"``, ``qwen2_vl``
 the last five (its ``patch_matmul`` and ``positions_matmul`` take ``"auto"`` and default to
-off).
-``fuse_gelu`` left to ``"auto"`` takes MLPs whose GELU is the tanh approximation only (the
-epilogue's own function); an exact-GELU MLP keeps its GELU unless ``"approximate"`` is asked.
-:func:`build_with_automatic_options` turns each ``"auto"`` into ``True`` when the tower's
-parameters are on a CUDA device and the plan accepts that option (the family has the
-projections, the patch convolution, the layers or the rotation it rewrites, and Triton runs for
-the options that launch its kernels), and into ``False`` otherwise, keeping the reason.
-``True`` still raises where an option does not fit, and ``False`` turns it off. What each
-became is the plan's :attr:`~layergraph.adapter.CapturePlan.speed_options`, shown by
+off). Each is declared once as a :class:`SpeedOption` (:data:`SPEED_OPTIONS`): what it
+changes, the values it takes, the options it conflicts with and why compiled layers leave it
+off.
+
+A plan that takes speed options is built once per ``wrap``, given a :class:`SpeedChoices`
+(its ``choices`` keyword): where it would apply an option it calls :meth:`SpeedChoices.take`
+with the function that makes the option's rewrite. ``"auto"`` turns into ``True`` when the
+tower's parameters are on a CUDA device, no option taken before conflicts, layers compiled
+leave it to the plan, and that function makes the rewrite (a ``ValueError`` or
+:class:`~layergraph.adapter.AdapterMismatch` from it leaves the option off with the error as
+the reason). ``True`` still raises where an option does not fit, and ``False`` turns it off.
+What each became is the plan's :attr:`~layergraph.adapter.CapturePlan.speed_options`, shown by
 :attr:`GraphedModule.speed_options <layergraph.GraphedModule.speed_options>`; what was
 applied is listed in ``graphed.changes`` and undone by ``unwrap()`` like any change.
 
@@ -25,7 +28,11 @@ device at ``wrap`` decides; wrap the model where it will run).
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -33,32 +40,163 @@ from torch import nn
 
 from layergraph.adapter import AdapterMismatch, CapturePlan, PlanContext
 
-__all__ = ["AUTOMATIC_OPTIONS", "build_with_automatic_options", "not_on_a_gpu"]
+__all__ = [
+    "AUTOMATIC_OPTIONS",
+    "SPEED_OPTIONS",
+    "SpeedChoices",
+    "SpeedOption",
+    "build_with_automatic_options",
+    "not_on_a_gpu",
+]
 
-AUTOMATIC_OPTIONS = (
-    "fuse_qkv",
-    "patch_matmul",
-    "positions_matmul",
-    "fuse_norm",
-    "fuse_gelu",
-    "align_mlp",
-    "fuse_gate",
-    "fuse_rotary",
-)
-"""The options whose default is ``"auto"`` in some adapter, in the order they are tried."""
 
-_LEFT_TO_THE_COMPILER = {
-    "fuse_norm": "torch.compile fuses adds and norms",
-    "fuse_gate": "torch.compile fuses the gate's activation and product",
-    "fuse_rotary": "torch.compile fuses the rotation",
+@dataclass(frozen=True)
+class SpeedOption:
+    """One speed option: what it changes and how it combines with the others.
+
+    It is not the rewrite itself: the plan that applies the option makes that, through
+    :meth:`SpeedChoices.take`.
+    """
+
+    name: str
+    change: str
+    """What the option rewrites, in a phrase."""
+    values: tuple[object, ...] = (True, False, "auto")
+    """The values it takes."""
+    compiled: str | None = None
+    """Why compiled layers leave it off (``"auto"``), or ``None`` where they do not."""
+    conflicts: tuple[str, ...] = ()
+    """The options that rewrite the same modules: of two asked, the one decided first wins."""
+
+    def check(self, value: object) -> None:
+        """Raise a ``ValueError`` naming the choices where ``value`` is not one of them."""
+        if value in self.values:
+            return
+        choices = [
+            repr(choice) if isinstance(choice, str) else str(choice) for choice in self.values
+        ]
+        raise ValueError(
+            f"{self.name}={value!r}: choose {', '.join(choices[:-1])} or {choices[-1]}"
+        )
+
+
+_MLP = ("fuse_gelu", "align_mlp", "fuse_gate")
+SPEED_OPTIONS: Mapping[str, SpeedOption] = {
+    option.name: option
+    for option in (
+        SpeedOption("fuse_qkv", "each layer's q, k and v projections as one product"),
+        SpeedOption("patch_matmul", "the patch embedding's convolution as one matrix product"),
+        SpeedOption("positions_matmul", "a learned position table resampled by one product"),
+        SpeedOption(
+            "fuse_norm",
+            "each residual add with the next norm as one Triton kernel",
+            compiled="torch.compile fuses adds and norms",
+        ),
+        SpeedOption(
+            "fuse_gelu",
+            "each MLP's GELU in its up-projection's epilogue",
+            values=(True, False, "auto", "approximate"),
+            conflicts=("align_mlp", "fuse_gate"),
+        ),
+        SpeedOption(
+            "align_mlp",
+            "a gated MLP's width padded to a multiple of 8",
+            conflicts=("fuse_gelu",),
+        ),
+        SpeedOption(
+            "fuse_gate",
+            "a gated MLP's gate and up as one product, silu(gate) * up as one kernel",
+            compiled="torch.compile fuses the gate's activation and product",
+            conflicts=("fuse_gelu",),
+        ),
+        SpeedOption(
+            "fuse_rotary",
+            "q and k rotated by one Triton kernel",
+            compiled="torch.compile fuses the rotation",
+        ),
+    )
 }
-"""The options off with compiled layers, and why: their Triton kernels do elementwise work that
-Inductor fuses by itself."""
+"""Every speed option, in the order a plan decides them."""
 
-_OTHER_VALUES = {"fuse_gelu": ("approximate",)}
-"""Values an automatic option takes besides ``True``, ``False`` and ``"auto"``."""
+AUTOMATIC_OPTIONS = tuple(SPEED_OPTIONS)
+"""The options whose default is ``"auto"`` in some adapter, in the order they are decided."""
 
+Made = TypeVar("Made")
 Plan = TypeVar("Plan", bound=CapturePlan)
+
+
+class SpeedChoices:
+    """The speed options one ``wrap`` asked for, decided while its one plan is built.
+
+    A plan calls :meth:`take` once per option it applies, in :data:`SPEED_OPTIONS`' order;
+    options asked for that the plan never takes are off. It does not apply anything: the plan
+    keeps what :meth:`take` returns and makes its changes through the ledger later.
+    """
+
+    def __init__(self, module: nn.Module, asked: Mapping[str, Any], context: PlanContext):
+        for name, value in asked.items():
+            if name in SPEED_OPTIONS:
+                SPEED_OPTIONS[name].check(value)
+        self.asked = dict(asked)
+        self._elsewhere = not_on_a_gpu(module)
+        self._compiled = context.compiled
+        self._outcome: dict[str, str] = {}
+
+    def take(self, name: str, make: Callable[[object], Made], off: Made) -> Made:
+        """What ``make(value)`` makes for option ``name``, or ``off`` where the option is off.
+
+        ``"auto"`` calls ``make(True)`` where the option may apply and keeps ``off`` with the
+        reason where it does not, or where ``make`` refuses with a ``ValueError`` or
+        :class:`~layergraph.adapter.AdapterMismatch`; a value asked by hand calls
+        ``make(value)`` and lets its refusal raise."""
+        option = SPEED_OPTIONS[name]
+        if name in self._outcome:
+            raise RuntimeError(f"{name} was decided already")
+        value = self.asked.get(name, False)
+        if value is False:
+            self._outcome[name] = "off"
+            return off
+        rival = next((other for other in option.conflicts if self.on(other)), None)
+        if value == "auto":
+            reason = self._why_off(option)
+            if reason is None:
+                try:
+                    made = make(True)
+                except (ValueError, AdapterMismatch) as refusal:
+                    reason = str(refusal)
+                else:
+                    if rival is None:
+                        self._outcome[name] = "on"
+                        return made
+                    reason = f"{rival} and {name} both rewrite each block's MLP"
+            self._outcome[name] = f"off: {reason}"
+            return off
+        if rival is not None:
+            raise AdapterMismatch(f"{rival} and {name} both rewrite each block's MLP")
+        made = make(value)
+        self._outcome[name] = "on"
+        return made
+
+    def on(self, name: str) -> bool:
+        """Whether option ``name`` was decided and taken."""
+        return self._outcome.get(name) == "on"
+
+    def outcome(self) -> dict[str, str]:
+        """What each option asked for became: ``"on"``, ``"off"``, or ``"off: "`` and why."""
+        return {
+            name: self._outcome.get(
+                name, "off" if self.asked[name] is False else f"off: the plan does not apply {name}"
+            )
+            for name in SPEED_OPTIONS
+            if name in self.asked
+        }
+
+    def _why_off(self, option: SpeedOption) -> str | None:
+        if self._elsewhere is not None:
+            return self._elsewhere
+        if option.compiled is not None and self._compiled:
+            return f"the layers are compiled, and {option.compiled}"
+        return None
 
 
 def build_with_automatic_options(
@@ -67,45 +205,61 @@ def build_with_automatic_options(
     build: Callable[..., Plan],
     context: PlanContext,
 ) -> Plan:
-    """The plan ``build(**options)`` makes with each ``"auto"`` option resolved for ``module``.
+    """The plan ``build`` makes for ``module`` with the speed ``options`` asked, built once.
 
-    Each automatic option is tried in :data:`AUTOMATIC_OPTIONS`' order, with those taken before
-    it (``build`` with it and them ``True``, the others ``False``), so the plan returned is one
-    that was built; a ``ValueError`` or :class:`~layergraph.adapter.AdapterMismatch` from
-    ``build`` leaves it off with the error as the reason. ``build`` must not change the model
-    (plans change it later, through the ledger).
+    ``build`` takes the :class:`SpeedChoices` as its ``choices`` keyword. A ``build`` that
+    takes the options as keywords of their own instead (the form before
+    :class:`SpeedChoices`) is built once per ``"auto"`` option to decide it, with a
+    ``DeprecationWarning``; that form goes in layergraph 0.3. ``build`` must not change the
+    model (plans change it later, through the ledger).
     """
-    for name, value in options.items():
-        others = _OTHER_VALUES.get(name, ())
-        if name in AUTOMATIC_OPTIONS and value not in (True, False, "auto", *others):
-            choices = ["True", "False", "'auto'", *(repr(v) for v in others)]
-            raise ValueError(f"{name}={value!r}: choose {', '.join(choices[:-1])} or {choices[-1]}")
-    asked = [name for name in AUTOMATIC_OPTIONS if options.get(name) == "auto"]
-    settled = {**options, **dict.fromkeys(asked, False)}
-    outcome: dict[str, str] = {}
-    elsewhere = not_on_a_gpu(module)
-    for name in asked:
-        if elsewhere is not None:
-            outcome[name] = f"off: {elsewhere}"
-            continue
-        if name in _LEFT_TO_THE_COMPILER and context.compiled:
-            outcome[name] = f"off: the layers are compiled, and {_LEFT_TO_THE_COMPILER[name]}"
-            continue
-        taken = {other: True for other, became in outcome.items() if became == "on"}
-        try:
-            build(**{**settled, **taken, name: True})
-        except (ValueError, AdapterMismatch) as refusal:
-            outcome[name] = f"off: {refusal}"
-        else:
-            outcome[name] = "on"
-    chosen = {**settled, **{name: True for name in asked if outcome[name] == "on"}}
-    plan = build(**chosen)
-    plan.speed_options = {
-        name: outcome.get(name, "on" if chosen[name] else "off")
-        for name in AUTOMATIC_OPTIONS
-        if name in chosen
-    }
+    choices = SpeedChoices(module, options, context)
+    if _takes_choices(build):
+        plan = build(choices=choices)
+    else:
+        warnings.warn(
+            f"{_name_of(build)} takes the speed options as keywords; since layergraph 0.2.1 a "
+            f"plan takes one `choices` keyword (layergraph_adapters.kit.automatic."
+            f"SpeedChoices) and is built once. The keywords work until layergraph 0.3, one "
+            f"trial build per 'auto' option",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        plan = _build_by_trials(choices, build)
+    plan.speed_options = choices.outcome()
     return plan
+
+
+def _build_by_trials(choices: SpeedChoices, build: Callable[..., Plan]) -> Plan:
+    """The plan of a ``build`` taking each option as a keyword: each ``"auto"`` decided by
+    building with it and the options taken before it."""
+    settled = {name: (False if value == "auto" else value) for name, value in choices.asked.items()}
+    for name in SPEED_OPTIONS:
+        if name not in choices.asked:
+            continue
+        taken = {other: True for other in SPEED_OPTIONS if choices.on(other)}
+        trial = {**settled, **taken}
+        if choices.asked[name] == "auto":
+            choices.take(name, functools.partial(_trial, build, trial, name), None)
+        else:
+            choices.take(name, lambda value: None, None)
+    return build(**{**settled, **{name: True for name in SPEED_OPTIONS if choices.on(name)}})
+
+
+def _trial(build: Callable[..., Plan], settings: dict[str, Any], name: str, value: Any) -> Plan:
+    return build(**{**settings, name: value})
+
+
+def _takes_choices(build: Callable[..., Any]) -> bool:
+    try:
+        return "choices" in inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _name_of(build: Callable[..., Any]) -> str:
+    function = getattr(build, "func", build)
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', function)}"
 
 
 def not_on_a_gpu(module: nn.Module) -> str | None:

@@ -35,7 +35,7 @@ from layergraph import Adapter, AdapterMismatch, CapturePlan, PlanContext
 from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger, ReplaceSubmodule
-from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
 from layergraph_adapters.kit.feature_outputs import (
     computed_later,
     feature_indices,
@@ -189,10 +189,7 @@ class VisionTowerPlan(CapturePlan):
         spec: TowerSpec,
         *,
         feature_layers: int | Sequence[int] | None = None,
-        fuse_qkv: bool = False,
-        patch_matmul: bool = False,
-        fuse_gelu: bool | str = False,
-        fuse_norm: bool = False,
+        choices: SpeedChoices,
     ) -> None:
         config = tower.config
         self.owner = tower
@@ -216,45 +213,60 @@ class VisionTowerPlan(CapturePlan):
         self._output_hooks_installed = False
         """Whether transformers' hidden-state hooks were installed on the whole tower before its
         layers were first cut (:func:`_install_output_hooks`)."""
-        every_layer = self.layers()
         self._attentions = self.attention_modules()
-        if fuse_qkv and not (self.routes_attention or spec.fused_attention):
-            raise AdapterMismatch(
-                f"fuse_qkv is not available for {spec.family} ({type(tower).__name__}): the "
-                f"{spec.adapter} adapter has no attention forward that takes q, k and v from "
-                f"one product for its layers"
-            )
-        if fuse_qkv and len(self._attentions) != len(every_layer):
-            raise AdapterMismatch(
-                f"fuse_qkv needs an attention module in every layer; {type(tower).__name__}'s "
-                f"layers have no {spec.attention}"
-            )
-        self.fusions = [FusedQKV(module) for module in self._attentions] if fuse_qkv else []
+        self.fusions = choices.take("fuse_qkv", self._fused_qkv, [])
         """One :class:`FusedQKV` per layer with ``fuse_qkv``; empty without."""
         self._changes: ChangeLedger | None = None
-        mlps = [getattr(layer, spec.mlp) for layer in every_layer if hasattr(layer, spec.mlp)]
-        if fuse_gelu and len(mlps) != len(every_layer):
-            raise AdapterMismatch(
-                f"fuse_gelu needs an MLP in every layer; {type(tower).__name__}'s layers have "
-                f"no {spec.mlp}"
-            )
         found = find_module(tower, spec.embeddings)
         embeddings = found[1] if found is not None else None
-        if patch_matmul and embeddings is None:
-            raise AdapterMismatch(
-                f"patch_matmul is not available for {spec.family} ({type(tower).__name__}): "
-                f"its patch embedding is not a module the {spec.adapter} adapter can rewrite"
-            )
+        patch = choices.take("patch_matmul", lambda on: self._patch_matmul(embeddings, on), [])
+        norms = choices.take(
+            "fuse_norm", lambda on: fused_norms(self.layers(), on, spec.layer_form), []
+        )
         self._rewrites: list[Change] = [
             *([RowMajorOutput(embeddings)] if embeddings is not None else []),
-            *patch_matmul_for(embeddings, patch_matmul),
-            *gelu_epilogues(mlps, fuse_gelu),
-            *fused_norms(self.layers(), fuse_norm, self.spec.layer_form),
+            *patch,
+            *choices.take("fuse_gelu", self._gelu_epilogues, []),
+            *norms,
         ]
         """What is rewritten while wrapped, each a change made through the ledger: the
         embeddings' output made row-major (SigLIP's comes out column-major,
         :mod:`layergraph_adapters.kit.layout`; CLIP's is row-major already), and the
         ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm`` options."""
+
+    def _fused_qkv(self, setting: object) -> list[FusedQKV]:
+        tower, spec = self.owner, self.spec
+        if not (self.routes_attention or spec.fused_attention):
+            raise AdapterMismatch(
+                f"fuse_qkv is not available for {spec.family} ({type(tower).__name__}): the "
+                f"{spec.adapter} adapter has no attention forward that takes q, k and v from "
+                f"one product for its layers"
+            )
+        if len(self._attentions) != self.depth:
+            raise AdapterMismatch(
+                f"fuse_qkv needs an attention module in every layer; {type(tower).__name__}'s "
+                f"layers have no {spec.attention}"
+            )
+        return [FusedQKV(module) for module in self._attentions]
+
+    def _patch_matmul(self, embeddings: nn.Module | None, setting: object) -> list[Change]:
+        if embeddings is None:
+            raise AdapterMismatch(
+                f"patch_matmul is not available for {self.spec.family} "
+                f"({type(self.owner).__name__}): its patch embedding is not a module the "
+                f"{self.spec.adapter} adapter can rewrite"
+            )
+        return patch_matmul_for(embeddings, setting)
+
+    def _gelu_epilogues(self, setting: object) -> list[Change]:
+        name = self.spec.mlp
+        mlps = [getattr(layer, name) for layer in self.layers() if hasattr(layer, name)]
+        if len(mlps) != self.depth:
+            raise AdapterMismatch(
+                f"fuse_gelu needs an MLP in every layer; {type(self.owner).__name__}'s layers "
+                f"have no {name}"
+            )
+        return gelu_epilogues(mlps, setting)
 
     def _held_layers(self, wanted: int | Sequence[int] | None) -> tuple[int, ...] | None:
         if wanted is None:
