@@ -65,8 +65,9 @@ def counted_wraps(wraps: list[dict[str, Any]]) -> Iterator[None]:
             CapturePlan.__new__ = original_new  # type: ignore[method-assign]
 
 
-def measure(name: str, batch_sizes: list[int], image_size: tuple[int, int] | None,
-            iters: int) -> dict[str, Any]:
+def measure(
+    name: str, batch_sizes: list[int], image_size: tuple[int, int] | None, iters: int
+) -> dict[str, Any]:
     """One model's record: its rows and wraps, or the error that stopped it."""
     wraps: list[dict[str, Any]] = []
     record: dict[str, Any] = {"model": name, "image_size": image_size, "wraps": wraps}
@@ -74,7 +75,7 @@ def measure(name: str, batch_sizes: list[int], image_size: tuple[int, int] | Non
         with counted_wraps(wraps):
             report = run_benchmark(name, batch_sizes, iters=iters, image_size=image_size)
         record["rows"] = [asdict(row) for row in report.rows]
-    except Exception:  # noqa: BLE001 - a failing model is recorded and the run goes on
+    except Exception:  # a failing model is recorded and the run goes on
         record["error"] = traceback.format_exc(limit=4)
     gc.collect()
     if torch.cuda.is_available():
@@ -108,8 +109,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for row in rows
         )
         builds = [w["plan_builds"] for w in record["wraps"]]
-        print(f"{name} {args.image_size or ''}: {summary or record.get('error')} builds {builds}",
-              flush=True)
+        print(
+            f"{name} {args.image_size or ''}: {summary or record.get('error')} builds {builds}",
+            flush=True,
+        )
     return records
 
 
