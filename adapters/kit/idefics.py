@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from layergraph_adapters.kit.automatic import SpeedChoices
 from layergraph_adapters.kit.hf_vision import VisionTowerPlan, pixels_of
 from layergraph_adapters.kit.rewrites import InferenceForward
-from layergraph_adapters.kit.tower_specs import find_module
+from layergraph_adapters.kit.tower_specs import TowerSpec, find_module
 
 __all__ = ["CapturablePositions", "IdeficsPlan", "patch_position_ids"]
 
@@ -114,8 +115,15 @@ class IdeficsPlan(VisionTowerPlan):
     when it is given no ``pixel_mask``.
     """
 
-    def __init__(self, tower: nn.Module, *args: Any, **kwargs: Any) -> None:
-        super().__init__(tower, *args, **kwargs)
+    def __init__(
+        self,
+        tower: nn.Module,
+        spec: TowerSpec,
+        *,
+        feature_layers: int | list[int] | None = None,
+        choices: SpeedChoices,
+    ) -> None:
+        super().__init__(tower, spec, feature_layers=feature_layers, choices=choices)
         found = find_module(tower, self.spec.embeddings)
         if found is not None:
             self._rewrites.append(CapturablePositions(found[1]))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from layergraph.keys import CallInputs
+from layergraph_adapters.kit.automatic import SpeedChoices
 from layergraph_adapters.kit.hf_vision import VisionTowerPlan
 from layergraph_adapters.kit.tokens import TileTokens
 from layergraph_adapters.kit.tower_specs import TowerSpec, find_module
@@ -59,7 +60,7 @@ class MllamaVisionPlan(VisionTowerPlan):
         spec: TowerSpec,
         *,
         feature_layers: int | list[int] | None = None,
-        **rewrites: Any,
+        choices: SpeedChoices,
     ) -> None:
         if feature_layers is not None:
             raise ValueError(
@@ -69,7 +70,7 @@ class MllamaVisionPlan(VisionTowerPlan):
         found = find_module(tower, GLOBAL_LAYERS)
         self._global_layers = found[1] if found is not None else nn.ModuleList()
         self.max_tiles: int = tower.config.max_num_tiles
-        super().__init__(tower, spec, **rewrites)
+        super().__init__(tower, spec, choices=choices)
 
     def layers(self) -> list[nn.Module]:
         return [*super().layers(), *self._global_layers]
