@@ -2,8 +2,10 @@
 # A GPU check of a change to the library's structure, in parts, each one device call:
 #   tests:   the conformance suite on CUDA graphs and the other CUDA-marked tests, side by side
 #            (two pytest processes on the one GPU; their timings are not measured);
-#   packed:  benchmarks/regression.py for the packed towers at 448x448 and 896x896, batch 1,
-#            under the code before the change and after it, in turns;
+#   retest:EXPR: the CUDA-marked tests and the conformance suite's cases that match EXPR
+#            (pytest's -k), again;
+#   packed[:SIZE]: benchmarks/regression.py for the packed towers at 448x448 and 896x896 (or
+#            SIZE alone), batch 1, under the code before the change and after it, in turns;
 #   fixed:   the same for the fixed-resolution families at batches 1 and 32;
 #   host:    host time per call before and after a second change: benchmarks/host_overhead.py
 #            (fixed, packed repeated, packed mixed) on the machine's CPU, and the waited latency
@@ -39,10 +41,15 @@ for part in "$@"; do
         --junitxml "$out/cuda.xml" >"$out/cuda.txt" 2>&1
       wait
       tail -n 25 "$out/conformance.txt" "$out/cuda.txt" >>"$log" ;;
-    packed)
+    retest:*)
+      step 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -m cuda tests \
+        -k "${part#retest:}" -o junit_family=legacy --junitxml "$out/retest.xml" ;;
+    packed*)
       venv after . && venv before .house/before
-      compare 130 before packed-448 --models "$PACKED" --batch-sizes 1 --image-size 448x448
-      compare 150 before packed-896 --models "$PACKED" --batch-sizes 1 --image-size 896x896 ;;
+      sizes=${part#packed}
+      for size in $( [[ -n $sizes ]] && echo "${sizes:1}" || echo 448x448 896x896 ); do
+        compare 150 before "packed-$size" --models "$PACKED" --batch-sizes 1 --image-size "$size"
+      done ;;
     fixed)
       venv after . && venv before .house/before
       compare 150 before fixed --models "$FIXED_FAST" --batch-sizes 1,32
