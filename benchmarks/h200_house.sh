@@ -9,23 +9,26 @@
 #   fixed:   the same for the fixed-resolution families at batches 1 and 32;
 #   host:    host time per call before and after a second change: benchmarks/host_overhead.py
 #            (fixed, packed repeated, packed mixed) on the machine's CPU, and the waited latency
-#            of one fixed and one packed tower at their smallest input.
+#            of one fixed and one packed tower at their smallest input (hostcpu: the first
+#            half alone).
 # The trees before the changes are unpacked beside the repository (ignored by git):
 #   git archive BEFORE -- layergraph adapters pyproject.toml README.md benchmarks examples \
 #       | tar -x -C .house/before          (and .house/lean-before for host)
-# and carried into the call; each tree gets a virtual environment over the machine's packages.
+# and carried into the call; each tree is installed into a folder of its own, read through
+# PYTHONPATH (the machine's python3 is a virtual environment already).
 # Usage: benchmarks/h200_house.sh PART...   (results under $OUT, or ./gpu-results)
 source "$(dirname "$0")/h200_setup.sh" none
-venv() {  # venv NAME TREE: a virtual environment at /tmp/venv-NAME with TREE installed
+venv() {  # venv NAME TREE: TREE installed under /tmp/site-NAME, read through PYTHONPATH
   python3 -m pip uninstall -y -q layergraph >>"$log" 2>&1  # one layergraph in sight of each
-  python3 -m venv --system-site-packages "/tmp/venv-$1" >>"$log" 2>&1
-  "/tmp/venv-$1/bin/python" -m pip install -q --no-deps --no-build-isolation --no-index -e "$2" \
-    >>"$log" 2>&1
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "/tmp/site-$1" \
+    "$2" >>"$log" 2>&1
 }
 compare() {  # compare LIMIT OLD JSON-STEM ARGS...: each install in turn, old first
   local limit=$1 old=$2 stem=$3; shift 3
-  step "$limit" "/tmp/venv-$old/bin/python" benchmarks/regression.py --json "$out/$stem-$old.json" "$@"
-  step "$limit" /tmp/venv-after/bin/python benchmarks/regression.py --json "$out/$stem-after.json" "$@"
+  PYTHONPATH="/tmp/site-$old" step "$limit" python3 benchmarks/regression.py \
+    --json "$out/$stem-$old.json" "$@"
+  PYTHONPATH=/tmp/site-after step "$limit" python3 benchmarks/regression.py \
+    --json "$out/$stem-after.json" "$@"
 }
 PACKED=qwen2.5-vl-7b,pixtral-12b,siglip2-so400m-naflex,qwen3-vl-8b
 FIXED_FAST=vit-base-224,clip-vit-l-336,siglip-so400m-384,internvit-300m,aimv2-large-224,janus-pro-384
@@ -54,14 +57,15 @@ for part in "$@"; do
       venv after . && venv before .house/before
       compare 150 before fixed --models "$FIXED_FAST" --batch-sizes 1,32
       compare 120 before fixed-more --models "$FIXED_MORE" --batch-sizes 1,32 ;;
-    host)
+    host|hostcpu)
       venv after . && venv lean-before .house/lean-before
       for what in "" "--packed repeated" "--packed mixed"; do
         for tree in lean-before after; do
           # shellcheck disable=SC2086
-          step 60 "/tmp/venv-$tree/bin/python" benchmarks/host_overhead.py $what
+          PYTHONPATH="/tmp/site-$tree" step 60 python3 benchmarks/host_overhead.py $what
         done
       done
+      [[ $part == hostcpu ]] && continue
       compare 100 lean-before smallest-fixed --models vit-base-224 --batch-sizes 1 --iters 200
       compare 100 lean-before smallest-packed --models qwen2.5-vl-7b --batch-sizes 1 \
         --image-size 56x56 --iters 200 ;;
