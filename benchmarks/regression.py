@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import gc
 import json
+import sys
 import traceback
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -36,33 +37,38 @@ from layergraph.bench import run_benchmark
 
 @contextlib.contextmanager
 def counted_wraps(wraps: list[dict[str, Any]]) -> Iterator[None]:
-    """Record, for each ``wrap`` the benchmark makes, the plans it built and the speed
+    """Record, for each ``wrap`` the benchmark makes, the plans it built (the outermost
+    ``__init__`` of each :class:`~layergraph.adapter.CapturePlan` it made) and the speed
     options it chose."""
-    built = [0]
-    original_new = CapturePlan.__dict__.get("__new__")
     original_wrap = bench_run.wrap
 
-    def counting_new(cls: type, *args: Any, **kwargs: Any) -> Any:
-        built[0] += 1
-        return object.__new__(cls)
-
     def counting_wrap(*args: Any, **kwargs: Any) -> Any:
-        built[0] = 0
-        graphed = original_wrap(*args, **kwargs)
+        built = [0]
+
+        def count(frame: Any, event: str, arg: Any) -> None:
+            if event != "call" or frame.f_code.co_name != "__init__":
+                return
+            plan, caller = frame.f_locals.get("self"), frame.f_back
+            chained = caller is not None and caller.f_code.co_name == "__init__"
+            if isinstance(plan, CapturePlan) and not (
+                chained and caller.f_locals.get("self") is plan
+            ):
+                built[0] += 1
+
+        sys.setprofile(count)
+        try:
+            graphed = original_wrap(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
         options = dict(getattr(graphed, "speed_options", {}) or {})
         wraps.append({"plan_builds": built[0], "speed_options": options})
         return graphed
 
-    CapturePlan.__new__ = counting_new  # type: ignore[method-assign]
     bench_run.wrap = counting_wrap
     try:
         yield
     finally:
         bench_run.wrap = original_wrap
-        if original_new is None:
-            del CapturePlan.__new__
-        else:
-            CapturePlan.__new__ = original_new  # type: ignore[method-assign]
 
 
 def measure(
