@@ -46,13 +46,11 @@ from layergraph.reference import plain_graph
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import waited_ms
 from layergraph.validation import DEFAULT_TOLERANCE, first_tensor, relative_error
-from layergraph_adapters.example_models.towers import TOWER_EXAMPLES
+from layergraph_adapters.example_models.towers import TOWER_EXAMPLES, capture_changes
 from layergraph_adapters.internvl import INTERNVL
-from layergraph_adapters.kit.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.kit.tower_specs import (
     TowerSpec,
     build_tower,
-    find_module,
     pair,
     transformers_class,
 )
@@ -146,18 +144,6 @@ HandGraph = Callable[..., Callable[..., Any]]
 """Makes the hand-written graph: ``plain_graph(model, **inputs)`` returns the replay."""
 
 
-def capture_changes(model: torch.nn.Module, spec: TowerSpec) -> tuple[list[Change], str]:
-    """The changes layergraph makes so that a CUDA stream can capture ``model`` at all (none of
-    its speed options), and what the hand-written graph with them captures."""
-    plan = spec.plan
-    if plan is not None and issubclass(plan, IdeficsPlan):
-        found = find_module(model, spec.embeddings)
-        if found is not None:
-            changes: list[Change] = [CapturablePositions(found[1])]
-            return changes, "the whole tower, position ids as layergraph computes them"
-    return [], "the whole tower"
-
-
 def measure_hand_written(
     row: Row,
     spec: TowerSpec,
@@ -170,7 +156,12 @@ def measure_hand_written(
     iters: int,
 ) -> None:
     """The hand-written graph's latency and error into ``row``; a failure recorded there."""
-    changes, row.hand_written_of = capture_changes(model, spec)
+    changes = capture_changes(model, spec)
+    row.hand_written_of = (
+        "the whole tower, position ids as layergraph computes them"
+        if changes
+        else "the whole tower"
+    )
     applied: list[Change] = []
     try:
         for change in changes:

@@ -4,23 +4,34 @@ larger model feeds it (:attr:`~layergraph_adapters.kit.tower_specs.TowerSpec.inp
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from layergraph.bench.examples import ExampleModel
+from layergraph.ledger import Change
 from layergraph_adapters import towers
 from layergraph_adapters.internvl import INTERNVIT_CONFIGS, INTERNVL
+from layergraph_adapters.kit.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.kit.tower_specs import (
     TowerExample,
     TowerSpec,
     build_tower,
+    find_module,
     pair,
     transformers_class,
 )
 
-__all__ = ["SO400M", "TOWER_EXAMPLES", "tower_example", "tower_example_model"]
+__all__ = [
+    "SO400M",
+    "TOWER_EXAMPLES",
+    "capture_changes",
+    "tower_example",
+    "tower_example_model",
+]
 
 SO400M = dict(
     hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16
@@ -171,4 +182,29 @@ def tower_example_model(name: str, spec: TowerSpec, example: TowerExample) -> Ex
         size = pair(example.image_size or config.image_size)
         return (), spec.inputs(config, batch, size, dtype, device)
 
-    return ExampleModel(name=name, adapter=spec.adapter, build=build, inputs=inputs)
+    @contextlib.contextmanager
+    def capturable(model: nn.Module) -> Iterator[None]:
+        applied: list[Change] = []
+        try:
+            for change in capture_changes(model, spec):
+                change.apply()
+                applied.append(change)
+            yield
+        finally:
+            for change in reversed(applied):
+                change.undo()
+
+    return ExampleModel(
+        name=name, adapter=spec.adapter, build=build, inputs=inputs, capturable=capturable
+    )
+
+
+def capture_changes(model: nn.Module, spec: TowerSpec) -> list[Change]:
+    """The changes layergraph makes so that a CUDA stream can capture a tower of ``spec``'s
+    family at all (none of its speed options), for a hand-written graph of its own forward:
+    Idefics' position ids computed without boolean-mask indexing; none for the others."""
+    if spec.plan is not None and issubclass(spec.plan, IdeficsPlan):
+        found = find_module(model, spec.embeddings)
+        if found is not None:
+            return [CapturablePositions(found[1])]
+    return []

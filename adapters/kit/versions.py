@@ -168,6 +168,7 @@ SUPPORT: dict[str, Support] = {
             "tests/test_auto_adapter.py",
             "tests/test_versions.py",
             "tests/test_tower_families.py",
+            "tests/test_example_capturable.py",
             "tests/test_coverage.py",
             "tests/test_families_benchmark.py",
             "tests/test_siglip2_adapter.py",

@@ -5,6 +5,7 @@ finds them). A leaf module: it imports nothing of layergraph."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,3 +44,8 @@ class ExampleModel:
     prompt: (
         Callable[[Sequence[tuple[int, int]], torch.dtype, torch.device], dict[str, Any]] | None
     ) = None
+    capturable: Callable[[nn.Module], AbstractContextManager[Any]] | None = None
+    """``capturable(model)``: a context in which a CUDA stream can capture the model's own
+    forward at all, for a hand-written graph (the changes layergraph makes for its capture,
+    none of its speed options; Idefics' position ids without boolean-mask indexing), undone on
+    leaving; ``None`` where the forward captures as it is."""

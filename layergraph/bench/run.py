@@ -112,7 +112,17 @@ def run_benchmark(
             args, kwargs = inputs(batch, dtype, device)
             if packed:
                 graphed = _capture_packed(model, example.adapter, args, kwargs, report)
-            row = _measure(model, graphed, args, kwargs, batch, device, iters, by_hand=not packed)
+            row = _measure(
+                model,
+                graphed,
+                args,
+                kwargs,
+                batch,
+                device,
+                iters,
+                by_hand=not packed,
+                capturable=example.capturable,
+            )
             if profile:
                 target = graphed if graphed is not None else model
                 row.profile = _profile(target, args, kwargs, device)
@@ -274,9 +284,11 @@ def _measure(
     device: torch.device,
     iters: int,
     by_hand: bool = True,
+    capturable: Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> BenchRow:
     """One batch size. Eager and the references run on the model as it was before wrapping;
-    the hand-written graph only with ``by_hand``."""
+    the hand-written graph only with ``by_hand``, captured inside ``capturable(model)`` where
+    the example gives one (:attr:`ExampleModel.capturable`)."""
     with graphed.original() if graphed is not None else contextlib.nullcontext(model) as original:
         with _parameters_frozen(original), FlopCounterMode(display=False) as counter:
             expected = original(*args, **kwargs)
@@ -292,15 +304,16 @@ def _measure(
             return row
         row.eager_wait_ms = waited_ms(lambda: original(*args, **kwargs), device=device, iters=iters)
         if by_hand:
-            graph = plain_graph(original, *args, **kwargs)
-            row.plain_graph_ms = median_ms(
-                lambda: graph(*args, **kwargs), device=device, iters=iters
-            )
-            row.plain_graph_wait_ms = waited_ms(
-                lambda: pytree.tree_map_only(torch.Tensor, torch.clone, graph(*args, **kwargs)),
-                device=device,
-                iters=iters,
-            )
+            with capturable(original) if capturable else contextlib.nullcontext():
+                graph = plain_graph(original, *args, **kwargs)
+                row.plain_graph_ms = median_ms(
+                    lambda: graph(*args, **kwargs), device=device, iters=iters
+                )
+                row.plain_graph_wait_ms = waited_ms(
+                    lambda: pytree.tree_map_only(torch.Tensor, torch.clone, graph(*args, **kwargs)),
+                    device=device,
+                    iters=iters,
+                )
     got = graphed(*args, **kwargs)
     row.relative_error = relative_error(first_tensor(got), first_tensor(expected))
     row.layergraph_ms = median_ms(lambda: graphed(*args, **kwargs), device=device, iters=iters)
