@@ -230,3 +230,22 @@ def test_tests_touch_private_names_only_where_listed() -> None:
                 if owner not in ("self", "cls", "torch", "super()"):
                     found.add((path.name, f"{owner}.{node.attr}"))
     assert found == set(PRIVATE_USES)
+
+
+ARCHITECTURE = Path(__file__).parent.parent / "docs" / "architecture.md"
+
+
+def test_the_architecture_page_names_every_core_module_and_the_line_budgets() -> None:
+    """The page's table lists each module of the core by its file name, and its sentence on the
+    line budgets says the budgets this file holds the rooms to."""
+    page = ARCHITECTURE.read_text()
+    root = PACKAGES["layergraph"]
+    unnamed = [
+        path.name
+        for path in root.glob("*.py")
+        if path.name != "__init__.py" and f"`{path.name}`" not in page
+    ]
+    assert unnamed == []
+    budgets = set(LINE_BUDGETS.values())
+    assert len(budgets) == 1
+    assert f"no core or kit module is over {budgets.pop()} lines" in page
