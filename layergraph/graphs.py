@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .capture_lanes import CaptureLane, take_lane
+from .capture_streams import CaptureStream, take_stream
 
 __all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend", "GraphCaptureError"]
 
@@ -91,15 +91,16 @@ class GraphBackend(Protocol):
 
 @dataclass(eq=False)
 class CudaPool:
-    """A memory pool that graphs share, and the capture lane they are captured on.
+    """A memory pool that graphs share, and the capture stream they are captured on.
 
-    The lane (:class:`~layergraph.capture_lanes.CaptureLane`) is taken at the pool's first
-    capture and goes back to the free list once the pool and all its graphs are collected.
+    The capture stream (:class:`~layergraph.capture_streams.CaptureStream`) is taken at the
+    pool's first capture and goes back to the free list once the pool and all its graphs are
+    collected.
     """
 
     handle: Any
     """The id that captures allocate from, from ``torch.cuda.graph_pool_handle()``."""
-    lane: CaptureLane | None = None
+    capture_stream: CaptureStream | None = None
     retired: list[Any] = field(default_factory=list)
     """Earlier ids of the pool, which graphs captured before still use and no capture can
     allocate from any more (:meth:`renew`)."""
@@ -114,7 +115,7 @@ class CudaPool:
 
 @dataclass(eq=False)
 class CudaGraph:
-    """A captured graph, holding its pool (and so the pool's lane) for as long as it lives."""
+    """A captured graph, holding its pool (and so the pool's capture stream) while it lives."""
 
     graph: torch.cuda.CUDAGraph
     pool: CudaPool
@@ -126,8 +127,8 @@ class CudaGraphs:
     Warm-up runs on a side stream, so that lazy initialisation inside the model happens outside
     the capture. It is one stream per device for the whole process: cuBLAS keeps a workspace of
     tens of MiB for every stream it has run on, so a new stream per capture would leave a
-    workspace behind each time. Capture runs on the stream of the pool's capture lane
-    (:mod:`layergraph.capture_lanes`), whose cuBLAS workspaces outlive the pool's graphs, and
+    workspace behind each time. Capture runs on the pool's capture stream
+    (:mod:`layergraph.capture_streams`), whose cuBLAS workspaces outlive the pool's graphs, and
     replay is launched on whichever stream is current for the caller.
     Calls from different streams are ordered through an event (:meth:`follow`), since their
     replays share static buffers.
@@ -160,9 +161,9 @@ class CudaGraphs:
             for _ in range(warmup_runs):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
-        if pool.lane is None:
-            pool.lane = take_lane(device, pool)
-        pool.lane.pin()
+        if pool.capture_stream is None:
+            pool.capture_stream = take_stream(device, pool)
+        pool.capture_stream.pin()
         graph = torch.cuda.CUDAGraph()
         try:
             output = _capture_on(graph, pool, fn)
@@ -213,8 +214,8 @@ class CudaGraphs:
 
 
 def _capture_on(graph: torch.cuda.CUDAGraph, pool: CudaPool, fn: Callable[[], Any]) -> Any:
-    """Capture ``fn`` into ``graph`` on ``pool``'s lane, allocating from ``pool``; return its
-    output.
+    """Capture ``fn`` into ``graph`` on ``pool``'s capture stream, allocating from ``pool``;
+    return its output.
 
     What ``torch.cuda.graph`` does (wait for the device, empty the cache, capture on the
     stream), except where the capture fails: ``torch.cuda.graph``'s exit then ends the capture
@@ -226,7 +227,7 @@ def _capture_on(graph: torch.cuda.CUDAGraph, pool: CudaPool, fn: Callable[[], An
     """
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    with torch.cuda.stream(pool.lane.stream):
+    with torch.cuda.stream(pool.capture_stream.stream):
         graph.capture_begin(pool=pool.handle)
         try:
             output = fn()

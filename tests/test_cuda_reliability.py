@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import layergraph
-from layergraph.capture_lanes import free_lanes
+from layergraph.capture_streams import free_streams
 from layergraph.runner import CaptureFailedWarning
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
@@ -114,9 +114,9 @@ def test_an_exception_inside_a_layer_during_capture_runs_the_call_eagerly(
 def test_pools_made_and_dropped_again_and_again_keep_memory_level(
     model: torch.nn.Module, record_property: Callable[[str, object], None]
 ) -> None:
-    """Every pool takes a capture lane and gives it back when it goes: memory after each round
+    """Every pool takes a capture stream and gives it back when it goes: memory after each round
     of wrap, capture, release and recapture is back at its level, and graphs captured on a
-    reused lane stay right after cuBLAS's workspace cache is cleared and the cache emptied."""
+    reused stream stay right after cuBLAS's workspace cache is cleared and the cache emptied."""
     with torch.inference_mode():
         layergraph.wrap(model, batch_sizes=[2])(images(2))  # one-time allocations
         before = settled_memory()
@@ -131,8 +131,8 @@ def test_pools_made_and_dropped_again_and_again_keep_memory_level(
             levels.append(settled_memory())
         record_property("memory_before_bytes", before)
         record_property("memory_after_rounds_bytes", levels)
-        lanes = free_lanes(torch.cuda.current_device())
-        assert all(level[0] <= before[0] for level in levels), (before, levels, lanes)
+        streams = free_streams(torch.cuda.current_device())
+        assert all(level[0] <= before[0] for level in levels), (before, levels, streams)
         graphed = layergraph.wrap(model, batch_sizes=[2])
         graphed(images(2))
         torch._C._cuda_clearCublasWorkspaces()

@@ -178,7 +178,7 @@ def test_every_module_is_within_the_line_budget_of_its_room() -> None:
 
 PRIVATE_USES = {
     ("test_budgets.py", "budgets._fill_level"): "the planner's fill rule, checked alone",
-    ("test_capture_lanes.py", "capture_lanes._free_lanes"): "an empty free list per test",
+    ("test_capture_streams.py", "capture_streams._free_streams"): "an empty free list per test",
     ("test_cli.py", "cli._console"): "the console width the CLI picks for a pipe",
     ("test_cuda_cudnn_ragged.py", "backend._graphs"): "one cuDNN graph per room",
     ("test_cudnn_ragged.py", "backend._frontend"): "skips where cuDNN's frontend is absent",

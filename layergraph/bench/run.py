@@ -249,8 +249,8 @@ def _capture_all(
     """Wrap and capture every size; record capture time and pool sizes on ``report``.
 
     First the largest size alone, released; then every size into the shared pool that the
-    benchmark uses. Neither pool holds a cuBLAS workspace (those live in the capture lane's
-    anchor pool, :mod:`layergraph.capture_lanes`), so the two compare like for like.
+    benchmark uses. Neither pool holds a cuBLAS workspace (those live in the capture stream's
+    anchor pool, :mod:`layergraph.capture_streams`), so the two compare like for like.
     """
     args, kwargs = inputs(1, dtype, device)
     report.largest_alone_pool_bytes = _pool_alone(model, adapter, sizes[-1], args, kwargs)
