@@ -16,6 +16,7 @@ model (the plan's :class:`Packing` does).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -34,10 +35,6 @@ class Call(Protocol):
     @property
     def size(self) -> int:
         """The call's size in the unit keys count: rows of a batch, tokens of a packed call."""
-
-    @property
-    def batch(self) -> int:
-        """The same as :attr:`size`, as statistics show it."""
 
     @property
     def signature(self) -> Hashable:
@@ -77,7 +74,13 @@ class PackedCall:
 
     @property
     def batch(self) -> int:
-        """The call's size in the unit budgets count (tokens), as statistics show it."""
+        """Deprecated: :attr:`size` (the same number), until layergraph 0.3."""
+        warnings.warn(
+            "PackedCall.batch is PackedCall.size (the call's tokens) since layergraph 0.2.1; "
+            "batch goes in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.size
 
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -29,3 +29,14 @@ def test_an_image_above_the_budget_is_a_piece_of_its_own() -> None:
     assert split_ranges([6, 72, 1], 64) == [range(0, 1), range(1, 2), range(2, 3)]
     assert split_ranges([36, 28, 10, 25], 64) == [range(0, 2), range(2, 4)]
     assert split_ranges([], 64) == []
+
+
+def test_a_packed_calls_batch_is_its_size_with_a_deprecation() -> None:
+    import pytest
+    import torch
+
+    from layergraph.packing import PackedCall
+
+    call = PackedCall((), {}, size=12, signature=(), tensors=(torch.zeros(1),))
+    with pytest.warns(DeprecationWarning, match="PackedCall.batch is PackedCall.size"):
+        assert call.batch == 12
