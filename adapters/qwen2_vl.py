@@ -378,6 +378,7 @@ class Qwen2VLPlan(PackedTowerPlan):
             """A window's side in merged tokens."""
             self.window_tokens = self.window_side**2 * self.budget_unit
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
+        self._grid_sizes: dict[tuple[tuple[int, int, int], ...], tuple[int, int]] = {}
         self._host_calls = GridMetadataCache(lambda grid: self._compute_host_call(grid))
         """The metadata of calls' grids, from each grid entry's, kept."""
         self.attention_by_budget: dict[int, str] = {}
@@ -428,19 +429,12 @@ class Qwen2VLPlan(PackedTowerPlan):
                 f"are not [patches, features] and [entries, 3]"
             )
         on_host = grid.cpu()
-        grids = tuple(tuple(map(int, row)) for row in on_host.tolist())
-        self._check_grid(grids)
-        if self.grid_rows and any(t > 1 for t, _, _ in grids):
-            raise UnsupportedCall(
-                "an entry of grid_thw holds several frames, and the tower's forward reads "
-                "grid_thw's rows by frame (its VLM passes a video as one row per frame)"
-            )
-        tokens = sum(t * h * w for t, h, w in grids)
+        grids = tuple(map(tuple, on_host.tolist()))
+        tokens, slots = self._grid_sizes.get(grids) or self._sizes_of(grids)
         if tokens != pixels.shape[0]:
             raise UnsupportedCall(
                 f"input hidden_states has {pixels.shape[0]} patches, grid_thw {tokens}"
             )
-        slots = image_slots(sum(t for t, _, _ in grids))
         signature = (pixels.dtype, pixels.shape[1], frozen, slots)
         return PackedCall(
             args=args,
@@ -450,6 +444,21 @@ class Qwen2VLPlan(PackedTowerPlan):
             tensors=(pixels,),
             parts=_CallParts(pixels, on_host, grids, fixed, self._host_calls),
         )
+
+    def _sizes_of(self, grids: tuple[tuple[int, int, int], ...]) -> tuple[int, int]:
+        """The tokens and image slots of a call of ``grids``, kept for the grids that recur
+        (up to 256 of them); :class:`~layergraph.keys.UnsupportedCall` for grids the tower
+        cannot take."""
+        self._check_grid(grids)
+        if self.grid_rows and any(t > 1 for t, _, _ in grids):
+            raise UnsupportedCall(
+                "an entry of grid_thw holds several frames, and the tower's forward reads "
+                "grid_thw's rows by frame (its VLM passes a video as one row per frame)"
+            )
+        sizes = sum(t * h * w for t, h, w in grids), image_slots(sum(t for t, _, _ in grids))
+        if len(self._grid_sizes) < 256:
+            self._grid_sizes[grids] = sizes
+        return sizes
 
     def _check_grid(self, grids: tuple[tuple[int, int, int], ...]) -> None:
         """Raise :class:`~layergraph.keys.UnsupportedCall` for ``grid_thw`` rows the tower

@@ -43,6 +43,7 @@ first need them.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 
@@ -275,15 +276,17 @@ class BudgetPlanner:
         if size > self.largest:
             return None
         self.observe(size)
-        budget = next((b for b in self.budgets if b >= size), None)
-        if budget is None:
+        budgets = self.budgets
+        index = bisect.bisect_left(budgets, size)
+        if index == len(budgets):
             top = top_budget(self.totals, self.step, self.largest)
             self._take(best_budgets(self.totals, self.cap, self.step, top)[0])
         else:
-            self._padding += budget - size
-            if self._padding > self._next_search:
-                self._search()
-        return next(b for b in self.budgets if b >= size)
+            self._padding += budgets[index] - size
+            if self._padding <= self._next_search:
+                return budgets[index]
+            self._search()
+        return self.budgets[bisect.bisect_left(self.budgets, size)]
 
     def _search(self) -> None:
         """Take the cheapest plan under the held top if its price is below the held plan's
