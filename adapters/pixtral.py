@@ -62,10 +62,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from layergraph import CapturePlan, PlanContext, hookimpl
-from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.packing import PackedCall
 from layergraph.staging import Staging
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers, write_padded
 from layergraph_adapters.kit.feature_outputs import (
     computed_later,
     feature_indices,
@@ -123,23 +123,14 @@ def _kept_states(layers: int | list[int] | None, tower: nn.Module) -> tuple[int,
 
 
 @dataclass(eq=False)
-class PixtralBuffers:
-    """One budget's buffers, written in place before every replay.
+class PixtralBuffers(BudgetBuffers):
+    """One budget's buffers. :attr:`position_ids` and the boundaries the attention metadata is
+    copied from are views of :attr:`staging`'s device buffer: a call's metadata reaches the
+    device in one transfer. Image slots past a call's images are empty (their boundaries at its
+    last token), and the tokens past it belong to no image."""
 
-    :attr:`position_ids` and the boundaries the attention metadata is copied from are views of
-    :attr:`staging`'s device buffer: a call's metadata reaches the device in one transfer.
-    Image slots past a call's images are empty (their boundaries at its last token), and the
-    tokens past it belong to no image."""
-
-    budget: int
-    pixels: torch.Tensor
-    """``[budget, channels * patch * patch]``: the call's real patches, zeros past them."""
     position_ids: torch.Tensor
     """``[budget, 2]``: each patch's (row, column) in its image, zeros past the real ones."""
-    metadata: AttentionMetadata
-    """For a :class:`~layergraph.attention.PackedLayout` of the budget and its image slots."""
-    backend: AttentionBackend
-    workspace: torch.Tensor | None
     hidden: tuple[int, ...]
     """The indices of ``hidden_states`` the graph returns besides the last hidden state."""
     staging: Staging
@@ -405,10 +396,8 @@ class PixtralPlan(PackedTowerPlan):
         images: _Images = call.parts
         grids = tuple(images.grids)
         if buffers.loaded != grids:
-            tokens = call.size
             fields = buffers.staging.host()
-            fields["position_ids"][:tokens] = images.positions
-            fields["position_ids"][tokens:] = 0
+            write_padded(fields["position_ids"], images.positions)
             fields["cu_seqlens"].copy_(images.cu_seqlens)
             buffers.staging.send()
             copy_boundaries(buffers.metadata, buffers.staging.device["cu_seqlens"])

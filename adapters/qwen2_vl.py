@@ -72,6 +72,7 @@ from layergraph.packing import PackedCall
 from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.kit.automatic import SpeedChoices
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers, write_padded
 from layergraph_adapters.kit.fused_norm import BLOCK, LayerForm, fused_norms
 from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
@@ -119,7 +120,7 @@ class _TowerKind(PackedFamily):
     learned position table, resampled with ``grid_sample`` (which ``positions_matmul``
     replaces) to the height and width of the row
     ``grid_thw[frame]``): the graph is given the call's rows in a buffer of one slot per frame
-    (:attr:`PackedBuffers.grid_thw`), and a call with an entry of several frames, whose rows
+    (:attr:`QwenBuffers.grid_thw`), and a call with an entry of several frames, whose rows
     the forward reads by frame index, runs eagerly."""
     qk_norms: bool = False
     """Whether attention normalises q and k per head (``q_norm``, ``k_norm``) before rotating
@@ -219,16 +220,14 @@ class _WindowBuffers:
 
 
 @dataclass(eq=False)
-class PackedBuffers:
-    """One budget's buffers: the tower's inputs, its precomputed arguments, the attention
-    metadata over them and the backend's workspace. Written in place before every replay.
+class QwenBuffers(BudgetBuffers):
+    """One budget's buffers: besides the kit's, the tower's precomputed arguments
+    (positions, window order, position table rows and weights), views of :attr:`staging`'s
+    device buffer as are the boundaries the attention metadata is copied from, so that a
+    call's metadata reaches the device in one transfer. :attr:`metadata` is the
+    full-attention layers' (its ``cu_seqlens`` is the tower's ``cu_seqlens``, frame
+    boundaries), and :attr:`workspace` is shared by both kinds of attention."""
 
-    The precomputed arguments (positions, window order, position table rows and weights) are
-    views of :attr:`staging`'s device buffer, and so are the boundaries the attention
-    metadata is copied from: a call's metadata reaches the device in one transfer."""
-
-    budget: int
-    pixels: torch.Tensor
     grid_thw: torch.Tensor
     """The tower's ``grid_thw`` argument. A tower that reads it in the graph (GLM-4.1V's,
     :attr:`_TowerKind.grid_rows`) gets the call's rows, one slot per frame and one more, the
@@ -236,19 +235,12 @@ class PackedBuffers:
     for the others it is one row of zeros, which their forwards read only to compute what
     they are given precomputed."""
     position_ids: torch.Tensor
-    full: AttentionMetadata
-    """The full-attention layers' metadata, from the ``attention_metadata`` hook; its
-    ``cu_seqlens`` is the tower's ``cu_seqlens`` argument, frame boundaries."""
     window: _WindowBuffers | None
     """``None`` for a tower without windows."""
     interp_indices: torch.Tensor | None
     interp_weights: torch.Tensor | None
     """Both ``None`` for a tower without learned positions; zero weights past the real
     tokens."""
-    backend: AttentionBackend
-    """The full-attention layers' backend."""
-    workspace: torch.Tensor | None
-    """Shared by both kinds of attention where either backend writes into one."""
     fixed: dict[str, Any]
     """The call's other arguments (part of the signature)."""
     staging: Staging
@@ -518,7 +510,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         pixels = parts.pixels[starts[images.start] : starts[images.stop]]
         return self.pack((pixels, grid[images.start : images.stop]), parts.fixed)
 
-    def allocate(self, budget: int, call: PackedCall) -> PackedBuffers:
+    def allocate(self, budget: int, call: PackedCall) -> QwenBuffers:
         parts = call.parts
         pixels, host, fixed = parts.pixels, parts.host, parts.fixed
         device, slots = pixels.device, call.signature[-1]
@@ -562,7 +554,7 @@ class Qwen2VLPlan(PackedTowerPlan):
             chosen += f", windows: {_described(window_backend)}"
         self.attention_by_budget[budget] = chosen
         backends = (backend,) if window is None else (backend, window.backend)
-        return PackedBuffers(
+        return QwenBuffers(
             budget=budget,
             pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
             grid_thw=(
@@ -571,7 +563,7 @@ class Qwen2VLPlan(PackedTowerPlan):
                 else torch.zeros(1, 3, dtype=torch.long, device=device)
             ),
             position_ids=staged["position_ids"],
-            full=full,
+            metadata=full,
             window=window,
             interp_indices=staged.get("interp_indices"),
             interp_weights=staged.get("interp_weights"),
@@ -592,7 +584,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         merged = budget // self.budget_unit
         return min(merged, -(-merged // self.window_side) + frames)
 
-    def load(self, buffers: PackedBuffers, call: PackedCall) -> None:
+    def load(self, buffers: QwenBuffers, call: PackedCall) -> None:
         pixels, tokens = call.parts.pixels, call.size
         if buffers.loaded != call.parts.grids:
             self._load_metadata(buffers, call)
@@ -601,42 +593,36 @@ class Qwen2VLPlan(PackedTowerPlan):
             buffers.pixels[tokens : buffers.filled].zero_()
         buffers.filled = tokens
 
-    def _load_metadata(self, buffers: PackedBuffers, call: PackedCall) -> None:
+    def _load_metadata(self, buffers: QwenBuffers, call: PackedCall) -> None:
         """Write the metadata of ``call``'s grids into ``buffers``, through their staging
         buffer in one transfer."""
         host = call.parts.host
-        tokens, merged = call.size, call.size // self.budget_unit
         staging = buffers.staging
         fields = staging.host()
-        fields["position_ids"][:tokens] = host.position_ids
-        fields["position_ids"][tokens:] = 0
+        write_padded(fields["position_ids"], host.position_ids)
         pad_boundaries(fields["cu_seqlens"], host.cu_seqlens)
         window = buffers.window
         if window is not None:
-            fields["window_index"][:merged] = host.window_index
-            fields["window_index"][merged:] = window.tail[merged:]
+            write_padded(fields["window_index"], host.window_index, window.tail)
             pad_boundaries(fields["cu_window_seqlens"], host.cu_window_seqlens)
         if buffers.interp_indices is not None:
             for name in ("interp_indices", "interp_weights"):
-                fields[name][:tokens] = getattr(host, name)
-                fields[name][tokens:] = 0
+                write_padded(fields[name], getattr(host, name))
         if self.grid_rows:
-            entries = call.parts.grid.shape[0]
-            fields["grid_thw"][:entries] = call.parts.grid
-            fields["grid_thw"][entries:] = 1
+            write_padded(fields["grid_thw"], call.parts.grid, 1)
         staging.send()
-        copy_boundaries(buffers.full, staging.device["cu_seqlens"])
+        copy_boundaries(buffers.metadata, staging.device["cu_seqlens"])
         if window is not None:
             copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
         buffers.loaded = call.parts.grids
 
-    def arguments(self, buffers: PackedBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def arguments(self, buffers: QwenBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs = {
             **buffers.fixed,
             "grid_thw": buffers.grid_thw,
             "position_ids": buffers.position_ids,
-            "cu_seqlens": buffers.full.cu_seqlens,
-            "max_seqlen": buffers.full.max_seqlen,
+            "cu_seqlens": buffers.metadata.cu_seqlens,
+            "max_seqlen": buffers.metadata.max_seqlen,
         }
         if buffers.window is not None:
             kwargs["window_index"] = buffers.window.index
@@ -667,7 +653,7 @@ class Qwen2VLPlan(PackedTowerPlan):
     def attend_packed(
         self,
         module: nn.Module,
-        buffers: PackedBuffers,
+        buffers: QwenBuffers,
         hidden_states: torch.Tensor,
         cu_seqlens: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -680,8 +666,8 @@ class Qwen2VLPlan(PackedTowerPlan):
         the full-attention backend, or to the windowed one where the tower passes the window
         boundaries. Each backend's per-forward work (:meth:`AttentionBackend.prepare`) is done
         once per forward, at the first layer that uses it."""
-        metadata, backend = buffers.full, buffers.backend
-        if buffers.window is not None and cu_seqlens is not buffers.full.cu_seqlens:
+        metadata, backend = buffers.metadata, buffers.backend
+        if buffers.window is not None and cu_seqlens is not buffers.metadata.cu_seqlens:
             metadata, backend = buffers.window.metadata, buffers.window.backend
         if module is self.attentions[0]:
             buffers.prepared.clear()

@@ -29,32 +29,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from layergraph.attention import AttentionBackend, AttentionMetadata
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers
 from layergraph_adapters.kit.packed_tower import workspace
 
 __all__ = ["NaflexBuffers", "allocate", "packed_forward", "pool"]
 
 
-@dataclass(frozen=True, eq=False)
-class NaflexBuffers:
-    """One budget's buffers, written in place before every replay.
+@dataclass(eq=False)
+class NaflexBuffers(BudgetBuffers):
+    """One budget's buffers. The image boundaries live in the attention metadata
+    (``cu_seqlens``, ``slots + 1``, and ``seq_lens`` where the backend takes them), from the
+    ``attention_metadata`` hook. Image slots past a call's images are empty (their boundaries
+    at its last token)."""
 
-    The image boundaries live in the attention metadata (``cu_seqlens``, ``slots + 1``, and
-    ``seq_lens`` where the backend takes them), from the ``attention_metadata`` hook. Image
-    slots past a call's images are empty (their boundaries at its last token).
-    """
-
-    budget: int
     slots: int
-    pixels: torch.Tensor
-    """``[budget, features]``: the call's real patches, zeros past them."""
     positions: torch.Tensor
     """``[budget, width]``: each real patch's position embedding, zeros past them."""
-    metadata: AttentionMetadata
-    """For a :class:`~layergraph.attention.PackedLayout` of the budget and its slots."""
     tokens: torch.Tensor
     """``0 .. budget - 1`` (int32): each token's place in the sequence."""
-    backend: AttentionBackend
-    workspace: torch.Tensor | None
 
 
 def allocate(

@@ -56,6 +56,7 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters.kit.automatic import build_with_automatic_options
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers
 from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
 
 if TYPE_CHECKING:
@@ -410,7 +411,7 @@ class PackedTowerPlan(CapturePlan, Packing):
 
     @staticmethod
     def attend(
-        buffers: Any,
+        buffers: BudgetBuffers,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -419,9 +420,8 @@ class PackedTowerPlan(CapturePlan, Packing):
         backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Attention of ``[tokens, heads, head_dim]`` q, k and v through the bound buffers'
-        backend (``buffers.backend``, ``buffers.metadata``, ``buffers.workspace``, over
-        ``buffers.budget`` tokens), or through ``backend`` with ``metadata`` where given (a
-        tower's windowed layers)."""
+        backend and metadata, or through ``backend`` with ``metadata`` where given (a tower's
+        windowed layers)."""
         backend = backend or buffers.backend
         if not backend.takes_strided_inputs:
             v = v.contiguous()
