@@ -198,9 +198,9 @@ class PixtralPlan(PackedTowerPlan):
 
         super().__init__(tower, adapter, context, family)
         self._output_type: type | None = None
+        """The tower's output class (:func:`tower_output_class`), read on the first cut."""
         self._whole_keys: dict[tuple[str, ...], tuple[str, ...]] = {}
         """The keys of the whole tower's outputs, learnt by feature outputs."""
-        """The tower's output class (:func:`tower_output_class`), read on the first cut."""
         self._selects_by_index = hasattr(output_capturing, "selected_hidden_states")
         """Whether transformers selects hidden states by index (``output_hidden_states=-2``
         returns that one alone, 5.24) or takes any true value for all of them (5.17)."""

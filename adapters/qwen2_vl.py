@@ -692,28 +692,12 @@ class Qwen2VLAdapter(PackedTowerAdapter):
     to 4,096 tokens; served only where named), a registered backend that reads sequence
     boundaries at run time, or ``auto`` (the fastest of the others, timed per budget and kind
     of attention). ``max_tokens``: the largest budget learnt (larger calls are split by
-    images); ``budget_step``: learnt budgets are multiples of it. ``align_mlp``: pad each
-    block's MLP to a hidden width that is a multiple of 64, with zeros
-    (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: where the tower is on a CUDA device
-    and its MLP width is not a multiple of 8, as Qwen2.5-VL's 3420). ``fuse_norm``: each
-    block's residual add and second norm through one Triton kernel
-    (:mod:`~layergraph_adapters.kit.fused_norm`; ``"auto"``: on a CUDA device). ``fuse_gelu``:
-    each block's up-projection and tanh GELU as one product with a GELU epilogue
-    (:mod:`~layergraph_adapters.kit.gelu_epilogue`; ``"auto"``: on a CUDA device, for the
-    towers whose MLP is ``fc2(gelu_tanh(fc1(x)))``: Qwen3-VL's and Qwen3.5's). ``fuse_rotary``:
-    q and k rotated by one Triton kernel in every layer instead of the family's composition of
-    small kernels (:mod:`~layergraph_adapters.kit.fused_rotary`; ``"auto"``: on a CUDA device,
-    for the families whose rotation is the rotate-half one: all of them).
-    ``fuse_gate``: a gated MLP's (Qwen2.5-VL's, GLM's) gate and up as one product and
-    ``silu(gate) * up`` as one Triton kernel, padded where ``align_mlp`` would pad
-    (:mod:`~layergraph_adapters.kit.aligned_mlp`; ``"auto"``: on a CUDA device, for the towers
-    with a gated SiLU MLP). ``patch_matmul``: the patch embedding's ``Conv3d`` as one matrix
-    product of the rows of pixels with its filters
-    (:class:`~layergraph_adapters.kit.patch_embedding.PackedPatchMatmul`; off by default,
-    ``"auto"``: on a CUDA device). ``positions_matmul``: GLM-4.1V's and GLM-4.5V's learned
-    position table resampled to each patch as one matrix product of bicubic weights instead of
-    ``grid_sample`` (:mod:`~layergraph_adapters.kit.position_resampling`; off by default,
-    ``"auto"``: on a CUDA device, for those towers).
+    images); ``budget_step``: learnt budgets are multiples of it. The speed options
+    ``align_mlp``, ``fuse_norm``, ``fuse_gelu``, ``fuse_rotary`` and ``fuse_gate`` (default
+    ``"auto"``) and ``patch_matmul`` and ``positions_matmul`` (default off) are declared in
+    :data:`~layergraph_adapters.kit.automatic.SPEED_OPTIONS` and tabled, with the towers each
+    fits, in the speed-options tutorial; ``"auto"`` takes one where the tower is on a CUDA
+    device and the option fits its layers.
     """
 
     name = "qwen2_vl"
