@@ -519,7 +519,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         backend, full = self.choose_attention(
             budget, slots, budget, host.cu_seqlens.diff().tolist(), computing
         )
-        chosen = f"full: {_described(backend)}"
+        chosen = f"full: {backend.described}"
         fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             "position_ids": (torch.long, (budget, 2)),
             "cu_seqlens": (torch.int32, (slots + 1,)),
@@ -551,7 +551,7 @@ class Qwen2VLPlan(PackedTowerPlan):
                 metadata=window_metadata,
                 backend=window_backend,
             )
-            chosen += f", windows: {_described(window_backend)}"
+            chosen += f", windows: {window_backend.described}"
         self.attention_by_budget[budget] = chosen
         backends = (backend,) if window is None else (backend, window.backend)
         return QwenBuffers(
@@ -751,13 +751,6 @@ def _frozen_arguments(fixed: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     except TypeError:
         raise UnsupportedCall("an argument that is not hashable") from None
     return frozen
-
-
-def _described(backend: AttentionBackend) -> str:
-    """A backend's name, and what runs where that is not the same (``fa3``'s kernel)."""
-    if backend.implementation == backend.name:
-        return backend.name
-    return f"{backend.name} ({backend.implementation})"
 
 
 @hookimpl

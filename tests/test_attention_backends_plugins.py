@@ -95,6 +95,13 @@ def test_builtin_backends_are_registered_by_layergraphs_own_plugin() -> None:
     )
 
 
+def test_a_backend_is_described_by_its_name_and_what_runs_where_they_differ() -> None:
+    registry = AdapterRegistry()
+    sdpa, fa3 = registry.attention_backend("sdpa"), registry.attention_backend("fa3")
+    assert sdpa.described == "sdpa"
+    assert fa3.described == f"fa3 ({fa3.implementation})" != "fa3"
+
+
 def test_plugin_backend_is_listed_chosen_by_name_and_run() -> None:
     toy = ToyAttention()
     registry = AdapterRegistry()

@@ -78,3 +78,12 @@ class AttentionBackend(ABC):
     def implementation(self) -> str:
         """What actually runs (a kernel or library name), for statistics and reports."""
         return self.name
+
+    @property
+    def described(self) -> str:
+        """The backend's name, and what runs where that is not the same (``fa3`` with
+        PyTorch's kernel: ``"fa3 (torch.nn.attention.varlen.varlen_attn)"``), for statistics
+        and reports."""
+        if self.implementation == self.name:
+            return self.name
+        return f"{self.name} ({self.implementation})"
