@@ -215,12 +215,7 @@ class PixtralPlan(PackedTowerPlan):
 
     # ---- what the runner asks ----------------------------------------------------------------
 
-    def region(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and isinstance(args[0], PixtralBuffers):
-            return self._packed_forward(args[0])
-        return self.own(*args, **kwargs)
-
-    def _packed_forward(
+    def packed_forward(
         self, buffers: PixtralBuffers
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The tower over the budget's packed patches: the last hidden state ``[budget,

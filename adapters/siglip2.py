@@ -185,12 +185,10 @@ class Siglip2Plan(PackedTowerPlan):
         for rewrite in self.rewrites:
             changes.apply(rewrite)
 
-    def region(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and isinstance(args[0], naflex.NaflexBuffers):
-            return naflex.packed_forward(self.owner, args[0])
-        return self._eager(args, kwargs)
+    def packed_forward(self, buffers: naflex.NaflexBuffers) -> tuple[torch.Tensor, Any]:
+        return naflex.packed_forward(self.owner, buffers)
 
-    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The tower's own forward, with ``last_hidden_state`` zero where the mask is."""
         out = self.own(*args, **kwargs)
         mask = kwargs.get("pixel_attention_mask", args[1] if len(args) > 1 else None)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +55,13 @@ from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters.kit.automatic import build_with_automatic_options
-from layergraph_adapters.kit.budget_buffers import BudgetBuffers
+from layergraph_adapters.kit.budget_buffers import (
+    BudgetBuffers,
+    copy_boundaries,
+    host_boundaries,
+    pad_boundaries,
+    workspace,
+)
 from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
 
 if TYPE_CHECKING:
@@ -437,6 +442,21 @@ class PackedTowerPlan(CapturePlan, Packing):
 
     # ---- packing -----------------------------------------------------------------------------
 
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        """A graph's body (:meth:`packed_forward`, given one budget's buffers, as
+        :meth:`arguments` hands them over) or an eager call (the tower's own forward)."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], BudgetBuffers):
+            return self.packed_forward(args[0])
+        return self.eager(*args, **kwargs)
+
+    def packed_forward(self, buffers: Any) -> Any:
+        """The tower over one budget's buffers, as its graph captures it."""
+        raise NotImplementedError(f"{type(self).__name__} has no packed forward")
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """A call no graph serves: the tower's own forward."""
+        return self.own(*args, **kwargs)
+
     def piece(self, call: PackedCall, images: range) -> PackedCall:
         """The call of ``call``'s images in ``images`` alone (a piece of a split call)."""
         raise NotImplementedError
@@ -561,40 +581,3 @@ def image_slots(images: int, minimum: int = MIN_IMAGE_SLOTS) -> int:
     """The slots a graph holds for a call of ``images`` images: at least ``minimum``, else the
     next power of two."""
     return max(minimum, 1 << (images - 1).bit_length())
-
-
-def host_boundaries(counts: Sequence[int], slots: int) -> torch.Tensor:
-    """The ``cu_seqlens`` of sequences of ``counts`` tokens in ``slots`` slots, on the host
-    (int32): the slots past them empty, at the last real token (:func:`pad_boundaries`)."""
-    offsets = torch.zeros(slots + 1, dtype=torch.int32)
-    pad_boundaries(offsets, torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32))
-    return offsets
-
-
-def pad_boundaries(field: torch.Tensor, offsets: torch.Tensor) -> None:
-    """Write a call's boundaries ``offsets`` (from 0) into ``field``, a budget's slots and one:
-    the sequences past the real ones are empty, starting and ending at the last real token."""
-    field[: offsets.numel()] = offsets
-    field[offsets.numel() :] = offsets[-1]
-
-
-def copy_boundaries(metadata: AttentionMetadata, boundaries: torch.Tensor) -> None:
-    """Copy boundaries (on the device, or the host) into the attention metadata's own tensors
-    (a plugin's hook may have made them), and the sequences' lengths where it has them."""
-    metadata.cu_seqlens.copy_(boundaries)
-    if metadata.seq_lens is None:
-        return
-    if boundaries.device == metadata.seq_lens.device:
-        torch.sub(boundaries[1:], boundaries[:-1], out=metadata.seq_lens)
-    else:
-        metadata.seq_lens.copy_(boundaries.diff())
-
-
-def workspace(
-    budget: int, heads: int, head_dim: int, like: torch.Tensor, *backends: AttentionBackend
-) -> torch.Tensor | None:
-    """The ``[budget, heads, head_dim]`` buffer the backends write into, where any of them
-    needs one (of ``like``'s dtype and device); ``None`` otherwise."""
-    if not any(backend.needs_workspace for backend in backends):
-        return None
-    return torch.zeros(budget, heads, head_dim, dtype=like.dtype, device=like.device)
