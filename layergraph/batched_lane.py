@@ -100,7 +100,7 @@ class BatchedLane:
         if not pays:
             return output
         if len(route.pieces) == 1:
-            entry = engine.cache.get((route.pieces[0], call.signature))
+            entry = engine.held.get((route.pieces[0], call.signature))
             return engine.replay(entry, call, fresh, count=True)
         spans = [(start, stop) for start, stop, _ in route.chunks]
         return self._serve_chunks(call, spans, str(route), sizes=route.pieces)
@@ -110,7 +110,7 @@ class BatchedLane:
         or in chunks), or ``None`` if none may; chosen again whenever the graphs change."""
         if not self.plan.batch_independent:
             return None
-        cache = self.engine.cache
+        cache = self.engine.held
         lookup = (call.batch, call.signature)
         chosen = self._routes.get(lookup)
         if chosen is not None and chosen[0] == cache.generation:
@@ -147,7 +147,7 @@ class BatchedLane:
             parts = [self.serve(chunk, fresh=True) for chunk in chunks]
         else:
             parts = [
-                engine.replay(engine.cache.get((size, chunk.signature)), chunk, fresh=True)
+                engine.replay(engine.held.get((size, chunk.signature)), chunk, fresh=True)
                 for chunk, size in zip(chunks, sizes)
             ]
         try:

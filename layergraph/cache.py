@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from torch.utils import _pytree as pytree
 
@@ -30,7 +30,7 @@ from .guards import HeldOutputs
 from .keys import ShapeKey
 from .policy import Costs
 
-__all__ = ["GraphCache", "GraphEntry", "ReplayRecord"]
+__all__ = ["GraphCache", "GraphEntry", "HeldGraphs", "ReplayRecord"]
 
 _SIGHTINGS_KEPT = 4096
 _HALVE_EVERY = 1024
@@ -272,3 +272,23 @@ class GraphCache:
     def items(self) -> list[tuple[Hashable, GraphEntry]]:
         """Every graph held, with its lookup, least recently used first; uses not counted."""
         return list(self._graphs.items())
+
+
+class HeldGraphs(Protocol):
+    """What the lanes and the façade read of the graphs held (:attr:`GraphEngine.held
+    <layergraph.engine.GraphEngine.held>`); capturing, dropping and measuring go through the
+    engine alone."""
+
+    generation: int
+    """Counts changes to the graphs held: a choice made over them holds while it is equal."""
+
+    def get(self, lookup: Hashable) -> GraphEntry | None: ...
+    def failure(self, lookup: Hashable) -> str | None: ...
+    def sightings(self, lookup: Hashable) -> int: ...
+    def costs(self, lookup: Hashable) -> Costs | None: ...
+    def held_with(self, signature: Hashable) -> dict[int, GraphEntry]: ...
+    def all_costs(self) -> dict[Hashable, Costs]: ...
+    def costs_by_batch(self) -> dict[int, Costs]: ...
+    def items(self) -> list[tuple[Hashable, GraphEntry]]: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[GraphEntry]: ...

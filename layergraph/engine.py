@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .adapter import CapturePlan
-from .cache import GraphCache, GraphEntry
+from .cache import GraphCache, GraphEntry, HeldGraphs
 from .gate import EagerGate
 from .graphs import GraphBackend, GraphCaptureError
 from .guards import HookFingerprint, HookWatch, ParameterWatch, addresses
@@ -129,7 +129,7 @@ class GraphEngine:
         """What warm-up and capture run: the plan's region, or a compiled version of it."""
         self._capture_contexts = capture_contexts or tuple
         """The contexts plugins enter around each warm-up and capture."""
-        self.cache = GraphCache(max_graphs, options.capture_after)
+        self._cache = GraphCache(max_graphs, options.capture_after)
         """Every graph, and everything known about each key: its graph with that graph's
         validation, its sightings, or its failed capture."""
         self.stats = GraphStats()
@@ -144,6 +144,18 @@ class GraphEngine:
         """Call signatures captured since the model last changed: the lazy initialisation of
         their kernels has run, so a packing whose budgets share kernels warms them up once."""
         self.eager_stand_in: Callable[[Call], float | None] = lambda call: None
+
+    @property
+    def held(self) -> HeldGraphs:
+        """The graphs held and what is known of each key, to read; they change through the
+        engine alone."""
+        return self._cache
+
+    def take_costs(self, measured: Iterable[tuple[Hashable, Costs]]) -> None:
+        """Take the measurements of keys not measured here (a warm start's)."""
+        for lookup, costs in measured:
+            if self._cache.costs(lookup) is None:
+                self._cache.record_costs(lookup, costs)
 
     # ---- the model under the graphs -----------------------------------------------------------
 
@@ -163,12 +175,12 @@ class GraphEngine:
         under the graphs (parameters moved, hooks accepted): that too, and which signatures
         were warmed up, an invalidation counted if any graph was held (the lane forgets its
         own, :meth:`Lane.forget`)."""
-        if scope == "model" and len(self.cache):
+        if scope == "model" and len(self._cache):
             self.stats.invalidations += 1
         if scope == "graphs":
-            self.cache.drop_graphs()
+            self._cache.drop_graphs()
         else:
-            self.cache.clear()
+            self._cache.clear()
         if scope == "model":
             self._warmed.clear()
         self.pool = None
@@ -176,7 +188,7 @@ class GraphEngine:
     def keep_budgets(self, budgets: Sequence[int]) -> None:
         """Drop the graphs of budgets not in ``budgets`` (a new plan of learnt budgets); the
         pool goes with the last graph."""
-        if self.cache.keep_buckets(budgets) and not len(self.cache):
+        if self._cache.keep_buckets(budgets) and not len(self._cache):
             self.pool = None
 
     # ---- eager calls --------------------------------------------------------------------------
@@ -245,10 +257,10 @@ class GraphEngine:
         eagerly: timed on its key's first eager call (the eager time recorded), else counted
         with ``reason`` and why ``other`` was not taken. The measured fallback of both lanes."""
         lookup = (size, call.signature)
-        costs = self.cache.costs(lookup)
+        costs = self._cache.costs(lookup)
         if costs is None:
             output, eager_ms = self.time_eagerly(reason, call)
-            self.cache.record_costs(lookup, Costs(eager_ms))
+            self._cache.record_costs(lookup, Costs(eager_ms))
             return False, output
         if other_ms >= costs.eager_ms * ROUTE_MARGIN:
             reason = f"{reason}; {other} were not measured faster than eager"
@@ -262,20 +274,20 @@ class GraphEngine:
         """The graph of ``budget`` for calls like ``call``, captured now if admitted; else
         ``None`` and why the call cannot have it."""
         lookup = (budget, call.signature)
-        entry = self.cache.get(lookup)
+        entry = self._cache.get(lookup)
         if entry is not None:
             return entry, ""
-        failure = self.cache.failure(lookup)
+        failure = self._cache.failure(lookup)
         if failure is not None:
             return None, failure
-        costs = self.cache.costs(lookup)
+        costs = self._cache.costs(lookup)
         if costs is not None and costs.graph_ms is not None and not costs.graph_pays:
             return None, slower_reason(budget)
         self.plan.check_inputs(call)
         key = ShapeKey(budget, self.plan.sequence_of(call))
         if not self.options.lazy:
             return None, f"no graph captured for {key} and lazy capture is off"
-        refusal = self.cache.admit(lookup)
+        refusal = self._cache.admit(lookup)
         if refusal is not None:
             return None, refusal
         return self.capture(budget, call)
@@ -321,13 +333,13 @@ class GraphEngine:
         than eager. Raises ``RuntimeError`` where ``sizes`` do not fit ``max_graphs`` or the
         capture failed."""
         lookup = (budget, call.signature)
-        entry = self.cache.get(lookup)
+        entry = self._cache.get(lookup)
         if entry is not None:
             return entry
         if sizes > self.max_graphs:
             raise RuntimeError(f"cannot capture {sizes} sizes with max_graphs={self.max_graphs}")
         entry, reason = self.capture(budget, call)
-        if entry is None and self.cache.failure(lookup) is not None:
+        if entry is None and self._cache.failure(lookup) is not None:
             raise RuntimeError(f"cannot capture graphs: {reason}")
         return entry
 
@@ -338,7 +350,7 @@ class GraphEngine:
         started = time.perf_counter()
         costs = self._measure(entry.graph, entry.buffers, entry.output_leaves, call, entry.key)
         self.stats.capture_seconds += time.perf_counter() - started
-        kept = self.cache.keep_if_it_pays(lookup, costs)
+        kept = self._cache.keep_if_it_pays(lookup, costs)
         if kept is not None:
             return kept, ""
         self.stats.slower_graphs += 1
@@ -350,7 +362,7 @@ class GraphEngine:
         reason = f"capture of {key} ran out of device memory"
         self.forget("graphs")
         self.backend.release_memory()
-        self.cache.fail(lookup, reason)
+        self._cache.fail(lookup, reason)
         self.stats.failed_captures += 1
         return reason
 
@@ -360,7 +372,7 @@ class GraphEngine:
         """Record that ``key`` cannot be captured, for the reason ``failed`` gives, and warn;
         return the reason its calls run eagerly. The other graphs and the pool stay."""
         reason = f"capture of {key} failed: {failed}"
-        self.cache.fail(lookup, reason)
+        self._cache.fail(lookup, reason)
         self.stats.failed_captures += 1
         warn(
             f"{reason}; calls of this shape run eagerly until the model changes or the graphs "
@@ -382,7 +394,7 @@ class GraphEngine:
         the call is loaded into them. The capture seconds counted include the buffers'
         allocation (where a plan times its attention backends) and the measurement."""
         started = time.perf_counter()
-        if not len(self.cache):
+        if not len(self._cache):
             # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
             # to capture into a pool whose graphs were all released if any of its memory is
             # still held (an output kept by the caller, a cached cuBLAS workspace).
@@ -408,7 +420,7 @@ class GraphEngine:
             graph, output = self.backend.capture(region, self.pool, warmup_runs)
         self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
-        known = self.cache.costs(lookup)
+        known = self._cache.costs(lookup)
         if known is not None and known.graph_ms is not None:
             costs: Costs | None = known
         elif measure:
@@ -419,7 +431,7 @@ class GraphEngine:
         self.stats.capture_seconds += time.perf_counter() - started
         if costs is not None and not costs.graph_pays:
             self.stats.slower_graphs += 1
-            self.cache.record_costs(lookup, costs)
+            self._cache.record_costs(lookup, costs)
             return None
         entry = GraphEntry(
             key=key,
@@ -432,7 +444,7 @@ class GraphEngine:
             storages=storages((*buffer_tensors(buffers), *leaves)),
             costs=costs,
         )
-        if self.cache.add(lookup, entry) is not None:
+        if self._cache.add(lookup, entry) is not None:
             self.stats.evictions += 1
         return entry
 
@@ -531,7 +543,7 @@ class GraphEngine:
                 context=f"graph for key {entry.key} (batch {call.size})",
             )
         except GraphMismatchError:
-            self.cache.remove((entry.key.batch, call.signature))
+            self._cache.remove((entry.key.batch, call.signature))
             raise
         entry.record.validated = True
 

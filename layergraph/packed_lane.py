@@ -102,7 +102,7 @@ class PackedLane:
         budget = self._budget_for(call.size)
         if budget is None:
             return self._serve_split(call)
-        if planner is not None and not len(engine.cache):
+        if planner is not None and not len(engine.held):
             self._capture_ahead(call, budget)
         entry, reason = engine.entry_for(budget, call)
         if entry is not None and entry.costs is None:
@@ -113,7 +113,7 @@ class PackedLane:
             return self._eager(reason, call)
         held = [
             entry
-            for size, entry in engine.cache.held_with(call.signature).items()
+            for size, entry in engine.held.held_with(call.signature).items()
             if size >= call.size and entry.costs is not None and entry.costs.graph_pays
         ]
         if not held:
@@ -123,7 +123,7 @@ class PackedLane:
         pays, output = engine.other_way_pays(call, budget, reason, cheapest.costs.graph_ms, other)
         if not pays:
             return output
-        entry = engine.cache.get((cheapest.key.batch, call.signature))
+        entry = engine.held.get((cheapest.key.batch, call.signature))
         return engine.replay(entry, call, fresh, count=True)
 
     def _eager(self, reason: str, call: PackedCall) -> Any:
@@ -177,13 +177,13 @@ class PackedLane:
         call's own budget back, or without lazy capture."""
         engine = self.engine
         own = (budget, call.signature)
-        if not self.options.lazy or engine.cache.sightings(own) + 1 < self.options.capture_after:
+        if not self.options.lazy or engine.held.sightings(own) + 1 < self.options.capture_after:
             return
         engine.plan.check_inputs(call)
         for planned in sorted(self._planner.budgets, reverse=True):
             lookup = (planned, call.signature)
-            costs = engine.cache.costs(lookup)
-            if engine.cache.failure(lookup) is not None:
+            costs = engine.held.costs(lookup)
+            if engine.held.failure(lookup) is not None:
                 continue
             if costs is not None and costs.graph_ms is not None and not costs.graph_pays:
                 continue

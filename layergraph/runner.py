@@ -192,7 +192,7 @@ class GraphRunner:
         cannot be pickled are left out."""
         with self._engine.lock:
             kept = []
-            for lookup, costs in self._engine.cache.all_costs().items():
+            for lookup, costs in self._engine.held.all_costs().items():
                 try:
                     pickle.dumps(lookup)
                 except Exception:  # a user's argument value that pickle does not take
@@ -217,11 +217,8 @@ class GraphRunner:
         and one that pays is not measured again; a packed plan learning its budgets starts
         from that process's ``token_budgets`` and the ``token_totals`` they were chosen from
         (:meth:`token_totals`) instead of observing calls first."""
-        cache = self._engine.cache
         with self._engine.lock:
-            for lookup, costs in measured:
-                if cache.costs(lookup) is None:
-                    cache.record_costs(lookup, costs)
+            self._engine.take_costs(measured)
             if token_totals:
                 self._lane.start_from(token_totals, token_budgets)
 
@@ -242,7 +239,7 @@ class GraphRunner:
     @property
     def keys(self) -> list[ShapeKey]:
         """The keys of the graphs held now."""
-        return [entry.key for entry in self._engine.cache]
+        return [entry.key for entry in self._engine.held]
 
     def graphs(self) -> tuple[GraphInfo, ...]:
         """The graphs held now, least recently used first (:class:`GraphInfo`)."""
@@ -257,7 +254,7 @@ class GraphRunner:
                     validated=entry.record.validated,
                     uses=entry.record.uses,
                 )
-                for lookup, entry in self._engine.cache.items()
+                for lookup, entry in self._engine.held.items()
             )
 
     def stats(self) -> GraphStats:
@@ -267,11 +264,11 @@ class GraphRunner:
             pool_bytes = self.backend.pool_bytes(engine.pool) if engine.pool is not None else 0
             return replace(
                 engine.stats,
-                graphs=len(engine.cache),
+                graphs=len(engine.held),
                 budgets=self._lane.budgets,
                 eager_calls=engine.stats.eager_calls.copy(),
                 served=engine.stats.served.copy(),
-                costs=engine.cache.costs_by_batch(),
+                costs=engine.held.costs_by_batch(),
                 pool_bytes=pool_bytes,
             )
 

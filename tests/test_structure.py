@@ -249,3 +249,14 @@ def test_the_architecture_page_names_every_core_module_and_the_line_budgets() ->
     budgets = set(LINE_BUDGETS.values())
     assert len(budgets) == 1
     assert f"no core or kit module is over {budgets.pop()} lines" in page
+
+
+def test_the_graph_cache_is_the_engines_alone() -> None:
+    """Lanes and the façade read the graphs held through ``engine.held`` (``HeldGraphs``);
+    no module but the engine imports the cache that changes them."""
+    importers = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "GraphCache" for a in node.names):
+                importers.append(name)
+    assert importers == ["layergraph.engine"]
