@@ -207,7 +207,7 @@ SUPPORT: dict[str, Support] = {
     "pixtral": Support(
         PIXTRAL_CHECKED,
         copies=(
-            "layergraph_adapters.pixtral:PixtralPlan._packed_forward",
+            "layergraph_adapters.pixtral:PixtralPlan.packed_forward",
             "layergraph_adapters.pixtral:PixtralPlan.attend_packed",
         ),
         probes=(
