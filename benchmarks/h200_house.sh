@@ -7,6 +7,10 @@
 #   packed[:SIZE]: benchmarks/regression.py for the packed towers at 448x448 and 896x896 (or
 #            SIZE alone), batch 1, under the code before the change and after it, in turns;
 #   fixed:   the same for the fixed-resolution families at batches 1 and 32;
+#   fixed-rest: the same for the larger fixed-resolution towers (batches 1 and 8 for the three
+#            largest, 20 calls), the Idefics3 towers without the hand-written graph (which the
+#            tree before cannot capture);
+#   again:   vit-base-224 at batch 1, twice more under each tree, in turns;
 #   host:    host time per call before and after a second change: benchmarks/host_overhead.py
 #            (fixed, packed repeated, packed mixed) on the machine's CPU, and the waited latency
 #            of one fixed and one packed tower at their smallest input (hostcpu: the first
@@ -57,6 +61,18 @@ for part in "$@"; do
       venv after . && venv before .house/before
       compare 150 before fixed --models "$FIXED_FAST" --batch-sizes 1,32
       compare 120 before fixed-more --models "$FIXED_MORE" --batch-sizes 1,32 ;;
+    fixed-rest)
+      venv after . && venv before .house/before
+      compare 100 before fixed-idefics3 --models idefics3-8b-364,smolvlm2-2.2b-384 \
+        --batch-sizes 1,32 --no-hand-graph
+      compare 80 before fixed-llama4 --models llama4-scout-336 --batch-sizes 1,32
+      compare 140 before fixed-largest --models idefics2-8b-980,mllama-11b-560,internvit-6b \
+        --batch-sizes 1,8 --iters 20 ;;
+    again)
+      venv after . && venv before .house/before
+      for round in 1 2; do
+        compare 60 before "again-$round" --models vit-base-224 --batch-sizes 1 --iters 200
+      done ;;
     host|hostcpu)
       venv after . && venv lean-before .house/lean-before
       for what in "" "--packed repeated" "--packed mixed"; do

@@ -8,10 +8,10 @@ Runs :func:`layergraph.bench.run_benchmark` for each model in turn (eager, layer
 hand-written graph, each call waited for and in a loop) and writes, after every model, one
 record per model: its rows, the plan builds each ``wrap`` made (instances of
 :class:`~layergraph.adapter.CapturePlan` created while it ran) and the speed options each
-``wrap`` chose. The script only uses ``run_benchmark`` and ``CapturePlan``, which every
-release since 0.2 has, so the same file times the code before a change and after it: run it
-with each install's Python, on the same machine, and compare the records. A model that fails
-gets a record with its error and the run goes on.
+``wrap`` chose. The script only uses ``run_benchmark``, its ``_measure`` and ``CapturePlan``,
+which every release since 0.2 has, so the same file times the code before a change and after
+it: run it with each install's Python, on the same machine, and compare the records. A model
+that fails gets a record with its error and the run goes on.
 """
 
 from __future__ import annotations
@@ -71,14 +71,35 @@ def counted_wraps(wraps: list[dict[str, Any]]) -> Iterator[None]:
         bench_run.wrap = original_wrap
 
 
+@contextlib.contextmanager
+def without_hand_graph(skip: bool) -> Iterator[None]:
+    """With ``skip``, time no hand-written graph: for a tower whose whole forward a CUDA stream
+    cannot capture, in a tree whose benchmark does not know it (the capture fails and leaves
+    the process unable to draw random numbers)."""
+    original_measure = bench_run._measure
+
+    def measure_without(*args: Any, **kwargs: Any) -> Any:
+        return original_measure(*args, **{**kwargs, "by_hand": False})
+
+    bench_run._measure = measure_without if skip else original_measure
+    try:
+        yield
+    finally:
+        bench_run._measure = original_measure
+
+
 def measure(
-    name: str, batch_sizes: list[int], image_size: tuple[int, int] | None, iters: int
+    name: str,
+    batch_sizes: list[int],
+    image_size: tuple[int, int] | None,
+    iters: int,
+    skip_hand_graph: bool = False,
 ) -> dict[str, Any]:
     """One model's record: its rows and wraps, or the error that stopped it."""
     wraps: list[dict[str, Any]] = []
     record: dict[str, Any] = {"model": name, "image_size": image_size, "wraps": wraps}
     try:
-        with counted_wraps(wraps):
+        with counted_wraps(wraps), without_hand_graph(skip_hand_graph):
             report = run_benchmark(name, batch_sizes, iters=iters, image_size=image_size)
         record["rows"] = [asdict(row) for row in report.rows]
     except Exception:  # a failing model is recorded and the run goes on
@@ -95,6 +116,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--image-size", help="HEIGHTxWIDTH, for towers of any image size")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument(
+        "--no-hand-graph", action="store_true", help="time no hand-written graph of the forward"
+    )
     parser.add_argument("--json", type=Path, required=True, help="records appended to this file")
     args = parser.parse_args(argv)
     batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -104,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         image_size = (int(height), int(width))
     records = json.loads(args.json.read_text()) if args.json.exists() else []
     for name in args.models.split(","):
-        record = measure(name, batch_sizes, image_size, args.iters)
+        record = measure(name, batch_sizes, image_size, args.iters, args.no_hand_graph)
         record["layergraph"] = layergraph.__version__
         records.append(record)
         args.json.write_text(json.dumps(records, indent=1))
