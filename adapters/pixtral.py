@@ -20,7 +20,8 @@ column), and attends per image. Its graphs are captured per token budget
 - before every replay, each image's real patches are copied into the budget's buffer (rows of
   ``channels * patch * patch`` pixels, in the order of the convolution's weight), and the
   patches' (row, column) positions and the images' boundaries (``cu_seqlens``) go, written on
-  the host, to the device in one copy (:class:`~layergraph.staging.Staging`);
+  the host, to the device in one copy (the plan's staged fields, only when the call's grids
+  differ from the last call's);
 - in the graph: the patch convolution as one matrix product of those rows with its weight
   (equal up to rounding: every patch is one dot product per filter), ``ln_pre``, the rotary
   embeddings by the tower's own module, and the layers, whose attention modules hand q, k and v
@@ -64,8 +65,7 @@ from torch.utils import _pytree as pytree
 from layergraph import CapturePlan, PlanContext, hookimpl
 from layergraph.keys import UnsupportedCall
 from layergraph.packing import PackedCall
-from layergraph.staging import Staging
-from layergraph_adapters.kit.budget_buffers import BudgetBuffers, write_padded
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers, StagedField
 from layergraph_adapters.kit.feature_outputs import (
     computed_later,
     feature_indices,
@@ -75,11 +75,9 @@ from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
     PackedTowerPlan,
-    copy_boundaries,
     host_boundaries,
     image_slots,
     read_inputs,
-    workspace,
 )
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
 from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, require_transformers
@@ -124,19 +122,12 @@ def _kept_states(layers: int | list[int] | None, tower: nn.Module) -> tuple[int,
 
 @dataclass(eq=False)
 class PixtralBuffers(BudgetBuffers):
-    """One budget's buffers. :attr:`position_ids` and the boundaries the attention metadata is
-    copied from are views of :attr:`staging`'s device buffer: a call's metadata reaches the
-    device in one transfer. Image slots past a call's images are empty (their boundaries at its
-    last token), and the tokens past it belong to no image."""
+    """One budget's buffers; the patches' positions and the images' boundaries are staged
+    (:attr:`PixtralPlan.staged_fields`). Image slots past a call's images are empty (their
+    boundaries at its last token), and the tokens past it belong to no image."""
 
-    position_ids: torch.Tensor
-    """``[budget, 2]``: each patch's (row, column) in its image, zeros past the real ones."""
     hidden: tuple[int, ...]
     """The indices of ``hidden_states`` the graph returns besides the last hidden state."""
-    staging: Staging
-    loaded: tuple[tuple[int, int], ...] | None = None
-    """The grids whose metadata the buffers hold (``None`` before the first load): a call of
-    the same grids writes only its patches."""
 
 
 @dataclass(eq=False)
@@ -185,6 +176,7 @@ class PixtralPlan(PackedTowerPlan):
     options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
     serves_hidden_states = True
     casts_inputs = True  # the patch embedding casts the pixels to its weights' dtype
+    staged_fields = (StagedField.per_token("position_ids"), StagedField.boundaries())
 
     def __init__(
         self,
@@ -224,7 +216,8 @@ class PixtralPlan(PackedTowerPlan):
         weight = tower.patch_conv.weight
         hidden = F.linear(buffers.pixels, weight.view(weight.shape[0], -1))
         hidden = tower.ln_pre(hidden)
-        rotary = tower.patch_positional_embedding(hidden, buffers.position_ids)
+        positions = buffers.staged.device["position_ids"]
+        rotary = tower.patch_positional_embedding(hidden, positions)
         states = [hidden]
         for layer in self._layers:
             hidden = layer(hidden, None, position_embeddings=rotary)
@@ -361,43 +354,18 @@ class PixtralPlan(PackedTowerPlan):
         kwargs = {**parts.options, "pixel_values": pixels, "image_sizes": sizes}
         return self._call((), kwargs, pixels, grids, parts.options)
 
-    def allocate(self, budget: int, call: PackedCall) -> PixtralBuffers:
-        images: _Images = call.parts
-        device, dtype = images.pixels.device, self.owner.patch_conv.weight.dtype
-        pixels = torch.zeros(budget, self.channels * self.patch**2, dtype=dtype, device=device)
-        backend, metadata = self.choose_attention(
-            budget, images.slots, budget, images.counts, pixels
-        )
-        self.attention_by_budget[budget] = backend.name
-        staging = Staging(
-            {
-                "position_ids": (torch.long, (budget, 2)),
-                "cu_seqlens": (torch.int32, (images.slots + 1,)),
-            },
-            device,
-        )
-        return PixtralBuffers(
-            budget=budget,
-            pixels=pixels,
-            position_ids=staging.device["position_ids"],
-            metadata=metadata,
-            backend=backend,
-            workspace=workspace(budget, self.heads, self.head_dim, pixels, backend),
-            hidden=tuple(i for i in images.selected or () if i != self.depth),
-            staging=staging,
-        )
+    def allocate(self, budget: int, call: PackedCall[_Images]) -> PixtralBuffers:
+        images = call.parts
+        features, dtype = self.channels * self.patch**2, self.owner.patch_conv.weight.dtype
+        hidden = tuple(i for i in images.selected or () if i != self.depth)
+        return self.new_buffers(PixtralBuffers, budget, call, features, dtype, hidden=hidden)
 
-    def load(self, buffers: PixtralBuffers, call: PackedCall) -> None:
-        images: _Images = call.parts
-        grids = tuple(images.grids)
-        if buffers.loaded != grids:
-            fields = buffers.staging.host()
-            write_padded(fields["position_ids"], images.positions)
-            fields["cu_seqlens"].copy_(images.cu_seqlens)
-            buffers.staging.send()
-            copy_boundaries(buffers.metadata, buffers.staging.device["cu_seqlens"])
-            buffers.loaded = grids
-        self._load_patches(buffers.pixels, images)
+    def host_metadata(self, call: PackedCall[_Images]) -> dict[str, torch.Tensor]:
+        return {"position_ids": call.parts.positions, "cu_seqlens": call.parts.cu_seqlens}
+
+    def load(self, buffers: PixtralBuffers, call: PackedCall[_Images]) -> None:
+        buffers.load_staged(tuple(call.parts.grids), lambda: self.host_metadata(call))
+        self._load_patches(buffers.pixels, call.parts)
 
     def _load_patches(self, rows: torch.Tensor, images: _Images) -> None:
         """Copy each image's real patches into ``rows`` (``[budget, channels * patch *

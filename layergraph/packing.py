@@ -20,7 +20,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -49,17 +49,19 @@ class Call(Protocol):
 
 
 CallT = TypeVar("CallT", bound=Call)
+PartsT = TypeVar("PartsT")
 
 
 @dataclass(frozen=True, eq=False)
-class PackedCall:
+class PackedCall(Generic[PartsT]):
     """One call of a packed plan, as its :class:`Packing` read it on the host.
 
     The runner reads :attr:`size` to choose a budget, :attr:`signature` (with the budget) to find
     the graph, and :attr:`tensors` for its device and dtype checks; the plan reads
     :meth:`argument` in ``eager_reason`` as it would on a
     :class:`~layergraph.keys.CallInputs`. :attr:`parts` is the plan's own: what it computed
-    from the call to load it into buffers (per-image grids, metadata on the host).
+    from the call to load it into buffers (per-image grids, metadata on the host), of the
+    type the call is parametrised by (``PackedCall[Images]``).
     """
 
     args: tuple[Any, ...]
@@ -70,7 +72,7 @@ class PackedCall:
     """What fixes a graph besides the budget (dtypes, fixed arguments, a sequence budget)."""
     tensors: tuple[torch.Tensor, ...]
     """The inputs whose device and dtype must be the model's for a graph to serve."""
-    parts: Any = field(default=None, repr=False)
+    parts: PartsT = field(default=cast(Any, None), repr=False)
 
     @property
     def batch(self) -> int:

@@ -33,7 +33,7 @@ TYPE_ONLY_TOOLING = {"layergraph.bench.example_model"}
 
 DEPRECATED_BRIDGES = {
     ("layergraph.adapter", "layergraph.bench.example_model"): "layergraph.ExampleModel, 0.3",
-    ("layergraph_adapters.kit.packed_tower", "layergraph.bench.example_model"): (
+    ("layergraph_adapters.kit.packed_examples", "layergraph.bench.example_model"): (
         "PackedTowerAdapter.examples, 0.3"
     ),
     ("layergraph_adapters.kit.tower_specs", "layergraph.bench.example_model"): (

@@ -1,31 +1,143 @@
 """What every packed family's buffers of one token budget hold, typed for the kit.
 
 A family's buffers class is a dataclass that extends :class:`BudgetBuffers` with what its
-graphs read besides (positions, windows, staging); the kit's attention template reads these
-fields only. :func:`write_padded` is the one way a family writes a host field of a call into
-its staging buffer; :func:`pad_boundaries`, :func:`host_boundaries` and
-:func:`copy_boundaries` lay out and copy a call's sequence boundaries in the budget's image
-slots, and :func:`workspace` makes the attention workspace where a backend writes into one.
+graphs read besides (positions, windows); the kit's attention template reads these fields
+only. A family declares the host metadata its graphs read per call as :class:`StagedField`
+values (name, rows per budget, padding); the kit allocates them in one
+:class:`~layergraph.staging.Staging` buffer per budget (:class:`StagedMetadata`) and writes a
+call's values into them, padded, in one transfer, only when the call's grids differ from the
+last call's (:meth:`BudgetBuffers.load_staged`). :func:`write_padded`, :func:`pad_boundaries`,
+:func:`host_boundaries` and :func:`copy_boundaries` are the padding and copying they use, and
+:func:`workspace` makes the attention workspace where a backend writes into one.
+
+What it does not do: compute a family's metadata, or load its pixels (each family lays its
+patches out its own way).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 import torch
 
 from layergraph.attention import AttentionBackend, AttentionMetadata
+from layergraph.staging import Staging
 
 __all__ = [
     "BudgetBuffers",
+    "ImageParts",
+    "Padding",
+    "StagedField",
+    "StagedMetadata",
     "copy_boundaries",
     "host_boundaries",
     "pad_boundaries",
     "workspace",
     "write_padded",
 ]
+
+
+class ImageParts(Protocol):
+    """What the kit reads of a call's parts (:attr:`~layergraph.packing.PackedCall.parts`) of
+    a family whose images each are one sequence: what a family's ``pack`` computes besides."""
+
+    @property
+    def counts(self) -> Sequence[int]:
+        """The tokens of each image (or frame), in order."""
+
+    @property
+    def slots(self) -> int:
+        """The image slots of the call's graph (at least its images: ``image_slots``)."""
+
+
+Padding = Literal["zeros", "ones", "boundaries", "count"]
+"""What a staged field holds past a call's rows: zeros; ones; the call's last boundary
+repeated (a ``cu_seqlens``: the sequences past the real ones are empty); or each row's own
+index (an order over the budget's rows that leaves the rows past the call's in place)."""
+
+
+@dataclass(frozen=True)
+class StagedField:
+    """One tensor of per-call host metadata a family's graphs read, declared once."""
+
+    name: str
+    rows: Callable[[int, int], int]
+    """Its rows in a graph of ``(budget, slots)``: tokens and image slots."""
+    dtype: torch.dtype | None = None
+    """``None``: the dtype of the first call's value."""
+    padding: Padding = "zeros"
+
+    @classmethod
+    def per_token(cls, name: str, dtype: torch.dtype | None = None) -> StagedField:
+        """A field of one row per token of the budget, zeros past the call's."""
+        return cls(name, lambda budget, slots: budget, dtype)
+
+    @classmethod
+    def boundaries(cls, name: str = "cu_seqlens") -> StagedField:
+        """The call's image boundaries in the budget's slots (int32, ``slots + 1``)."""
+        return cls(name, lambda budget, slots: slots + 1, torch.int32, "boundaries")
+
+    def write(self, field: torch.Tensor, value: torch.Tensor) -> None:
+        """``value`` into the first rows of ``field``, padded past them."""
+        if self.padding == "boundaries":
+            pad_boundaries(field, value)
+        elif self.padding == "count":
+            field[: len(value)] = value
+            torch.arange(len(value), len(field), out=field[len(value) :])
+        else:
+            write_padded(field, value, 1 if self.padding == "ones" else 0)
+
+
+@dataclass(eq=False)
+class StagedMetadata:
+    """A budget's declared fields in one staging buffer (device views in :attr:`device`, whose
+    addresses never change), and the key of the values they hold."""
+
+    fields: tuple[StagedField, ...]
+    staging: Staging
+    loaded: Hashable | None = None
+    """What the fields were last written for (a call's grids); ``None`` before the first."""
+
+    @classmethod
+    def allocate(
+        cls,
+        fields: Sequence[StagedField],
+        budget: int,
+        slots: int,
+        first: Mapping[str, torch.Tensor],
+        device: torch.device,
+    ) -> StagedMetadata:
+        """The fields of a graph of ``budget`` tokens in ``slots`` slots on ``device``; a field
+        without a dtype, and every field's dimensions past its rows, from ``first`` (a
+        call's values)."""
+        layout = {
+            spec.name: (
+                spec.dtype or first[spec.name].dtype,
+                (spec.rows(budget, slots), *first[spec.name].shape[1:]),
+            )
+            for spec in fields
+        }
+        return cls(tuple(fields), Staging(layout, device))
+
+    @property
+    def device(self) -> dict[str, torch.Tensor]:
+        """The device views the graph reads, by field name."""
+        return self.staging.device
+
+    def load(self, key: Hashable, values: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
+        """Write ``values()`` (host tensors, by field name) into the fields and send them in
+        one transfer, unless they hold ``key``'s already; whether they were written."""
+        if key == self.loaded:
+            return False
+        host, given = self.staging.host(), values()
+        for spec in self.fields:
+            spec.write(host[spec.name], given[spec.name])
+        self.staging.send()
+        self.loaded = key
+        return True
 
 
 @dataclass(eq=False)
@@ -43,6 +155,17 @@ class BudgetBuffers:
     """The backend :attr:`metadata` is for."""
     workspace: torch.Tensor | None
     """Where the backend writes its output, for a backend that writes into one."""
+    staged: StagedMetadata | None = field(default=None, kw_only=True)
+    """The family's declared per-call metadata, where it has any."""
+
+    def load_staged(self, key: Hashable, values: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
+        """Load a call's metadata into :attr:`staged` (:meth:`StagedMetadata.load`) and copy a
+        ``cu_seqlens`` field, as sent, into :attr:`metadata`; whether it was written."""
+        if self.staged is None or not self.staged.load(key, values):
+            return False
+        if "cu_seqlens" in self.staged.device:
+            copy_boundaries(self.metadata, self.staged.device["cu_seqlens"])
+        return True
 
 
 def write_padded(field: torch.Tensor, rows: torch.Tensor, fill: float | torch.Tensor = 0) -> None:

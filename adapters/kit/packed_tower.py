@@ -35,7 +35,7 @@ import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -57,15 +57,17 @@ from layergraph.packing import PackedCall, Packing, split_ranges
 from layergraph_adapters.kit.automatic import build_with_automatic_options
 from layergraph_adapters.kit.budget_buffers import (
     BudgetBuffers,
+    ImageParts,
+    StagedField,
+    StagedMetadata,
     copy_boundaries,
     host_boundaries,
     pad_boundaries,
     workspace,
 )
-from layergraph_adapters.kit.tower_specs import TowerExample, build_tower, transformers_class
+from layergraph_adapters.kit.packed_examples import EXAMPLE_IMAGE_SIZE, PackedExamples
 
 if TYPE_CHECKING:
-    from layergraph.bench.example_model import ExampleModel
     from layergraph_adapters.kit.fused_norm import LayerForm
 
 __all__ = [
@@ -83,8 +85,7 @@ __all__ = [
     "workspace",
 ]
 
-EXAMPLE_IMAGE_SIZE = 448
-"""Deprecated (goes in 0.3): ``layergraph_adapters.example_models.packed.EXAMPLE_IMAGE_SIZE``."""
+BuffersT = TypeVar("BuffersT", bound=BudgetBuffers)
 
 MIN_IMAGE_SLOTS = 8
 """Images (or frames) a graph holds at least; more round up to a power of two. Part of a
@@ -152,7 +153,7 @@ def find_packed_tower(
     return None
 
 
-class PackedTowerAdapter(Adapter):
+class PackedTowerAdapter(PackedExamples, Adapter):
     """An adapter for the towers of :attr:`families`, per token budget.
 
     ``attention``: ``sdpa_varlen``, ``triton``, ``fa3``, a registered backend that reads
@@ -170,14 +171,6 @@ class PackedTowerAdapter(Adapter):
     """The speed options the adapter keeps as attributes of the same names and hands to
     :attr:`plan_class` as keyword arguments, each ``"auto"`` resolved for the tower
     (:func:`~layergraph_adapters.kit.automatic.build_with_automatic_options`)."""
-    examples: ClassVar[Mapping[str, TowerExample]] = {}
-    """Deprecated (goes in 0.3; example models come from a plugin's ``example_model`` hook,
-    :mod:`layergraph.bench.examples`): well-known towers the adapter serves, by name, fed
-    images of :data:`EXAMPLE_IMAGE_SIZE` (or the example's ``image_size``) by
-    :meth:`example_inputs`."""
-    vlm_examples: ClassVar[Mapping[str, TowerExample]] = {}
-    """Deprecated likewise: well-known VLMs holding such a tower, given prompts by
-    :meth:`example_prompt`."""
 
     def __init__(
         self, attention: str = "auto", max_tokens: int = 16384, budget_step: int | None = None
@@ -193,70 +186,6 @@ class PackedTowerAdapter(Adapter):
 
     def recognizes(self, model: nn.Module) -> bool:
         return find_packed_tower(model, self.families) is not None
-
-    def example_models(self) -> list[str]:
-        return [*self.examples, *self.vlm_examples]
-
-    def example_model(self, name: str) -> ExampleModel | None:
-        from layergraph.bench.example_model import ExampleModel
-
-        vlm = name in self.vlm_examples
-        example = self.vlm_examples[name] if vlm else self.examples.get(name)
-        if example is None:
-            return None
-        side = example.image_size or EXAMPLE_IMAGE_SIZE
-
-        def build(dtype: torch.dtype, device: torch.device) -> nn.Module:
-            return build_tower(example.tower, example.settings, dtype, device)
-
-        def config() -> Any:
-            return transformers_class(example.tower).config_class(**example.settings)
-
-        def prompt(
-            sizes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device
-        ) -> dict[str, Any]:
-            return self.example_prompt(config(), sizes, dtype, device)
-
-        def sized_inputs(
-            sizes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if vlm:
-                return (), prompt(sizes, dtype, device)
-            return self.example_inputs(config(), sizes, dtype, device)
-
-        return ExampleModel(
-            name=name,
-            adapter=self.name,
-            build=build,
-            inputs=lambda batch, dtype, device: sized_inputs([(side, side)] * batch, dtype, device),
-            sized_inputs=sized_inputs,
-            prompt=prompt if vlm else None,
-        )
-
-    def example_inputs(
-        self,
-        config: Any,
-        sizes: Sequence[tuple[int, int]],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """One call's ``(args, kwargs)`` for a tower of ``config``: random images of ``sizes``
-        (``(height, width)`` in pixels), resized and laid out as the family's processor and
-        VLMs do, in ``dtype`` on ``device``. Deprecated with :attr:`examples`."""
-        raise NotImplementedError(f"the {self.name} adapter has no example towers")
-
-    def example_prompt(
-        self,
-        config: Any,
-        sizes: Sequence[tuple[int, int]],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> dict[str, Any]:
-        """One prompt's keyword inputs for a VLM of ``config``: a few random text tokens
-        around images of ``sizes`` (``(height, width)`` in pixels), laid out as the VLM's
-        processor lays them out, in ``dtype`` on ``device``. Deprecated with
-        :attr:`vlm_examples`."""
-        raise NotImplementedError(f"the {self.name} adapter has no example VLMs")
 
     def find(self, model: nn.Module) -> tuple[nn.Module, PackedFamily]:
         """The tower ``model`` is or holds, and its family; :class:`AdapterMismatch` names the
@@ -305,6 +234,9 @@ class PackedTowerPlan(CapturePlan, Packing):
     """Whether :meth:`attend` is given v as a view into one ``[tokens, 3, heads, head_dim]``
     product (a fused q/k/v projection) and q and k as tensors of their own, so that
     ``attention="auto"`` times the backends on that layout (:func:`packed_timer`)."""
+    staged_fields: ClassVar[tuple[StagedField, ...]] = ()
+    """The per-call host metadata the graphs read, declared (:meth:`host_metadata` computes a
+    call's values): :meth:`new_buffers` allocates it, ``buffers.load_staged`` writes it."""
 
     def __init__(
         self,
@@ -472,6 +404,45 @@ class PackedTowerPlan(CapturePlan, Packing):
 
     def arguments(self, buffers: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (buffers,), {}
+
+    def host_metadata(self, call: PackedCall[Any]) -> Mapping[str, torch.Tensor]:
+        """The call's values of :attr:`staged_fields`, on the host, by name."""
+        raise NotImplementedError(f"{type(self).__name__} declares no staged fields")
+
+    def new_buffers(
+        self,
+        kind: type[BuffersT],
+        budget: int,
+        call: PackedCall[ImageParts],
+        features: int,
+        dtype: torch.dtype,
+        **fields: Any,
+    ) -> BuffersT:
+        """A budget's buffers of ``kind``: zero patches (``[budget, features]``, ``dtype``, on
+        the call's device), the backend chosen on the call's images and its metadata
+        (:meth:`choose_attention`, recorded in :attr:`attention_by_budget`), the workspace,
+        :attr:`staged_fields` (sized by the call's values) and the family's own ``fields``."""
+        parts, device = call.parts, call.tensors[0].device
+        computing = self.computing(device)
+        backend, metadata = self.choose_attention(
+            budget, parts.slots, budget, parts.counts, computing
+        )
+        self.attention_by_budget[budget] = backend.name
+        staged = None
+        if self.staged_fields:
+            values = self.host_metadata(call)
+            staged = StagedMetadata.allocate(
+                self.staged_fields, budget, parts.slots, values, device
+            )
+        return kind(
+            budget=budget,
+            pixels=torch.zeros(budget, features, dtype=dtype, device=device),
+            metadata=metadata,
+            backend=backend,
+            workspace=workspace(budget, self.heads, self.head_dim, computing, backend),
+            staged=staged,
+            **fields,
+        )
 
     def computing(self, device: torch.device) -> torch.Tensor:
         """An empty tensor of the dtype the tower computes in (its first floating parameter's)
