@@ -69,10 +69,9 @@ from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall
-from layergraph.staging import Staging
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
 from layergraph_adapters.kit.automatic import SpeedChoices
-from layergraph_adapters.kit.budget_buffers import BudgetBuffers, write_padded
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers, StagedField, StagedMetadata
 from layergraph_adapters.kit.fused_norm import BLOCK, LayerForm, fused_norms
 from layergraph_adapters.kit.fused_rotary import FusedRotary
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
@@ -83,7 +82,6 @@ from layergraph_adapters.kit.packed_tower import (
     PackedTowerPlan,
     copy_boundaries,
     image_slots,
-    pad_boundaries,
     workspace,
 )
 from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
@@ -205,28 +203,27 @@ _PRECOMPUTED = (
     "interp_weights",
 )
 """The tower's arguments that replace what it computes from ``grid_thw``."""
+_STAGED_ARGUMENTS = ("position_ids", "window_index", "interp_indices", "interp_weights")
+"""Those the graph reads as staged (the boundaries reach it through the attention metadata)."""
 
 
 @dataclass(frozen=True, eq=False)
-class _WindowBuffers:
-    """A budget's windows: the order that groups tokens by window, and the windows' metadata."""
+class _Windows:
+    """A budget's windowed layers' metadata and backend, chosen apart from the full-attention
+    layers'."""
 
-    index: torch.Tensor
-    tail: torch.Tensor
-    """``0 .. budget / merge unit`` on the host: what ``index`` holds past the real tokens."""
     metadata: AttentionMetadata
     backend: AttentionBackend
-    """The windowed layers' backend, chosen apart from the full-attention layers'."""
 
 
 @dataclass(eq=False)
 class QwenBuffers(BudgetBuffers):
-    """One budget's buffers: besides the kit's, the tower's precomputed arguments
-    (positions, window order, position table rows and weights), views of :attr:`staging`'s
-    device buffer as are the boundaries the attention metadata is copied from, so that a
-    call's metadata reaches the device in one transfer. :attr:`metadata` is the
-    full-attention layers' (its ``cu_seqlens`` is the tower's ``cu_seqlens``, frame
-    boundaries), and :attr:`workspace` is shared by both kinds of attention."""
+    """One budget's buffers: besides the kit's, the tower's precomputed arguments (positions,
+    window order, position table rows and weights), staged
+    (:attr:`Qwen2VLPlan.staged_fields`), as are the boundaries the attention metadata is
+    copied from. :attr:`metadata` is the full-attention layers' (its ``cu_seqlens`` is the
+    tower's ``cu_seqlens``, frame boundaries), and :attr:`workspace` is shared by both kinds of
+    attention."""
 
     grid_thw: torch.Tensor
     """The tower's ``grid_thw`` argument. A tower that reads it in the graph (GLM-4.1V's,
@@ -234,19 +231,10 @@ class QwenBuffers(BudgetBuffers):
     row the padding tokens read (they belong to no frame), ``(1, 1, 1)`` past the real rows;
     for the others it is one row of zeros, which their forwards read only to compute what
     they are given precomputed."""
-    position_ids: torch.Tensor
-    window: _WindowBuffers | None
+    window: _Windows | None
     """``None`` for a tower without windows."""
-    interp_indices: torch.Tensor | None
-    interp_weights: torch.Tensor | None
-    """Both ``None`` for a tower without learned positions; zero weights past the real
-    tokens."""
     fixed: dict[str, Any]
     """The call's other arguments (part of the signature)."""
-    staging: Staging
-    loaded: tuple[tuple[int, int, int], ...] | None = None
-    """The grids whose metadata the buffers hold (``None`` before the first load): a call of
-    the same grids writes only its pixels."""
     filled: int = 0
     """The rows of :attr:`pixels` the last call wrote (the rest are zeros)."""
     prepared: set[int] = field(default_factory=set)
@@ -370,12 +358,36 @@ class Qwen2VLPlan(PackedTowerPlan):
             """A window's side in merged tokens."""
             self.window_tokens = self.window_side**2 * self.budget_unit
             """The most tokens one window holds: the windowed layers' ``max_seqlen``."""
+        self.staged_fields = self._declared_fields()
         self._grid_sizes: dict[tuple[tuple[int, int, int], ...], tuple[int, int]] = {}
         self._host_calls = GridMetadataCache(lambda grid: self._compute_host_call(grid))
         """The metadata of calls' grids, from each grid entry's, kept."""
         self.attention_by_budget: dict[int, str] = {}
         """Which backend serves each budget's full-attention layers and, for a tower with
         windows, its windowed layers (``attention="auto"`` times them apart)."""
+
+    def _declared_fields(self) -> tuple[StagedField, ...]:
+        """The metadata the tower's graphs read per call: positions and frame boundaries, and
+        its windows' order and boundaries, its position table's rows and weights and its
+        ``grid_thw`` rows where it has them."""
+        fields = [StagedField.per_token("position_ids", torch.long), StagedField.boundaries()]
+        if self.windows:
+            fields += [
+                StagedField(
+                    "window_index", lambda b, s: b // self.budget_unit, torch.long, "count"
+                ),
+                StagedField(
+                    "cu_window_seqlens",
+                    lambda b, s: self.window_slots(b, s) + 1,
+                    torch.int32,
+                    "boundaries",
+                ),
+            ]
+        if self.grid_rows:
+            fields.append(StagedField("grid_thw", lambda b, s: s + 1, torch.long, "ones"))
+        if self.learned_positions:
+            fields += [StagedField.per_token(name) for name in ("interp_indices", "interp_weights")]
+        return tuple(fields)
 
     @property
     def attention_routing(self) -> str:
@@ -510,67 +522,47 @@ class Qwen2VLPlan(PackedTowerPlan):
         pixels = parts.pixels[starts[images.start] : starts[images.stop]]
         return self.pack((pixels, grid[images.start : images.stop]), parts.fixed)
 
-    def allocate(self, budget: int, call: PackedCall) -> QwenBuffers:
+    def allocate(self, budget: int, call: PackedCall[_CallParts]) -> QwenBuffers:
         parts = call.parts
-        pixels, host, fixed = parts.pixels, parts.host, parts.fixed
-        device, slots = pixels.device, call.signature[-1]
-        merged = budget // self.budget_unit
+        device, slots = parts.pixels.device, call.signature[-1]
         computing = self.computing(device)
         backend, full = self.choose_attention(
-            budget, slots, budget, host.cu_seqlens.diff().tolist(), computing
+            budget, slots, budget, parts.host.cu_seqlens.diff().tolist(), computing
         )
         chosen = f"full: {backend.described}"
-        fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            "position_ids": (torch.long, (budget, 2)),
-            "cu_seqlens": (torch.int32, (slots + 1,)),
-        }
-        window_slots = self.window_slots(budget, slots) if self.windows else 0
-        if self.windows:
-            fields["window_index"] = (torch.long, (merged,))
-            fields["cu_window_seqlens"] = (torch.int32, (window_slots + 1,))
-        if self.grid_rows:
-            fields["grid_thw"] = (torch.long, (slots + 1, 3))
-        if host.interp_weights is not None:
-            taps = host.interp_weights.shape[1]
-            fields["interp_indices"] = (torch.long, (budget, taps))
-            fields["interp_weights"] = (host.interp_weights.dtype, (budget, taps))
-        staging = Staging(fields, device)
-        staged = staging.device
         window = None
         if self.windows:
-            window_backend, window_metadata = self.choose_attention(
-                budget,
-                window_slots,
-                min(self.window_tokens, budget),
-                host.cu_window_seqlens.diff().tolist(),
-                computing,
+            window = _Windows(
+                *self.choose_attention(
+                    budget,
+                    self.window_slots(budget, slots),
+                    min(self.window_tokens, budget),
+                    parts.host.cu_window_seqlens.diff().tolist(),
+                    computing,
+                )[::-1]
             )
-            window = _WindowBuffers(
-                index=staged["window_index"],
-                tail=torch.arange(merged),
-                metadata=window_metadata,
-                backend=window_backend,
-            )
-            chosen += f", windows: {window_backend.described}"
+            chosen += f", windows: {window.backend.described}"
         self.attention_by_budget[budget] = chosen
         backends = (backend,) if window is None else (backend, window.backend)
+        staged = StagedMetadata.allocate(
+            self.staged_fields, budget, slots, self.host_metadata(call), device
+        )
         return QwenBuffers(
             budget=budget,
-            pixels=torch.zeros(budget, pixels.shape[1], dtype=pixels.dtype, device=device),
+            pixels=torch.zeros(
+                budget, parts.pixels.shape[1], dtype=parts.pixels.dtype, device=device
+            ),
             grid_thw=(
-                staged["grid_thw"]
+                staged.device["grid_thw"]
                 if self.grid_rows
                 else torch.zeros(1, 3, dtype=torch.long, device=device)
             ),
-            position_ids=staged["position_ids"],
             metadata=full,
             window=window,
-            interp_indices=staged.get("interp_indices"),
-            interp_weights=staged.get("interp_weights"),
             backend=backend,
             workspace=workspace(budget, self.heads, self.head_dim, computing, *backends),
-            fixed=fixed,
-            staging=staging,
+            fixed=parts.fixed,
+            staged=staged,
         )
 
     def window_slots(self, budget: int, frames: int) -> int:
@@ -584,53 +576,33 @@ class Qwen2VLPlan(PackedTowerPlan):
         merged = budget // self.budget_unit
         return min(merged, -(-merged // self.window_side) + frames)
 
-    def load(self, buffers: QwenBuffers, call: PackedCall) -> None:
+    def host_metadata(self, call: PackedCall[_CallParts]) -> dict[str, torch.Tensor]:
+        host = call.parts.host
+        values = {name: getattr(host, name) for name in _PRECOMPUTED if hasattr(host, name)}
+        return {**values, "grid_thw": call.parts.grid}
+
+    def load(self, buffers: QwenBuffers, call: PackedCall[_CallParts]) -> None:
         pixels, tokens = call.parts.pixels, call.size
-        if buffers.loaded != call.parts.grids:
-            self._load_metadata(buffers, call)
+        loaded = buffers.load_staged(call.parts.grids, lambda: self.host_metadata(call))
+        if loaded and buffers.window is not None:
+            copy_boundaries(buffers.window.metadata, buffers.staged.device["cu_window_seqlens"])
         buffers.pixels[:tokens].copy_(pixels)
         if buffers.filled > tokens:
             buffers.pixels[tokens : buffers.filled].zero_()
         buffers.filled = tokens
 
-    def _load_metadata(self, buffers: QwenBuffers, call: PackedCall) -> None:
-        """Write the metadata of ``call``'s grids into ``buffers``, through their staging
-        buffer in one transfer."""
-        host = call.parts.host
-        staging = buffers.staging
-        fields = staging.host()
-        write_padded(fields["position_ids"], host.position_ids)
-        pad_boundaries(fields["cu_seqlens"], host.cu_seqlens)
-        window = buffers.window
-        if window is not None:
-            write_padded(fields["window_index"], host.window_index, window.tail)
-            pad_boundaries(fields["cu_window_seqlens"], host.cu_window_seqlens)
-        if buffers.interp_indices is not None:
-            for name in ("interp_indices", "interp_weights"):
-                write_padded(fields[name], getattr(host, name))
-        if self.grid_rows:
-            write_padded(fields["grid_thw"], call.parts.grid, 1)
-        staging.send()
-        copy_boundaries(buffers.metadata, staging.device["cu_seqlens"])
-        if window is not None:
-            copy_boundaries(window.metadata, staging.device["cu_window_seqlens"])
-        buffers.loaded = call.parts.grids
-
     def arguments(self, buffers: QwenBuffers) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        staged = buffers.staged.device
         kwargs = {
             **buffers.fixed,
+            **{name: staged[name] for name in _STAGED_ARGUMENTS if name in staged},
             "grid_thw": buffers.grid_thw,
-            "position_ids": buffers.position_ids,
             "cu_seqlens": buffers.metadata.cu_seqlens,
             "max_seqlen": buffers.metadata.max_seqlen,
         }
         if buffers.window is not None:
-            kwargs["window_index"] = buffers.window.index
             kwargs["cu_window_seqlens"] = buffers.window.metadata.cu_seqlens
             kwargs["max_window_seqlen"] = buffers.window.metadata.max_seqlen
-        if buffers.interp_indices is not None:
-            kwargs["interp_indices"] = buffers.interp_indices
-            kwargs["interp_weights"] = buffers.interp_weights
         return (buffers.pixels,), kwargs
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:

@@ -50,6 +50,7 @@ from layergraph.ledger import Change, ChangeLedger
 from layergraph.packing import PackedCall
 from layergraph_adapters.kit import naflex
 from layergraph_adapters.kit.automatic import SpeedChoices
+from layergraph_adapters.kit.budget_buffers import StagedField
 from layergraph_adapters.kit.fused_norm import ENCODER_LAYER, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.grid_positions import GridPositions
@@ -57,7 +58,6 @@ from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
     PackedTowerPlan,
-    copy_boundaries,
     host_boundaries,
     image_slots,
     read_inputs,
@@ -153,6 +153,7 @@ class Siglip2Plan(PackedTowerPlan):
     options = frozenset({"output_attentions", "output_hidden_states", "return_dict"})
     dense = True
     casts_inputs = True  # the patch embedding casts the pixels to its weights' dtype
+    staged_fields = (StagedField.boundaries(),)
 
     def __init__(
         self,
@@ -306,32 +307,31 @@ class Siglip2Plan(PackedTowerPlan):
             parts.options,
         )
 
-    def allocate(self, budget: int, call: PackedCall) -> naflex.NaflexBuffers:
-        images: _Images = call.parts
-        backend, metadata = self.choose_attention(
-            budget, images.slots, budget, images.counts, self.computing(images.pixels.device)
-        )
-        self.attention_by_budget[budget] = backend.name
-        return naflex.allocate(
+    def allocate(self, budget: int, call: PackedCall[_Images]) -> naflex.NaflexBuffers:
+        device, table = call.parts.pixels.device, self.owner.embeddings.position_embedding.weight
+        return self.new_buffers(
+            naflex.NaflexBuffers,
             budget,
-            images.slots,
-            images.pixels,
-            self.owner.embeddings.position_embedding.weight,
-            backend,
-            metadata,
-            self.heads,
-            self.head_dim,
+            call,
+            self.features,
+            call.parts.pixels.dtype,
+            slots=call.parts.slots,
+            positions=torch.zeros(budget, table.shape[-1], dtype=table.dtype, device=device),
+            tokens=torch.arange(budget, dtype=torch.int32, device=device),
         )
 
-    def load(self, buffers: naflex.NaflexBuffers, call: PackedCall) -> None:
-        images: _Images = call.parts
+    def host_metadata(self, call: PackedCall[_Images]) -> dict[str, torch.Tensor]:
+        return {"cu_seqlens": call.parts.layout.cu_seqlens}
+
+    def load(self, buffers: naflex.NaflexBuffers, call: PackedCall[_Images]) -> None:
+        images = call.parts
         tokens = call.size
         flat = images.pixels.reshape(-1, self.features)
         torch.index_select(flat, 0, images.index(flat.device), out=buffers.pixels[:tokens])
         buffers.pixels[tokens:].zero_()
         torch.cat(self._positions(images.grids), out=buffers.positions[:tokens])
         buffers.positions[tokens:].zero_()
-        copy_boundaries(buffers.metadata, images.layout.cu_seqlens)
+        buffers.load_staged(images.grids, lambda: self.host_metadata(call))
 
     def cut(self, output: Any, call: PackedCall, budget: int) -> Any:
         leaves, spec = self.cut_leaves(*pytree.tree_flatten(output), call, budget)

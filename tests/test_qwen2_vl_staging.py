@@ -124,7 +124,7 @@ def test_a_replayed_call_with_its_grid_on_the_host_does_not_synchronise() -> Non
             with torch.inference_mode():
                 graphed(pixels, grid_thw=torch.tensor(grids))
         entry: Any = graphed.graphs[0]
-        assert all(host.is_pinned() for host in entry.buffers.staging._hosts)
+        assert all(host.is_pinned() for host in entry.buffers.staged.staging._hosts)
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.inference_mode():

@@ -194,7 +194,7 @@ PRIVATE_USES = {
         "counts metadata computations"
     ),
     ("test_qwen2_vl_staging.py", "plan._compute_host_call"): "counts metadata computations",
-    ("test_qwen2_vl_staging.py", "entry.buffers.staging._hosts"): "the host buffers pinned",
+    ("test_qwen2_vl_staging.py", "entry.buffers.staged.staging._hosts"): "the host buffers pinned",
     ("test_siglip_clip_adapters.py", "feature_outputs._Rest"): "counts whole-tower runs",
 }
 """The tests that read or patch a private name of layergraph's code, each with why: anything

@@ -28,11 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layergraph.attention import AttentionBackend, AttentionMetadata
 from layergraph_adapters.kit.budget_buffers import BudgetBuffers
-from layergraph_adapters.kit.packed_tower import workspace
 
-__all__ = ["NaflexBuffers", "allocate", "packed_forward", "pool"]
+__all__ = ["NaflexBuffers", "packed_forward", "pool"]
 
 
 @dataclass(eq=False)
@@ -47,33 +45,6 @@ class NaflexBuffers(BudgetBuffers):
     """``[budget, width]``: each real patch's position embedding, zeros past them."""
     tokens: torch.Tensor
     """``0 .. budget - 1`` (int32): each token's place in the sequence."""
-
-
-def allocate(
-    budget: int,
-    slots: int,
-    pixels: torch.Tensor,
-    table: torch.Tensor,
-    backend: AttentionBackend,
-    metadata: AttentionMetadata,
-    heads: int,
-    head_dim: int,
-) -> NaflexBuffers:
-    """The buffers of a graph of ``budget`` tokens in at most ``slots`` images, for patches
-    like ``pixels`` (``[..., features]``) and positions like the tower's ``table``, attending
-    through ``backend`` with ``metadata``; the workspace, where the backend writes into one,
-    in the table's dtype (the tower's, whatever the patches')."""
-    dtype, device = pixels.dtype, pixels.device
-    return NaflexBuffers(
-        budget=budget,
-        slots=slots,
-        pixels=torch.zeros(budget, pixels.shape[-1], dtype=dtype, device=device),
-        positions=torch.zeros(budget, table.shape[-1], dtype=table.dtype, device=device),
-        metadata=metadata,
-        tokens=torch.arange(budget, dtype=torch.int32, device=device),
-        backend=backend,
-        workspace=workspace(budget, heads, head_dim, table, backend),
-    )
 
 
 def packed_forward(tower: nn.Module, buffers: NaflexBuffers) -> tuple[torch.Tensor, Any]:
