@@ -10,6 +10,7 @@
 #   fixed-rest: the same for the larger fixed-resolution towers (batches 1 and 8 for the three
 #            largest, 20 calls), the Idefics3 towers without the hand-written graph (which the
 #            tree before cannot capture);
+#   largest: the three largest at batch 1 alone, without the hand-written graph;
 #   again:   vit-base-224 at batch 1, twice more under each tree, in turns;
 #   host:    host time per call before and after a second change: benchmarks/host_overhead.py
 #            (fixed, packed repeated, packed mixed) on the machine's CPU, and the waited latency
@@ -68,6 +69,10 @@ for part in "$@"; do
       compare 80 before fixed-llama4 --models llama4-scout-336 --batch-sizes 1,32
       compare 140 before fixed-largest --models idefics2-8b-980,mllama-11b-560,internvit-6b \
         --batch-sizes 1,8 --iters 20 ;;
+    largest)
+      venv after . && venv before .house/before
+      compare 200 before fixed-largest-b1 --models idefics2-8b-980,mllama-11b-560,internvit-6b \
+        --batch-sizes 1 --iters 20 --no-hand-graph ;;
     again)
       venv after . && venv before .house/before
       for round in 1 2; do
