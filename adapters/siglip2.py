@@ -384,6 +384,7 @@ class Siglip2Adapter(PackedTowerAdapter):
     name = "siglip2"
     families = (FAMILY,)
     plan_class = Siglip2Plan
+    family_modules = ("layergraph_adapters.kit.naflex",)
     speed_options = ("fuse_norm", "fuse_gelu")
     default_budget_step = 256
 

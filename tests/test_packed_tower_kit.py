@@ -1,5 +1,6 @@
-"""The packed-tower kit's shared pieces: family lookup, argument reading, slots, boundaries and
-workspaces. The toy family built from it in the adapter tutorial runs in ``test_docs.py``."""
+"""The packed-tower kit's shared pieces: family lookup, argument reading, slots, boundaries,
+declared per-call metadata and workspaces. The toy family built from it in the adapter
+tutorial runs in ``test_docs.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from layergraph.attention import DenseMaskedAttention, SdpaMaskedAttention, TritonVarlenAttention
 from layergraph.attention.layout import AttentionMetadata
 from layergraph.keys import UnsupportedCall
+from layergraph_adapters.kit.budget_buffers import BudgetBuffers, StagedField, StagedMetadata
 from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     copy_boundaries,
@@ -100,3 +102,70 @@ def test_a_workspace_only_where_a_backend_writes_into_one() -> None:
     assert workspace(16, 2, 8, like, SdpaMaskedAttention(), DenseMaskedAttention()) is None
     buffer = workspace(16, 2, 8, like, SdpaMaskedAttention(), TritonVarlenAttention())
     assert buffer.shape == (16, 2, 8) and buffer.dtype == torch.bfloat16
+
+
+def staged_metadata() -> StagedMetadata:
+    fields = (
+        StagedField.per_token("positions"),
+        StagedField.boundaries(),
+        StagedField("order", lambda budget, slots: budget // 2, torch.long, "count"),
+        StagedField("grid", lambda budget, slots: slots + 1, torch.long, "ones"),
+    )
+    first = {
+        "positions": torch.zeros(3, 2, dtype=torch.float16),
+        "grid": torch.zeros(1, 3, dtype=torch.int32),
+    }
+    return StagedMetadata.allocate(fields, 8, 4, first, torch.device("cpu"))
+
+
+def test_declared_fields_are_sized_by_the_budget_and_the_first_calls_values() -> None:
+    device = staged_metadata().device
+    assert device["positions"].shape == (8, 2) and device["positions"].dtype == torch.float16
+    assert device["cu_seqlens"].shape == (5,) and device["cu_seqlens"].dtype == torch.int32
+    assert device["order"].shape == (4,) and device["grid"].dtype == torch.long  # declared
+    assert device["grid"].shape == (5, 3)
+
+
+def test_declared_fields_are_written_padded_and_sent_once_per_new_key() -> None:
+    staged, made = staged_metadata(), []
+
+    def values(seed: int) -> dict[str, torch.Tensor]:
+        made.append(seed)
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            "positions": torch.rand(5, 2, generator=generator).half(),
+            "cu_seqlens": torch.tensor([0, 2, 5], dtype=torch.int32),
+            "order": torch.tensor([1, 0]),
+            "grid": torch.randint(2, 9, (2, 3), generator=generator),
+            "unused": torch.ones(1),
+        }
+
+    expected = values(7)
+    assert staged.load(("a",), lambda: values(7)) and staged.staging.sends == 1
+    device = staged.device
+    torch.testing.assert_close(device["positions"][:5], expected["positions"])
+    assert not device["positions"][5:].any()
+    assert device["cu_seqlens"].tolist() == [0, 2, 5, 5, 5]
+    assert device["order"].tolist() == [1, 0, 2, 3]
+    assert torch.equal(device["grid"][:2], expected["grid"]) and (device["grid"][2:] == 1).all()
+    assert not staged.load(("a",), lambda: values(8)) and staged.staging.sends == 1
+    assert made == [7, 7]  # the values of a key loaded already are never computed
+    assert staged.load(("b",), lambda: values(9)) and staged.staging.sends == 2
+
+
+def test_loaded_boundaries_reach_the_attention_metadata() -> None:
+    metadata = AttentionMetadata(
+        max_seqlen=8, cu_seqlens=torch.zeros(5, dtype=torch.int32), seq_lens=torch.ones(4).int()
+    )
+    buffers = BudgetBuffers(8, torch.zeros(8, 3), metadata, SdpaMaskedAttention(), None)
+    assert not buffers.load_staged("a", dict)  # nothing declared: nothing to load
+    buffers.staged = staged_metadata()
+    values = {
+        "positions": torch.ones(3, 2).half(),
+        "cu_seqlens": torch.tensor([0, 1, 3], dtype=torch.int32),
+        "order": torch.tensor([0]),
+        "grid": torch.ones(2, 3, dtype=torch.long),
+    }
+    assert buffers.load_staged("a", lambda: values)
+    assert metadata.cu_seqlens.tolist() == [0, 1, 3, 3, 3]
+    assert metadata.seq_lens.tolist() == [1, 2, 0, 0]

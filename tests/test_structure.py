@@ -260,3 +260,34 @@ def test_the_graph_cache_is_the_engines_alone() -> None:
             if isinstance(node, ast.ImportFrom) and any(a.name == "GraphCache" for a in node.names):
                 importers.append(name)
     assert importers == ["layergraph.engine"]
+
+
+PACKED_FAMILY_LINES = 1800
+"""The most lines the packed families' own files may have together."""
+
+
+def _packed_family_files() -> dict[str, int]:
+    """The packed families' own modules with their lines: the plugin module of every
+    first-party :class:`PackedTowerAdapter` subclass and the kit modules it names as its own
+    (``family_modules``)."""
+    import importlib
+
+    from layergraph_adapters.kit.packed_tower import PackedTowerAdapter
+
+    modules = _modules()
+    for name in modules:
+        if name.count(".") == 1 and name.startswith("layergraph_adapters."):
+            importlib.import_module(name)
+    found, todo = set(), [PackedTowerAdapter]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            todo.append(cls)
+            if cls.__module__ in modules:
+                found.update((cls.__module__, *cls.family_modules))
+    return {name: len(modules[name].read_text().splitlines()) for name in found}
+
+
+def test_the_packed_families_own_files_are_within_their_line_budget() -> None:
+    files = _packed_family_files()
+    assert {"layergraph_adapters.qwen2_vl", "layergraph_adapters.kit.naflex"} <= set(files)
+    assert sum(files.values()) <= PACKED_FAMILY_LINES, files

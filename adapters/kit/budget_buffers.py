@@ -112,14 +112,17 @@ class StagedMetadata:
     ) -> StagedMetadata:
         """The fields of a graph of ``budget`` tokens in ``slots`` slots on ``device``; a field
         without a dtype, and every field's dimensions past its rows, from ``first`` (a
-        call's values)."""
-        layout = {
-            spec.name: (
-                spec.dtype or first[spec.name].dtype,
-                (spec.rows(budget, slots), *first[spec.name].shape[1:]),
-            )
-            for spec in fields
-        }
+        call's values; a field it lacks has one dimension)."""
+        layout = {}
+        for spec in fields:
+            value = first.get(spec.name)
+            dtype = spec.dtype or (value.dtype if value is not None else None)
+            if dtype is None:
+                raise ValueError(
+                    f"staged field {spec.name} has no dtype and no value to take it from"
+                )
+            rest = () if value is None else tuple(value.shape[1:])
+            layout[spec.name] = (dtype, (spec.rows(budget, slots), *rest))
         return cls(tuple(fields), Staging(layout, device))
 
     @property

@@ -167,6 +167,8 @@ class PackedTowerAdapter(PackedExamples, Adapter):
     families: ClassVar[tuple[PackedFamily, ...]] = ()
     plan_class: ClassVar[type[PackedTowerPlan]]
     default_budget_step: ClassVar[int] = 16
+    family_modules: ClassVar[tuple[str, ...]] = ()
+    """The kit modules that hold the family's own code (no other family's), by name."""
     speed_options: ClassVar[tuple[str, ...]] = ()
     """The speed options the adapter keeps as attributes of the same names and hands to
     :attr:`plan_class` as keyword arguments, each ``"auto"`` resolved for the tower
