@@ -4,9 +4,9 @@ and sentence-transformers' ``encode`` of images, eager against wrapped.
     python3 benchmarks/embedding_service.py --json results.json [--models ViT-B-32 ViT-L-14]
         [--clients 4 16 64] [--seconds 6] [--sentence-transformers clip-ViT-B-32 ...]
 
-The service is what :class:`layergraph.ray.EncoderDeployment` runs in each replica, called
-directly (Ray is not needed): an :class:`~layergraph.serving.ImageEncoder` whose
-``embed_list`` is fed by dynamic batching (:class:`~layergraph.serving.MicroBatcher`, the rule
+The service is what :class:`layergraph.service.ray.EncoderDeployment` runs in each replica, called
+directly (Ray is not needed): an :class:`~layergraph.service.ImageEncoder` whose
+``embed_list`` is fed by dynamic batching (:class:`~layergraph.service.MicroBatcher`, the rule
 of Ray Serve's ``@serve.batch``: a batch closes when it holds ``--max-batch-size`` requests or
 ``--batch-wait-ms`` after its first). Each client sends one image (a float32 CPU tensor), waits
 for its embedding and sends the next. Eager is the same encoder with ``graphed=False``; the
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import layergraph
-from layergraph.serving import ImageEncoder, MicroBatcher
+from layergraph.service import ImageEncoder, MicroBatcher
 from layergraph.timing import waited_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -13,7 +13,6 @@ from .adapter import (
     WholeForward,
     moved_example_model,
 )
-from .gate import EagerModeWarning
 from .hookspecs import hookimpl
 from .keys import ShapeKey
 from .ledger import Change, ChangeLedger
@@ -21,6 +20,7 @@ from .module import GraphedModule, unwrap, wrap
 from .plugins import AdapterInfo, PluginFailureWarning, UnknownAdapterError, list_adapters
 from .runner import DEFAULT_BATCH_SIZES, RunnerOptions
 from .sequential import SequentialAdapter
+from .serving.gate import EagerModeWarning
 from .stats import GraphStats
 from .validation import GraphMismatchError
 from .version import __version__

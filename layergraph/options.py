@@ -17,7 +17,7 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 DEFAULT_MAX_GRAPHS = 32
 """The default ``max_graphs`` of a plan keyed by batch size (packed plans:
-:data:`~layergraph.budgets.PACKED_MAX_GRAPHS`)."""
+:data:`~layergraph.serving.budgets.PACKED_MAX_GRAPHS`)."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class RunnerOptions:
     - ``batch_sizes``: ``"auto"`` (the default): each batch size that comes gets a graph of its
       own, kept only if measured faster than eager; a batch without one is served by the
       cheapest combination of graphs held (padded, or in chunks) when measured faster than
-      eager, else eagerly (:mod:`layergraph.policy`). A sequence of sizes: fixed buckets, a
+      eager, else eagerly (:mod:`layergraph.serving.policy`). A sequence of sizes: fixed buckets, a
       smaller batch padded up to the next, a batch larger than all split into chunks of the
       largest. ``None``: one graph per exact batch size, no padding, no splitting. In every
       mode a graph measured slower than an eager call of its own batch is dropped at capture,
@@ -36,9 +36,9 @@ class RunnerOptions:
       :meth:`~layergraph.runner.GraphRunner.capture` replay; other calls run eagerly.
     - ``max_graphs``: no more graphs than this; once all are held, a new key displaces the
       least used graph only after it was seen more often than that graph was used, and runs
-      eagerly until then (:class:`~layergraph.cache.GraphCache`). ``None`` (the default): 32,
-      or 8 for a packed plan, whose learnt token budgets are chosen to make do with that many
-      (:mod:`layergraph.budgets`).
+      eagerly until then (:class:`~layergraph.serving.cache.GraphCache`). ``None`` (the default):
+      32, or 8 for a packed plan, whose learnt token budgets are chosen to make do with that many
+      (:mod:`layergraph.serving.budgets`).
     - ``capture_after``: capture a key only once calls have needed it this many times (the
       calls before run eagerly), so that rare shapes do not take graph memory.
     - ``static_output``: return views of the graph's own output buffers (no copy). They are
@@ -48,14 +48,14 @@ class RunnerOptions:
       :class:`~layergraph.validation.GraphMismatchError` beyond ``tolerance`` (relative error;
       ``None`` takes the per-dtype default); and raise the error of a capture that fails
       though its warm-up runs did not, where by default its key runs eagerly with a
-      :class:`~layergraph.engine.CaptureFailedWarning`.
+      :class:`~layergraph.serving.engine.CaptureFailedWarning`.
     - ``warmup_runs``: eager runs on a side stream before each capture.
     - ``debug``: check at every replay that each buffer the graph uses (static inputs and
       outputs, per-key state, the model's parameters) still has its captured address.
     - ``observe_calls``: a packed plan with learnt budgets serves this many first calls
       eagerly, observing their token totals, before it chooses budgets
-      (:mod:`layergraph.budgets`); ``None`` (the default): four times ``max_graphs``. Other plans
-      ignore it.
+      (:mod:`layergraph.serving.budgets`); ``None`` (the default): four times ``max_graphs``. Other
+      plans ignore it.
     """
 
     batch_sizes: Sequence[int] | Literal["auto"] | None = "auto"

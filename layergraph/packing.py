@@ -6,8 +6,8 @@ data (``cu_seqlens``), not shape. A graph cannot be captured per image mix; it i
 token *budget* instead, and every call whose tokens fit is written into the budget's buffers in
 place, padded past its real tokens. A plan whose calls pack this way sets
 :attr:`~layergraph.adapter.CapturePlan.packing` to a :class:`Packing`, which says how a call
-becomes buffers and back; the runner chooses the budget (:mod:`layergraph.policy`), captures,
-replays and measures, as it does for batch sizes.
+becomes buffers and back; the runner chooses the budget (:mod:`layergraph.serving.policy`),
+captures, replays and measures, as it does for batch sizes.
 
 What this module does not do: choose budgets, capture or replay (the runner does), or know any
 model (the plan's :class:`Packing` does).

@@ -1,9 +1,10 @@
 """The graph runner: one CUDA graph per shape key, a shared pool, padding and eager fallback.
 
-A thin façade over the parts that do the work: the eager-reason gate (:mod:`layergraph.gate`),
-the engine that captures, measures and replays one key (:mod:`layergraph.engine`), and the
-lane that chooses which key serves a call, batched (:mod:`layergraph.batched_lane`) or packed
-(:mod:`layergraph.packed_lane`).
+A thin façade over the parts that do the work: the eager-reason gate
+(:mod:`layergraph.serving.gate`),
+the engine that captures, measures and replays one key (:mod:`layergraph.serving.engine`), and the
+lane that chooses which key serves a call, batched (:mod:`layergraph.serving.batched_lane`) or
+packed (:mod:`layergraph.serving.packed_lane`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .adapter import CapturePlan
-from .batched_lane import BatchedLane
-from .budgets import PACKED_MAX_GRAPHS
-from .engine import CaptureFailedWarning, GraphEngine, Lane, StaleOutputWarning
 from .graphs import GraphBackend
 from .guards import HookFingerprint
 from .keys import ShapeKey, UnsupportedCall
 from .options import DEFAULT_BATCH_SIZES, DEFAULT_MAX_GRAPHS, RunnerOptions
-from .packed_lane import PackedLane
-from .policy import Costs
 from .rows import RowPacking
+from .serving.batched_lane import BatchedLane
+from .serving.budgets import PACKED_MAX_GRAPHS
+from .serving.engine import CaptureFailedWarning, GraphEngine, Lane, StaleOutputWarning
+from .serving.packed_lane import PackedLane
+from .serving.policy import Costs
 from .stats import GraphStats
 
 __all__ = [
@@ -66,7 +67,7 @@ class GraphRunner:
 
     Workflow of a call: the engine's packing reads it (a batch's tensors and the fixed rest,
     :class:`~layergraph.keys.CallInputs`; or a packed plan's
-    :class:`~layergraph.packing.PackedCall`); the gate (:class:`~layergraph.gate.EagerGate`)
+    :class:`~layergraph.packing.PackedCall`); the gate (:class:`~layergraph.serving.gate.EagerGate`)
     says why a graph cannot serve it (no CUDA, training mode, gradients, another device or
     dtype, unsupported arguments), and such a call runs the plan's region eagerly, counted
     with its reason. Otherwise the lane maps it to its graph or graphs (its own, a bucket,
@@ -75,9 +76,9 @@ class GraphRunner:
     cuts the call's rows out of the outputs, which are cloned unless ``static_output`` is set.
 
     Each capture measures the graph's replay against an eager call of the same batch
-    (:class:`~layergraph.policy.Costs`); a graph slower than eager is dropped and its batch
+    (:class:`~layergraph.serving.policy.Costs`); a graph slower than eager is dropped and its batch
     runs eagerly from then on. With ``batch_sizes="auto"`` those measurements also choose how
-    a batch without a graph of its own is served (:mod:`layergraph.policy`).
+    a batch without a graph of its own is served (:mod:`layergraph.serving.policy`).
 
     All graphs share one memory pool. The runner does not know the model: the plan supplies the
     region and its checks. Before each call it checks, cheaply, that the model's parameters and
@@ -172,7 +173,7 @@ class GraphRunner:
         Every size in ``batch_sizes`` (default: the runner's buckets, or the example's batch
         with ``batch_sizes="auto"`` or ``None``) is captured from the example's rows, repeated
         as needed. For a packed plan the sizes are token budgets, each captured from the
-        example's images that fit it (:meth:`~layergraph.packed_lane.PackedLane.capture`).
+        example's images that fit it (:meth:`~layergraph.serving.packed_lane.PackedLane.capture`).
         Capturing the largest first lets the smaller graphs reuse its pool memory. Returns the
         keys of the graphs held: a graph measured slower than eager is not kept
         (``stats.costs`` says by how much).

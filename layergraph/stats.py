@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .policy import Costs
+from .serving.policy import Costs
 
 __all__ = ["GraphStats"]
 

@@ -216,7 +216,7 @@ class SimulatedGraphs:
     GPU.
 
     Costs, which the runner measures to choose how each batch size is served
-    (:mod:`layergraph.policy`), are wall-clock time for eager calls and nothing for replays,
+    (:mod:`layergraph.serving.policy`), are wall-clock time for eager calls and nothing for replays,
     unless given: ``eager_ms(rows)`` and ``replay_ms(rows)`` make them a function of the batch,
     so that a test decides which way wins.
 

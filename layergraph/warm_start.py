@@ -14,11 +14,11 @@ before anything compiles, so compiling finds its results in the caches instead o
 kernels again. Dynamo still traces each compiled region or layer once per shape.
 
 The file also holds the shape policy's measurements (:class:`Measurements`: an eager call and
-a replay per batch size, :mod:`layergraph.policy`), for the same model wrapped the same way:
+a replay per batch size, :mod:`layergraph.serving.policy`), for the same model wrapped the same way:
 a replica that loads them does not capture, nor compile, the batch sizes whose graphs were
 measured slower than eager, nor measure again those that pay; a packed plan that learns its
 token budgets takes them from the calls that process saw, so its first call captures them
-instead of being observed eagerly (:mod:`layergraph.budgets`); and what the plan chose by
+instead of being observed eagerly (:mod:`layergraph.serving.budgets`); and what the plan chose by
 timing (a packed plan's attention backend per token budget), which the replica's plan takes
 instead of timing again.
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .policy import Costs
+from .serving.policy import Costs
 from .version import __version__
 from .warn import warn
 
@@ -73,7 +73,7 @@ class WarmStartMismatch(UserWarning):
 class Measurements:
     """What the shape policy measured for one wrapped model, by lookup (batch size and call
     signature); for a packed plan learning its budgets, the budgets held and the token totals
-    of the calls they were chosen from (token total and calls, :mod:`layergraph.budgets`;
+    of the calls they were chosen from (token total and calls, :mod:`layergraph.serving.budgets`;
     empty for other plans); and which model that was (a fingerprint of its class, adapter,
     parameters and options: :attr:`layergraph.GraphedModule.fingerprint`)."""
 

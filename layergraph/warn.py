@@ -9,10 +9,12 @@ layergraph supports Python 3.10.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
+from types import FrameType
 
-__all__ = ["INTERNAL_PACKAGES", "user_stacklevel", "warn"]
+__all__ = ["INTERNAL_PACKAGES", "moved_module", "user_stacklevel", "warn"]
 
 INTERNAL_PACKAGES: tuple[str, ...] = (
     "layergraph",
@@ -31,18 +33,39 @@ def _internal(module_name: str) -> bool:
     )
 
 
+def _importing(frame: FrameType) -> bool:
+    """Whether ``frame`` is the import system's, which ``warnings`` skips when it counts a
+    ``stacklevel`` (a warning raised while a module is imported names the importing line)."""
+    filename = frame.f_code.co_filename
+    return "importlib" in filename and "_bootstrap" in filename
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a ``warnings.warn`` in the caller of this function name
-    the first frame outside :data:`INTERNAL_PACKAGES` (the outermost frame if there is none).
+    the first frame outside :data:`INTERNAL_PACKAGES` and the import system (the outermost
+    frame if there is none).
     """
     frame = sys._getframe(1)
     level = 1
-    while frame.f_back is not None and _internal(frame.f_globals.get("__name__", "")):
+    while frame.f_back is not None and (
+        _internal(frame.f_globals.get("__name__", "")) or _importing(frame)
+    ):
         frame = frame.f_back
-        level += 1
+        if not _importing(frame):
+            level += 1
     return level
 
 
 def warn(message: str, category: type[Warning]) -> None:
     """``warnings.warn(message, category)``, attributed to the user's line."""
     warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+def moved_module(old: str, new: str, since: str = "0.2.1", until: str = "0.3") -> None:
+    """Make the module being imported as ``old`` the module ``new`` (the same object, so
+    everything it holds is reachable by the old path), with a ``DeprecationWarning`` naming
+    the importing line. Called by the body of a module that moved."""
+    sys.modules[old] = importlib.import_module(new)
+    warn(
+        f"{old} is {new} since layergraph {since}; the old path goes in {until}", DeprecationWarning
+    )

@@ -1,4 +1,5 @@
-"""Token budgets chosen from the traffic (``layergraph.budgets``), checked against brute force.
+"""Token budgets chosen from the traffic (``layergraph.serving.budgets``), checked against brute
+force.
 
 The cheapest plans are found here by trying every set of at most ``cap`` budgets among the
 totals rounded up to the step, the top among them. The planner observes its first calls, then
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layergraph.budgets import (
+from layergraph.serving.budgets import (
     CAPTURE_COST,
     GRAPH_WORTH,
     OBSERVED_PER_BUDGET,

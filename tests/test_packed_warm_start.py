@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import layergraph
-from layergraph.budgets import BudgetPlanner, best_budgets, top_budget
+from layergraph.serving.budgets import BudgetPlanner, best_budgets, top_budget
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 

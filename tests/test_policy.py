@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import layergraph
-from layergraph.policy import Costs, Route, cheapest_route
+from layergraph.serving.policy import Costs, Route, cheapest_route
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5

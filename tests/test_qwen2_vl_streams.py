@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import layergraph
-from layergraph.budgets import (
+from layergraph.serving.budgets import (
     CAPTURE_COST,
     GRAPH_WORTH,
     PACKED_MAX_GRAPHS,
@@ -195,7 +195,7 @@ def test_learnt_budgets_follow_the_traffic_within_eight_graphs(
     graphs (a packed plan's default ``max_graphs``), every answer the tower's, and the budgets
     held pad the totals seen by at most the least any eight budgets under the same top would,
     plus 4 % of their tokens, plus the capture cost of that least plan's budgets
-    (:mod:`layergraph.budgets`)."""
+    (:mod:`layergraph.serving.budgets`)."""
     tower = model(kind)
     graphed = layergraph.wrap(
         tower,

@@ -21,8 +21,8 @@ timm = pytest.importorskip("timm")
 
 from ray import serve  # noqa: E402
 
-from layergraph.ray import EncoderDeployment  # noqa: E402
-from layergraph.serving import EmbedBatches  # noqa: E402
+from layergraph.service import EmbedBatches  # noqa: E402
+from layergraph.service.ray import EncoderDeployment  # noqa: E402
 from layergraph.testing import SimulatedGraphs  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""layergraph.serving without Ray: an ImageEncoder's embeddings against the model's own on fresh
+"""layergraph.service without Ray: an ImageEncoder's embeddings against the model's own on fresh
 random images (graphs simulated on the CPU, float32, so within 1e-5), graphs captured before
 traffic and started from a warm-start file, the MicroBatcher's batches under concurrent
 requests, and the Ray Data callable on numpy batches."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from layergraph.serving import EmbedBatches, ImageEncoder, MicroBatcher
+from layergraph.service import EmbedBatches, ImageEncoder, MicroBatcher
 from layergraph.testing import SimulatedGraphs
 
 timm = pytest.importorskip("timm")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import layergraph
-from layergraph.gate import EagerModeWarning
+from layergraph.serving.gate import EagerModeWarning
 from layergraph.testing import SimulatedGraphs
 
 timm = pytest.importorskip("timm")

@@ -4,7 +4,7 @@ A fixed-batch benchmark shows graphs at their best; served traffic mixes sizes (
 dynamic tiling sends 1 to 13 tiles per image), and padding a batch up to a captured size costs
 real work where the GPU is already busy. :func:`run_stream` sends one stream of requests, each
 one call waited for, to eager, to ``layergraph.wrap`` with its defaults (the measured policy,
-:mod:`layergraph.policy`), to ``wrap`` with fixed buckets of powers of two, and to ``wrap``
+:mod:`layergraph.serving.policy`), to ``wrap`` with fixed buckets of powers of two, and to ``wrap``
 with exact keys (``batch_sizes=None``, a graph per batch size), and checks every answer
 against eager.
 

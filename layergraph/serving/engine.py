@@ -1,12 +1,12 @@
 """The graph engine: captures, measures, replays, validates and checks the graphs of one plan.
 
 The engine owns what every graph of a wrapped model shares: the memory pool, the lock calls
-are served under, the statistics, the graph cache (:class:`~layergraph.cache.GraphCache`) and
-the watches that notice a model changed under its graphs. It knows one
+are served under, the statistics, the graph cache (:class:`~layergraph.serving.cache.GraphCache`)
+and the watches that notice a model changed under its graphs. It knows one
 :class:`~layergraph.packing.Packing`, through which every call reaches a graph: a packed
 plan's own, or :class:`~layergraph.rows.RowPacking` for batches. It does not choose which
-graph serves a call: the lanes do (:mod:`layergraph.batched_lane`,
-:mod:`layergraph.packed_lane`), asking the engine for the entry of one budget
+graph serves a call: the lanes do (:mod:`layergraph.serving.batched_lane`,
+:mod:`layergraph.serving.packed_lane`), asking the engine for the entry of one budget
 (:meth:`GraphEngine.entry_for`) and to replay it (:meth:`GraphEngine.replay`).
 """
 
@@ -23,19 +23,19 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from .adapter import CapturePlan
+from ..adapter import CapturePlan
+from ..graphs import GraphBackend, GraphCaptureError
+from ..guards import HookFingerprint, HookWatch, ParameterWatch, addresses
+from ..keys import ShapeKey
+from ..options import RunnerOptions
+from ..packing import Call, Packing, buffer_tensors
+from ..rebuild import Rebuilds
+from ..stats import GraphStats
+from ..validation import GraphMismatchError, compare_outputs
+from ..warn import warn
 from .cache import GraphCache, GraphEntry, HeldGraphs
 from .gate import EagerGate
-from .graphs import GraphBackend, GraphCaptureError
-from .guards import HookFingerprint, HookWatch, ParameterWatch, addresses
-from .keys import ShapeKey
-from .options import RunnerOptions
-from .packing import Call, Packing, buffer_tensors
 from .policy import ROUTE_MARGIN, Costs
-from .rebuild import Rebuilds
-from .stats import GraphStats
-from .validation import GraphMismatchError, compare_outputs
-from .warn import warn
 
 __all__ = [
     "CaptureFailedWarning",
@@ -64,8 +64,8 @@ class CaptureFailedWarning(UserWarning):
 
 class Lane(Protocol):
     """Which graph serves a call, over one :class:`GraphEngine`: batches
-    (:class:`~layergraph.batched_lane.BatchedLane`) or token budgets
-    (:class:`~layergraph.packed_lane.PackedLane`). Called under the engine's lock."""
+    (:class:`~layergraph.serving.batched_lane.BatchedLane`) or token budgets
+    (:class:`~layergraph.serving.packed_lane.PackedLane`). Called under the engine's lock."""
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -97,8 +97,8 @@ class Lane(Protocol):
 class GraphEngine:
     """Captures, measures, replays and validates the graphs of one plan, one budget at a time.
 
-    A graph's entry (:class:`~layergraph.cache.GraphEntry`) owns everything about its key: the
-    graph, the packing's buffers (inputs, metadata, workspaces: the addresses it baked in),
+    A graph's entry (:class:`~layergraph.serving.cache.GraphEntry`) owns everything about its key:
+    the graph, the packing's buffers (inputs, metadata, workspaces: the addresses it baked in),
     the output buffers, the costs measured and what replays established. Each capture is
     measured against an eager call (:meth:`_measure`); a graph slower than eager is not kept.
 
@@ -253,8 +253,8 @@ class GraphEngine:
         """Whether ``call``, which no graph of its own key (``size``, its signature) serves
         (``reason``), is to go ``other``'s way (graphs held for its signature, measured at
         ``other_ms``): ``(True, None)`` where that was measured faster than eager by
-        :data:`~layergraph.policy.ROUTE_MARGIN`. Otherwise ``(False, output)``, the call served
-        eagerly: timed on its key's first eager call (the eager time recorded), else counted
+        :data:`~layergraph.serving.policy.ROUTE_MARGIN`. Otherwise ``(False, output)``, the call
+        served eagerly: timed on its key's first eager call (the eager time recorded), else counted
         with ``reason`` and why ``other`` was not taken. The measured fallback of both lanes."""
         lookup = (size, call.signature)
         costs = self._cache.costs(lookup)

@@ -1,7 +1,7 @@
 """The batched lane: which graph serves a batch, for plans keyed by batch size.
 
 With ``batch_sizes="auto"`` a batch is its own key; a batch without a graph of its own goes
-the cheapest route over the graphs held (padded up, or in chunks: :mod:`layergraph.policy`)
+the cheapest route over the graphs held (padded up, or in chunks: :mod:`layergraph.serving.policy`)
 when measured faster than eager. With fixed sizes a batch is padded up to the smallest bucket
 that holds it, or split into chunks of the largest. Graphs may also be captured ahead of time
 (:meth:`BatchedLane.capture`), largest first.
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from ..keys import BatchBuckets, CallInputs, ShapeKey
+from ..progress import track
+from ..rows import NotPerRow, concatenate
 from .engine import GraphEngine
-from .keys import BatchBuckets, CallInputs, ShapeKey
 from .policy import Route, cheapest_route
-from .progress import track
-from .rows import NotPerRow, concatenate
 
 __all__ = ["BatchedLane"]
 
@@ -36,7 +36,7 @@ class BatchedLane:
         self.buckets = BatchBuckets(None if self.options.measured else self.options.batch_sizes)
         self._routes: dict[Any, tuple[int, Route | None]] = {}
         """The cheapest route over the graphs held, by lookup, with the cache's generation it
-        was chosen in (:func:`~layergraph.policy.cheapest_route`)."""
+        was chosen in (:func:`~layergraph.serving.policy.cheapest_route`)."""
 
     @property
     def budgets(self) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 For plans whose calls pack many images of different sizes into one sequence
 (:attr:`~layergraph.adapter.CapturePlan.packing`). With ``batch_sizes="auto"`` the budgets are
-learnt from the traffic (:class:`~layergraph.budgets.BudgetPlanner`): the first calls run
+learnt from the traffic (:class:`~layergraph.serving.budgets.BudgetPlanner`): the first calls run
 eagerly while the planner observes their token totals, each timed; a fresh pool's first call
 then captures every budget of the plan, largest first; a call without a graph of its own
 budget goes to the cheapest larger budget held when measured faster than eager. A call above
@@ -17,16 +17,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..keys import BatchBuckets, ShapeKey
+from ..packing import PackedCall, Packing
+from ..progress import track
 from .budgets import OBSERVED_PER_BUDGET, BudgetPlanner
 from .engine import GraphEngine
-from .keys import BatchBuckets, ShapeKey
-from .packing import PackedCall, Packing
-from .progress import track
 
 __all__ = ["PackedLane", "check_budgets"]
 
 OBSERVING = "observing the traffic before choosing token budgets"
-"""Why a packed plan's first calls run eagerly (:class:`~layergraph.budgets.BudgetPlanner`)."""
+"""Why a packed plan's first calls run eagerly
+(:class:`~layergraph.serving.budgets.BudgetPlanner`)."""
 
 _NEAR = 1.25
 """An eager call observed with at least ``1 / _NEAR`` and at most ``_NEAR`` times a call's
@@ -74,7 +75,7 @@ class PackedLane:
     def start_from(self, totals: Sequence[tuple[int, int]], budgets: Sequence[int]) -> None:
         """Start the learnt budgets from another process's: its plan ``budgets`` and the calls
         ``totals`` it chose them from (:meth:`token_totals`), instead of observing calls
-        first (:meth:`~layergraph.budgets.BudgetPlanner.start_from`); nothing with budgets
+        first (:meth:`~layergraph.serving.budgets.BudgetPlanner.start_from`); nothing with budgets
         given."""
         if self._planner is not None:
             self._planner.start_from(dict(totals), budgets)
@@ -86,7 +87,7 @@ class PackedLane:
     def serve(self, call: PackedCall, fresh: bool) -> Any:
         """Serve a packed call from its budget's graph, captured if admitted; with learnt
         budgets, else from the cheapest larger budget held if measured faster than eager by
-        :data:`~layergraph.policy.ROUTE_MARGIN`; a call above every budget split by images;
+        :data:`~layergraph.serving.policy.ROUTE_MARGIN`; a call above every budget split by images;
         else eagerly, the reason counted. A budget's eager time is measured on its first eager
         call.
 
@@ -171,7 +172,7 @@ class PackedLane:
         pool. A budget below ``budget`` (``call``'s own) is captured from the call's first
         piece that fits it (:meth:`~layergraph.packing.Packing.split`), or left to its first
         call if its first image does not. Each graph is measured later, on the first call it
-        serves (:meth:`~layergraph.engine.GraphEngine.settle`): the call's own budget right
+        serves (:meth:`~layergraph.serving.engine.GraphEngine.settle`): the call's own budget right
         after. A budget measured slower than eager or whose capture failed is skipped, and a
         capture that fails ends the loop; nothing is captured while ``capture_after`` holds the
         call's own budget back, or without lazy capture."""

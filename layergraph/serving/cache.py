@@ -12,7 +12,7 @@ Everything known about one lookup (a bucket and a call signature) lives in :clas
 in exactly one of its tables: a graph (:class:`GraphEntry`, which carries what replays learn
 about it, :class:`ReplayRecord`), a count of sightings, or the reason its capture failed.
 Dropping a graph therefore forgets all there was to know about it: a key captured again is
-validated again. Measured costs (:class:`~layergraph.policy.Costs`) are about the shape, not
+validated again. Measured costs (:class:`~layergraph.serving.policy.Costs`) are about the shape, not
 the graph: they live on the entry while it lives, and in a table of their own after (a graph
 measured slower than eager is not captured again), until the model changes.
 """
@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 from torch.utils import _pytree as pytree
 
-from .guards import HeldOutputs
-from .keys import ShapeKey
+from ..guards import HeldOutputs
+from ..keys import ShapeKey
 from .policy import Costs
 
 __all__ = ["GraphCache", "GraphEntry", "HeldGraphs", "ReplayRecord"]
@@ -276,7 +276,7 @@ class GraphCache:
 
 class HeldGraphs(Protocol):
     """What the lanes and the façade read of the graphs held (:attr:`GraphEngine.held
-    <layergraph.engine.GraphEngine.held>`); capturing, dropping and measuring go through the
+    <layergraph.serving.engine.GraphEngine.held>`); capturing, dropping and measuring go through the
     engine alone."""
 
     generation: int

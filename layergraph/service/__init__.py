@@ -6,7 +6,7 @@ and returns one CPU tensor per image. :class:`MicroBatcher` forms those lists fr
 requests by the rule Ray Serve's ``@serve.batch`` follows (a batch closes when full or a
 timeout after its first request), for services without Ray. :class:`EmbedBatches` is the
 class-based callable of a Ray Data ``map_batches`` job. None of them imports Ray;
-:mod:`layergraph.ray` holds the Ray Serve deployment.
+:mod:`layergraph.service.ray` holds the Ray Serve deployment.
 
 What this module does not do: decode or resize images (give ``preprocess``, or send tensors),
 spread one encoder over several GPUs, or batch across processes.
@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .module import GraphedModule, wrap
+from ..module import GraphedModule, wrap
 
 __all__ = ["EmbedBatches", "ImageEncoder", "MicroBatcher", "default_embed"]
 
