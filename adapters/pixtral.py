@@ -80,7 +80,7 @@ from layergraph_adapters.kit.packed_tower import (
     read_inputs,
 )
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
-from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, require_transformers
+from layergraph_adapters.kit.versions import Support, require_transformers
 
 _HOLDERS: dict[str, tuple[str, ...]] = {
     "transformers.models.llava.modeling_llava": ("vision_tower", "model.vision_tower"),
@@ -437,13 +437,32 @@ def _joined(column: Sequence[Any]) -> Any:
     return None if any(leaf is None for leaf in column) else column[0]
 
 
+PIXTRAL_SUPPORT = Support(
+    "pixtral",
+    ">=5.17.0,<5.25",
+    copies=(
+        "layergraph_adapters.pixtral:PixtralPlan.packed_forward",
+        "layergraph_adapters.pixtral:PixtralPlan.attend_packed",
+    ),
+    probes=(
+        "the output class, from one call of the tower's forward on a one-patch image",
+        "whether output_hidden_states selects by index "
+        "(transformers.utils.output_capturing.selected_hidden_states)",
+    ),
+    tests=("tests/test_pixtral_adapter.py",),
+)
+"""5.17.0 to 5.24.x: both compute the rotary embeddings from each patch's (row, column) and
+write ``PixtralAttention`` alike; they differ in the output class (read from a call) and in
+what ``output_hidden_states`` selects (an index or indices with 5.24, all for any true value
+but a list with 5.17, which the graphs leave to the tower)."""
+
 FAMILY = PackedFamily(
     module="transformers.models.pixtral.modeling_pixtral",
     name="PixtralVisionModel",
     holders=_HOLDERS,
     layers="transformer.layers",
     attention="attention",
-    checked=PIXTRAL_CHECKED,
+    support=PIXTRAL_SUPPORT,
 )
 """Pixtral's tower, and the VLMs checked with it (:data:`_HOLDERS`)."""
 
@@ -475,7 +494,7 @@ class PixtralAdapter(PackedTowerAdapter):
         self.feature_layers = feature_layers
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        require_transformers(self.name, PIXTRAL_CHECKED)
+        require_transformers(self.name, PIXTRAL_SUPPORT.checked)
         tower, family = self.find(model)
         layers = self.feature_layers
         if layers is None and tower is not model:

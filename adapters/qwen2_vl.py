@@ -25,11 +25,8 @@ boundaries (``cu_seqlens``), rotary positions (``position_ids``), for Qwen2.5-VL
 (``cu_window_seqlens``, ``window_index``) and for Qwen3-VL the position table's rows and weights
 per patch (``interp_indices``, ``interp_weights``; Qwen3.5's too) are computed by transformers'
 own ``vision_utils`` and written, padded, into the budget's buffers, which the tower's forward
-takes as precomputed arguments (transformers 5.17 and later,
-:data:`~layergraph_adapters.kit.versions.QWEN2_VL_CHECKED`; the GLM towers:
-:data:`~layergraph_adapters.kit.versions.GLM_VISION_CHECKED`; Qwen3.5's:
-:data:`~layergraph_adapters.kit.versions.QWEN3_5_VISION_CHECKED`; Qwen3-VL-MoE's:
-:data:`~layergraph_adapters.kit.versions.QWEN3_VL_MOE_VISION_CHECKED`); for GLM-4.1V's and
+takes as precomputed arguments (transformers 5.17 and later: :data:`QWEN_SUPPORT`,
+:data:`GLM_SUPPORT`, :data:`QWEN3_5_SUPPORT`, :data:`QWEN3_VL_MOE_SUPPORT`); for GLM-4.1V's and
 GLM-4.5V's towers ``grid_thw``'s rows are written too, one slot per frame. Padding tokens come
 last in every order (``window_index`` maps them to themselves), read no position table row (zero
 weights) and belong to no frame or window: the sequences past the real ones are empty. Each
@@ -87,15 +84,39 @@ from layergraph_adapters.kit.packed_tower import (
 from layergraph_adapters.kit.patch_embedding import packed_patch_matmul_for
 from layergraph_adapters.kit.position_resampling import resampled_positions_for
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
-from layergraph_adapters.kit.versions import (
-    GLM_VISION_CHECKED,
-    QWEN2_VL_CHECKED,
-    QWEN3_5_VISION_CHECKED,
-    QWEN3_VL_MOE_VISION_CHECKED,
-)
+from layergraph_adapters.kit.versions import Support
 
 _VLM_PATHS = ("visual", "model.visual")
 """Where the VLMs of a served tower's modeling module hold it."""
+
+
+_ATTEND = ("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",)
+
+QWEN_SUPPORT = Support(
+    "qwen2_vl",
+    ">=5.17.0,<5.25",
+    copies=_ATTEND,
+    probes=(),
+    tests=(
+        "tests/test_qwen2_vl_adapter.py",
+        "tests/test_qwen2_vl_eager.py",
+        "tests/test_qwen2_vl_fused_norm.py",
+        "tests/test_packed_attention_plugins.py",
+    ),
+)
+"""5.17.0 to 5.24.x: the towers' forwards take the precomputed boundaries, positions and
+windows from 5.17 on, computed by ``transformers.vision_utils``, which older releases lack."""
+GLM_SUPPORT = Support("glm vision", ">=5.17.0,<5.25", _ATTEND, (), ("tests/test_glm4v_adapter.py",))
+"""GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR and GLM-5-Next (the last two from later releases than
+5.17): the Qwen towers' precomputed arguments; GLM-4.1V's also reads ``grid_thw``'s rows."""
+QWEN3_5_SUPPORT = Support(
+    "qwen3.5 vision", ">=5.17.0,<5.25", _ATTEND, (), ("tests/test_qwen3_5_adapter.py",)
+)
+"""Qwen3.5's towers: Qwen3-VL's without the deep-stack mergers."""
+QWEN3_VL_MOE_SUPPORT = Support(
+    "qwen3-vl-moe vision", ">=5.17.0,<5.25", _ATTEND, (), ("tests/test_qwen3_vl_moe_adapter.py",)
+)
+"""Qwen3-VL-MoE's tower: Qwen3-VL's renamed, called by its VLM as Qwen3-VL's is."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +127,8 @@ class _TowerKind(PackedFamily):
     holders: dict[str, tuple[str, ...]] = None  # type: ignore[assignment]
     layers: str = "blocks"
     attention: str = "attn"
-    checked: str = QWEN2_VL_CHECKED
     layer_form: LayerForm | None = BLOCK
+    support: Support | None = field(default=QWEN_SUPPORT, compare=False)
     windows: bool = False
     """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
     learned_positions: bool = False
@@ -127,6 +148,7 @@ class _TowerKind(PackedFamily):
     """Other modeling modules whose VLMs hold this tower at ``visual`` or ``model.visual``."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.holders is None:
             modules = (self.module, *self.other_holders)
             object.__setattr__(self, "holders", dict.fromkeys(modules, _VLM_PATHS))
@@ -134,12 +156,12 @@ class _TowerKind(PackedFamily):
 
 def _glm(package: str, name: str, **fields: Any) -> _TowerKind:
     """A GLM vision tower: full attention per frame, a downsampling convolution and a merger
-    at the end (:data:`~layergraph_adapters.kit.versions.GLM_VISION_CHECKED`)."""
+    at the end (:data:`GLM_SUPPORT`)."""
     return _TowerKind(
         f"transformers.models.{package}.modeling_{package}",
         name,
         windows=False,
-        checked=GLM_VISION_CHECKED,
+        support=GLM_SUPPORT,
         **fields,
     )
 
@@ -166,21 +188,21 @@ _TOWERS = (
         "Qwen3VLMoeVisionModel",
         windows=False,
         learned_positions=True,
-        checked=QWEN3_VL_MOE_VISION_CHECKED,
+        support=QWEN3_VL_MOE_SUPPORT,
     ),
     _TowerKind(
         "transformers.models.qwen3_5.modeling_qwen3_5",
         "Qwen3_5VisionModel",
         windows=False,
         learned_positions=True,
-        checked=QWEN3_5_VISION_CHECKED,
+        support=QWEN3_5_SUPPORT,
     ),
     _TowerKind(
         "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
         "Qwen3_5MoeVisionModel",
         windows=False,
         learned_positions=True,
-        checked=QWEN3_5_VISION_CHECKED,
+        support=QWEN3_5_SUPPORT,
     ),
     _glm(
         "glm4v",

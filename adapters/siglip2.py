@@ -63,7 +63,7 @@ from layergraph_adapters.kit.packed_tower import (
     read_inputs,
 )
 from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS, TOWER_PATHS
-from layergraph_adapters.kit.versions import TRANSFORMERS_CHECKED
+from layergraph_adapters.kit.versions import TRANSFORMER_TOWERS
 
 FAMILY = PackedFamily(
     module="transformers.models.siglip2.modeling_siglip2",
@@ -71,7 +71,7 @@ FAMILY = PackedFamily(
     holders={"*": TOWER_PATHS},
     layers="encoder.layers",
     attention="self_attn",
-    checked=TRANSFORMERS_CHECKED,
+    support=TRANSFORMER_TOWERS,
     layer_form=ENCODER_LAYER,
 )
 """SigLIP2's tower, held as ``vision_model`` or ``vision_tower`` by any model."""

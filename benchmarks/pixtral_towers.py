@@ -19,7 +19,7 @@ import transformers
 from qwen_towers import Tower
 from torch import nn
 
-from layergraph_adapters.kit.versions import PIXTRAL_CHECKED
+from layergraph_adapters.pixtral import PIXTRAL_SUPPORT
 
 ADAPTER = "pixtral"
 """The layergraph adapter that serves these towers."""
@@ -49,7 +49,7 @@ def towers(tiny: bool) -> list[Tower]:
             "PixtralVisionModel",
             lambda: transformers.PixtralVisionConfig(**settings),
             kit="pixtral_towers",
-            served_with=PIXTRAL_CHECKED,
+            served_with=PIXTRAL_SUPPORT.checked,
         )
     ]
 

@@ -26,12 +26,8 @@ from torch import nn
 from transformers import vision_utils
 
 from layergraph_adapters.example_models.packed import PACKED_EXAMPLES
-from layergraph_adapters.kit.versions import (
-    GLM_VISION_CHECKED,
-    QWEN2_VL_CHECKED,
-    QWEN3_5_VISION_CHECKED,
-    UNCHECKED_VARIABLE,
-)
+from layergraph_adapters.kit.versions import UNCHECKED_VARIABLE
+from layergraph_adapters.qwen2_vl import GLM_SUPPORT, QWEN3_5_SUPPORT, QWEN_SUPPORT
 
 ADAPTER = "qwen2_vl"
 """The layergraph adapter that serves these towers."""
@@ -50,7 +46,7 @@ class Tower:
     video_rows: bool = False
     """Whether the tower is given a video as one ``grid_thw`` row per frame (GLM-4.1V's, whose
     forward reads the rows by frame; its VLM passes videos so)."""
-    served_with: str = QWEN2_VL_CHECKED
+    served_with: str = QWEN_SUPPORT.checked
     """The transformers releases the tower's adapter serves it with."""
 
     def served_here(self) -> bool:
@@ -96,7 +92,7 @@ def towers(tiny: bool) -> list[Tower]:
             "transformers.models.qwen3_5.modeling_qwen3_5",
             "Qwen3_5VisionModel",
             lambda: transformers.Qwen3_5VisionConfig(**qwen35),
-            served_with=QWEN3_5_VISION_CHECKED,
+            served_with=QWEN3_5_SUPPORT.checked,
         ),
         Tower(
             "glm-4.1v-9b" if not tiny else "glm-4.1v-tiny",
@@ -104,7 +100,7 @@ def towers(tiny: bool) -> list[Tower]:
             "Glm4vVisionModel",
             lambda: transformers.Glm4vVisionConfig(**glm4v),
             video_rows=True,
-            served_with=GLM_VISION_CHECKED,
+            served_with=GLM_SUPPORT.checked,
         ),
     ]
 

@@ -18,7 +18,7 @@ from layergraph.ledger import ChangeLedger
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 from layergraph_adapters.kit.aligned_mlp import AlignedForward, AlignedMLP
-from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED
+from layergraph_adapters.qwen2_vl import QWEN_SUPPORT
 
 TOLERANCE = 1e-5
 
@@ -115,7 +115,7 @@ def test_training_calls_run_the_modules_own_forward() -> None:
 
 
 transformers = pytest.importorskip("transformers")
-served = SpecifierSet(QWEN2_VL_CHECKED).contains(transformers.__version__, prereleases=True)
+served = SpecifierSet(QWEN_SUPPORT.checked).contains(transformers.__version__, prereleases=True)
 
 
 def qwen25_tower() -> nn.Module:
@@ -139,7 +139,7 @@ def qwen25_tower() -> nn.Module:
     return Qwen2_5_VisionTransformerPretrainedModel(config).eval()
 
 
-@pytest.mark.skipif(not served, reason=f"the qwen2_vl adapter needs {QWEN2_VL_CHECKED}")
+@pytest.mark.skipif(not served, reason=f"the qwen2_vl adapter needs {QWEN_SUPPORT.checked}")
 def test_qwen25_tower_with_align_mlp_equals_its_own_and_unwraps() -> None:
     model = qwen25_tower()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -168,7 +168,7 @@ def test_qwen25_tower_with_align_mlp_equals_its_own_and_unwraps() -> None:
     assert all(p.is_contiguous() for p in model.parameters())
 
 
-@pytest.mark.skipif(not served, reason=f"the qwen2_vl adapter needs {QWEN2_VL_CHECKED}")
+@pytest.mark.skipif(not served, reason=f"the qwen2_vl adapter needs {QWEN_SUPPORT.checked}")
 def test_align_mlp_auto_is_off_on_the_cpu_with_the_reason() -> None:
     graphed = layergraph.wrap(
         qwen25_tower(), adapter="qwen2_vl", backend=SimulatedGraphs(), observe_calls=0

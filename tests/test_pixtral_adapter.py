@@ -26,7 +26,8 @@ from layergraph.staging import Staging
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 from layergraph_adapters.kit.feature_outputs import ON_DEMAND_REASON
-from layergraph_adapters.kit.versions import PIXTRAL_CHECKED, UNCHECKED_VARIABLE
+from layergraph_adapters.kit.versions import UNCHECKED_VARIABLE
+from layergraph_adapters.pixtral import PIXTRAL_SUPPORT
 
 transformers = pytest.importorskip("transformers")
 pixtral = pytest.importorskip("layergraph_adapters.pixtral")
@@ -88,9 +89,11 @@ def sharpen(model: torch.nn.Module) -> torch.nn.Module:
 def skip_outside_the_served_releases() -> None:
     """Skip the calling test where the installed transformers is outside the releases the
     pixtral adapter is served with (other test modules build these models too)."""
-    served = SpecifierSet(PIXTRAL_CHECKED).contains(transformers.__version__, prereleases=True)
+    served = SpecifierSet(PIXTRAL_SUPPORT.checked).contains(
+        transformers.__version__, prereleases=True
+    )
     if not served and os.environ.get(UNCHECKED_VARIABLE) != "1":
-        pytest.skip(f"the pixtral adapter is served with transformers{PIXTRAL_CHECKED}")
+        pytest.skip(f"the pixtral adapter is served with transformers{PIXTRAL_SUPPORT.checked}")
 
 
 def tower(**settings: Any) -> torch.nn.Module:

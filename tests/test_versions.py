@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,13 +11,15 @@ import pytest
 
 from layergraph import AdapterMismatch
 from layergraph_adapters.kit.versions import (
-    QWEN2_VL_CHECKED,
     TRANSFORMERS_CHECKED,
     UNCHECKED_VARIABLE,
     require_transformers,
 )
 
 pytest.importorskip("transformers")
+
+QWEN2_VL_CHECKED = ">=5.17.0,<5.25"
+"""The qwen2_vl family's range, as its record states it."""
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,14 +115,45 @@ def test_the_version_table_names_copies_that_exist_and_tests_that_check_them() -
 
 
 def test_ci_runs_each_familys_tests_with_its_oldest_release() -> None:
-    from layergraph_adapters.kit.versions import QWEN2_VL_CHECKED, SUPPORT, floors
+    from layergraph_adapters.kit.versions import SUPPORT, floors
+    from layergraph_adapters.qwen2_vl import QWEN_SUPPORT
 
     by_release = floors()
     assert list(by_release) == sorted(by_release, key=lambda r: tuple(map(int, r.split("."))))
     for support in SUPPORT.values():
         assert set(support.tests) <= set(by_release[support.floor])
-    assert SUPPORT["qwen2_vl"].checked == QWEN2_VL_CHECKED
+    assert SUPPORT["qwen2_vl"] is QWEN_SUPPORT
     assert SUPPORT["qwen2_vl"].floor == "5.17.0"
     assert TRANSFORMERS_CHECKED.startswith(f">={SUPPORT['transformers towers'].floor},")
+    printed = subprocess.run(
+        [sys.executable, "-m", "layergraph_adapters.kit.versions"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert [line.split()[0] for line in printed] == list(by_release)  # as CI reads it
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m layergraph_adapters.kit.versions" in ci and '"transformers==$release"' in ci
+
+
+def test_the_qwen_records_state_their_range() -> None:
+    from layergraph_adapters.qwen2_vl import QWEN_SUPPORT, Qwen2VLAdapter
+
+    assert QWEN_SUPPORT.checked == QWEN2_VL_CHECKED
+    assert all(family.checked == family.support.checked for family in Qwen2VLAdapter.families)
+
+
+@pytest.mark.parametrize(
+    ("old", "family"),
+    [
+        ("QWEN2_VL_CHECKED", "qwen2_vl"),
+        ("PIXTRAL_CHECKED", "pixtral"),
+        ("GLM_VISION_CHECKED", "glm vision"),
+    ],
+)
+def test_the_old_range_constants_warn_and_read_the_records(old: str, family: str) -> None:
+    import layergraph_adapters.kit.versions as versions
+
+    with pytest.warns(DeprecationWarning, match=f"{old} is the {family} family's support"):
+        value = getattr(versions, old)
+    assert value == versions.support_table()[family].checked

@@ -66,6 +66,7 @@ from layergraph_adapters.kit.budget_buffers import (
     workspace,
 )
 from layergraph_adapters.kit.packed_examples import EXAMPLE_IMAGE_SIZE, PackedExamples
+from layergraph_adapters.kit.versions import Support, require_transformers
 
 if TYPE_CHECKING:
     from layergraph_adapters.kit.fused_norm import LayerForm
@@ -110,9 +111,9 @@ class PackedFamily:
     """The attribute path of the tower's layers (``"encoder.layers"``)."""
     attention: str
     """The attribute of each layer that is its attention module (``"self_attn"``)."""
-    checked: str | None
+    checked: str | None = None
     """The transformers releases the tower's forward was checked with (a requirement), or
-    ``None`` for a tower that is not transformers'."""
+    ``None`` for a tower that is not transformers'; :attr:`support`'s where it is given."""
     cls: type | None = field(default=None, compare=False)
     """The tower class itself, for one defined where :attr:`module` is not importable by name
     (a notebook, a test); ``None``: looked up by :attr:`module` and :attr:`name`."""
@@ -120,6 +121,14 @@ class PackedFamily:
     """How the tower's layers compute, for ``fuse_norm``
     (:class:`~layergraph_adapters.kit.fused_norm.LayerForm`); ``None``: ``fuse_norm`` does not
     serve them."""
+    support: Support | None = field(default=None, compare=False)
+    """What the family is served with (releases, the functions that copy transformers' code,
+    the tests that check them): the release table and CI's floors are read from the records
+    (:func:`~layergraph_adapters.kit.versions.support_table`)."""
+
+    def __post_init__(self) -> None:
+        if self.checked is None and self.support is not None:
+            object.__setattr__(self, "checked", self.support.checked)
 
     def tower_class(self) -> type | None:
         """The tower class, if its modeling module is imported; never imports it."""
@@ -202,8 +211,6 @@ class PackedTowerAdapter(PackedExamples, Adapter):
         return found
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        from layergraph_adapters.kit.versions import require_transformers
-
         tower, family = self.find(model)
         if family.checked is not None:
             require_transformers(self.name, family.checked)

@@ -7,14 +7,14 @@ routed forward of :mod:`layergraph_adapters.internvl`), and where a model keeps 
 layers and embeddings (each family's :class:`~layergraph_adapters.kit.tower_specs.TowerSpec`).
 Another release may change that code, and a copy that no longer matches it computes something
 else without failing, so the plans refuse transformers outside the checked range
-(:func:`require_transformers`). :data:`SUPPORT` is the one table of it: per family, the range,
-the functions that copy transformers' code, what is read from the release's behaviour rather
-than its version, and the tests that compare the copies with transformers' own forward, which
-CI runs with each family's oldest release (:func:`floors`) as well as the newest.
-The qwen2_vl adapter needs a narrower range (:data:`QWEN2_VL_CHECKED`, and
-:data:`GLM_VISION_CHECKED` for the GLM towers it serves, :data:`QWEN3_5_VISION_CHECKED` for
-Qwen3.5's, :data:`QWEN3_VL_MOE_VISION_CHECKED` for Qwen3-VL-MoE's), and so does the pixtral
-adapter (:data:`PIXTRAL_CHECKED`).
+(:func:`require_transformers`). A family's :class:`Support` says it all: the range, the
+functions that copy transformers' code, what is read from the release's behaviour rather than
+its version, and the tests that compare the copies with transformers' own forward, which CI
+runs with each family's oldest release (:func:`floors`) as well as the newest.
+:data:`TRANSFORMER_TOWERS` is the fixed-resolution families' (and InternVL's and SigLIP2
+NaFlex's); a packed family's lives in its record
+(:attr:`~layergraph_adapters.kit.packed_tower.PackedFamily.support`), beside the class it
+serves. :func:`support_table` (also ``SUPPORT``) gathers them.
 """
 
 from __future__ import annotations
@@ -22,22 +22,21 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 from layergraph import AdapterMismatch
+from layergraph.warn import warn
 
 __all__ = [
-    "GLM_VISION_CHECKED",
-    "PIXTRAL_CHECKED",
-    "QWEN2_VL_CHECKED",
-    "QWEN3_5_VISION_CHECKED",
-    "QWEN3_VL_MOE_VISION_CHECKED",
-    "SUPPORT",
     "TRANSFORMERS_CHECKED",
+    "TRANSFORMER_TOWERS",
     "UNCHECKED_VARIABLE",
     "Support",
     "floors",
     "require_transformers",
+    "support_table",
 ]
 
 TRANSFORMERS_CHECKED = ">=5.6.0,<5.25"
@@ -47,45 +46,6 @@ The adapters' CPU tests, and the coverage test, pass with 5.6.0, 5.8.1, 5.12.1, 
 5.24.0. With 5.5.4, graphs that stop at a feature layer (LLaVA's, VipLLaVA's) do not match the
 model; with 5.0.0 the fused q/k/v attention fails too. ``pyproject.toml``'s ``transformers``
 extra asks for the same range."""
-
-QWEN2_VL_CHECKED = ">=5.17.0,<5.25"
-"""The transformers releases the qwen2_vl adapter serves: 5.17.0 to 5.24.x. Its graphs hand the
-Qwen vision towers precomputed boundaries, positions and windows (``cu_seqlens``,
-``window_index``, ``interp_indices`` ...), which their forwards take from 5.17 on, computed by
-``transformers.vision_utils``, which older releases lack. Its CPU tests pass with 5.17.0 and
-5.24.0."""
-
-GLM_VISION_CHECKED = ">=5.17.0,<5.25"
-"""The transformers releases whose GLM vision towers (GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR,
-GLM-5-Next) the qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass with 5.17.0 and
-5.24.0 (GLM-OCR and GLM-5-Next come with later releases than 5.17). Their
-forwards take the same precomputed arguments as the Qwen towers'; GLM-4.1V's also reads
-``grid_thw``'s rows in its position embeddings, which the graphs are given in a buffer."""
-
-QWEN3_5_VISION_CHECKED = ">=5.17.0,<5.25"
-"""The transformers releases whose Qwen3.5 vision towers (``Qwen3_5VisionModel``,
-``Qwen3_5MoeVisionModel``) the qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass
-with 5.17.0 and 5.24.0. Their forwards are Qwen3-VL's without the deep-stack mergers, taking
-the same precomputed arguments, and return ``BaseModelOutputWithPooling``."""
-
-QWEN3_VL_MOE_VISION_CHECKED = ">=5.17.0,<5.25"
-"""The transformers releases whose Qwen3-VL-MoE vision tower (``Qwen3VLMoeVisionModel``) the
-qwen2_vl adapter serves: 5.17.0 to 5.24.x; its CPU tests pass with 5.17.0 and 5.24.0. In both,
-its modeling code is Qwen3-VL's tower renamed (rotary embedding, attention, MLP, block, patch
-embedding, mergers and forward, deep-stack features included), and Qwen3-VL-MoE's VLM calls it
-as Qwen3-VL's does."""
-
-PIXTRAL_CHECKED = ">=5.17.0,<5.25"
-"""The transformers releases the pixtral adapter serves: 5.17.0 to 5.24.x; its CPU tests pass
-with 5.17.0 and 5.24.0. Its graphs compute the rotary embeddings by the tower's own module from
-each patch's (row, column), the positions ``PixtralVisionRotaryEmbedding`` takes in both, and
-route ``PixtralAttention``, which both write alike. The releases differ in the tower's output
-class (``BaseModelOutput`` with 5.17, ``BaseModelOutputWithPooling`` with 5.24), which the graphs'
-outputs take from a call of the tower's forward, and in what ``output_hidden_states``
-selects: with 5.24 an index or a list of indices of ``hidden_states``, with 5.17 all of them
-for any true value but a list, which the graphs leave to the tower itself. LLaVA and Mistral 3
-ask for all of them with 5.17 and for their ``vision_feature_layer`` with 5.24; LightOnOCR asks
-for none."""
 
 UNCHECKED_VARIABLE = "LAYERGRAPH_UNCHECKED_TRANSFORMERS"
 """The environment variable that, set to ``1``, lets the adapters run with any transformers."""
@@ -128,6 +88,8 @@ class Support:
     rather than from its version, and the tests that check it (which CI runs with the oldest
     release of the range, and the newest)."""
 
+    name: str
+    """The family's name in the docs and the release table."""
     checked: str
     """The transformers releases served, as a version specifier."""
     copies: tuple[str, ...]
@@ -148,90 +110,103 @@ class Support:
         return found.group(1)
 
 
-SUPPORT: dict[str, Support] = {
-    "transformers towers": Support(
-        TRANSFORMERS_CHECKED,
-        copies=(
-            "layergraph_adapters.kit.fused_qkv:fused_attention_forward",
-            "layergraph_adapters.internvl:_routed_attention",
-            "layergraph_adapters.kit.idefics:patch_position_ids",
-            "layergraph_adapters.kit.naflex:packed_forward",
-            "layergraph_adapters.siglip2:Siglip2Plan.attend_packed",
-        ),
-        probes=(
-            "idefics: whether the embeddings round fractional coordinates to the pixels' dtype, "
-            "read from the embeddings' own forward on a probe mask",
-        ),
-        tests=(
-            "tests/test_siglip_clip_adapters.py",
-            "tests/test_internvl_adapter.py",
-            "tests/test_auto_adapter.py",
-            "tests/test_versions.py",
-            "tests/test_tower_families.py",
-            "tests/test_example_capturable.py",
-            "tests/test_coverage.py",
-            "tests/test_families_benchmark.py",
-            "tests/test_siglip2_adapter.py",
-            "tests/test_grid_positions.py",
-        ),
+TRANSFORMER_TOWERS = Support(
+    "transformers towers",
+    TRANSFORMERS_CHECKED,
+    copies=(
+        "layergraph_adapters.kit.fused_qkv:fused_attention_forward",
+        "layergraph_adapters.internvl:_routed_attention",
+        "layergraph_adapters.kit.idefics:patch_position_ids",
+        "layergraph_adapters.kit.naflex:packed_forward",
+        "layergraph_adapters.siglip2:Siglip2Plan.attend_packed",
     ),
-    "qwen2_vl": Support(
-        QWEN2_VL_CHECKED,
-        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
-        probes=(),
-        tests=(
-            "tests/test_qwen2_vl_adapter.py",
-            "tests/test_qwen2_vl_eager.py",
-            "tests/test_qwen2_vl_fused_norm.py",
-            "tests/test_packed_attention_plugins.py",
-        ),
+    probes=(
+        "idefics: whether the embeddings round fractional coordinates to the pixels' dtype, "
+        "read from the embeddings' own forward on a probe mask",
     ),
-    "glm vision": Support(
-        GLM_VISION_CHECKED,
-        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
-        probes=(),
-        tests=("tests/test_glm4v_adapter.py",),
+    tests=(
+        "tests/test_siglip_clip_adapters.py",
+        "tests/test_internvl_adapter.py",
+        "tests/test_auto_adapter.py",
+        "tests/test_versions.py",
+        "tests/test_tower_families.py",
+        "tests/test_example_capturable.py",
+        "tests/test_coverage.py",
+        "tests/test_families_benchmark.py",
+        "tests/test_siglip2_adapter.py",
+        "tests/test_grid_positions.py",
     ),
-    "qwen3.5 vision": Support(
-        QWEN3_5_VISION_CHECKED,
-        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
-        probes=(),
-        tests=("tests/test_qwen3_5_adapter.py",),
-    ),
-    "qwen3-vl-moe vision": Support(
-        QWEN3_VL_MOE_VISION_CHECKED,
-        copies=("layergraph_adapters.qwen2_vl:Qwen2VLPlan.attend_packed",),
-        probes=(),
-        tests=("tests/test_qwen3_vl_moe_adapter.py",),
-    ),
-    "pixtral": Support(
-        PIXTRAL_CHECKED,
-        copies=(
-            "layergraph_adapters.pixtral:PixtralPlan.packed_forward",
-            "layergraph_adapters.pixtral:PixtralPlan.attend_packed",
-        ),
-        probes=(
-            "the output class, from one call of the tower's forward on a one-patch image",
-            "whether output_hidden_states selects by index "
-            "(transformers.utils.output_capturing.selected_hidden_states)",
-        ),
-        tests=("tests/test_pixtral_adapter.py",),
-    ),
+)
+"""The fixed-resolution families of :data:`layergraph_adapters.towers.TOWERS`, InternVL's and
+SigLIP2 NaFlex's."""
+
+
+def support_table() -> dict[str, Support]:
+    """Every family's support, by name: :data:`TRANSFORMER_TOWERS`, then those the plugins of
+    the entry-point group ``layergraph`` hold (each imported; one that fails to import is left
+    out): a :class:`Support` of the plugin module, or the support of a family record of one of
+    its adapter classes (their ``families``). The release table CI reads (:func:`floors`)."""
+    found = {TRANSFORMER_TOWERS.name: TRANSFORMER_TOWERS}
+    for point in entry_points(group="layergraph"):
+        try:
+            plugin = point.load()
+        except Exception:  # a broken plugin names no family here
+            continue
+        for support in _supports_in(plugin):
+            found.setdefault(support.name, support)
+    return found
+
+
+def _supports_in(plugin: object) -> Iterator[Support]:
+    """The supports a plugin module holds, itself or in its adapters' family records."""
+    for value in vars(plugin).values():
+        if isinstance(value, Support):
+            yield value
+        families = getattr(value, "families", ()) if isinstance(value, type) else ()
+        for family in families:
+            support = getattr(family, "support", None)
+            if isinstance(support, Support):
+                yield support
+
+
+_RANGES_MOVED = {
+    "QWEN2_VL_CHECKED": "qwen2_vl",
+    "GLM_VISION_CHECKED": "glm vision",
+    "QWEN3_5_VISION_CHECKED": "qwen3.5 vision",
+    "QWEN3_VL_MOE_VISION_CHECKED": "qwen3-vl-moe vision",
+    "PIXTRAL_CHECKED": "pixtral",
 }
-"""Every family of transformers towers layergraph serves, by the name its docs use: one table
-that the plans' checks (:func:`require_transformers`, given a family's ``checked``) and CI
-(:func:`floors`) read."""
+"""The packed families' ranges that were constants here, by the support they are now part of."""
+
+
+def __getattr__(name: str) -> object:
+    """``SUPPORT`` (:func:`support_table`), and the packed families' old range constants with
+    a ``DeprecationWarning`` (they go in 0.3)."""
+    if name == "SUPPORT":
+        return support_table()
+    if name in _RANGES_MOVED:
+        family = _RANGES_MOVED[name]
+        warn(
+            f"layergraph_adapters.kit.versions.{name} is the {family} family's "
+            f"support.checked (kit.versions.support_table()['{family}'], or its record's "
+            "support) since layergraph 0.2.1; the constant goes in 0.3",
+            DeprecationWarning,
+        )
+        return support_table()[family].checked
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def floors() -> dict[str, list[str]]:
     """The test files to run with each family's oldest release, by release, oldest first."""
     by_release: dict[str, list[str]] = {}
-    for support in SUPPORT.values():
+    for support in support_table().values():
         files = by_release.setdefault(support.floor, [])
         files += [test for test in support.tests if test not in files]
     return dict(sorted(by_release.items(), key=lambda item: tuple(map(int, item[0].split(".")))))
 
 
 if __name__ == "__main__":  # for CI: one line per release, "RELEASE TEST_FILE ..."
-    for release, files in floors().items():
+    from layergraph_adapters.kit import versions  # the module the plugins import, not __main__
+
+    for release, files in versions.floors().items():
         sys.stdout.write(" ".join([release, *files]) + "\n")
