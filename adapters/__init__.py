@@ -6,7 +6,8 @@ module imports its model framework (timm, transformers) only when one of its ada
 never when the plugin is loaded.
 
 The modules that moved into ``kit`` in 0.2 keep their old import paths for 0.2, with a
-``DeprecationWarning`` (``layergraph_adapters.hf_vision`` is ``layergraph_adapters.kit.hf_vision``).
+``LayergraphDeprecationWarning`` (``layergraph_adapters.hf_vision`` is
+``layergraph_adapters.kit.hf_vision``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
+
+from layergraph.warn import LayergraphDeprecationWarning
 
 _MOVED_TO_KIT = frozenset(
     {
@@ -57,7 +60,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module = spec.name.rpartition(".")[2]
         warnings.warn(
             f"{spec.name} moved to {__name__}.kit.{module}; the old path goes in 0.3",
-            DeprecationWarning,
+            LayergraphDeprecationWarning,
             stacklevel=2,
         )
         return importlib.import_module(f"{__name__}.kit.{module}")

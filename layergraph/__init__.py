@@ -24,6 +24,7 @@ from .serving.gate import EagerModeWarning
 from .stats import GraphStats
 from .validation import GraphMismatchError
 from .version import __version__
+from .warn import LayergraphDeprecationWarning
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -38,6 +39,7 @@ __all__ = [
     "GraphMismatchError",
     "GraphStats",
     "GraphedModule",
+    "LayergraphDeprecationWarning",
     "PlanContext",
     "PluginFailureWarning",
     "RunnerOptions",
@@ -55,7 +57,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     """``ExampleModel``, moved to :mod:`layergraph.bench.examples`, with a
-    ``DeprecationWarning`` (``layergraph.ExampleModel`` goes in 0.3)."""
+    ``LayergraphDeprecationWarning`` (``layergraph.ExampleModel`` goes in 0.3)."""
     if name == "ExampleModel":
         return moved_example_model(__name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

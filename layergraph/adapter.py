@@ -28,6 +28,7 @@ from torch import nn
 from .keys import CallInputs, ShapeKey
 from .ledger import ChangeLedger
 from .packing import Packing
+from .warn import LayergraphDeprecationWarning
 
 if TYPE_CHECKING:
     from .attention.backends import AttentionBackend
@@ -49,7 +50,7 @@ __all__ = [
 PLUGIN_API_VERSION = 2
 """The version of the adapter interface plugins implement: 2 since layergraph 0.2, where
 :meth:`Adapter.plan` takes ``(model, context)``; 1 was ``plan(model)``, which still works
-with a ``DeprecationWarning`` until 0.3 (:func:`plan_api_version`)."""
+with a ``LayergraphDeprecationWarning`` until 0.3 (:func:`plan_api_version`)."""
 
 
 class AdapterMismatch(TypeError):
@@ -343,14 +344,14 @@ def plan_api_version(adapter: Any) -> int:
 
 def make_plan(adapter: Adapter, model: nn.Module, context: PlanContext) -> CapturePlan:
     """``adapter.plan(model, context)``, or for an adapter written for plugin API 1
-    (``plan(model)``) ``adapter.plan(model)`` with a ``DeprecationWarning`` naming it."""
+    (``plan(model)``) ``adapter.plan(model)`` with a ``LayergraphDeprecationWarning`` naming it."""
     if plan_api_version(adapter) == 1:
         warnings.warn(
             f"adapter {adapter.name!r} ({type(adapter).__module__}.{type(adapter).__qualname__}) "
             f"defines plan(model), the form of layergraph's plugin API 1; since layergraph 0.2 "
             f"plan takes (model, context) (PLUGIN_API_VERSION {PLUGIN_API_VERSION}). The old "
             f"form works until layergraph 0.3: add a context parameter to update it",
-            DeprecationWarning,
+            LayergraphDeprecationWarning,
             stacklevel=3,
         )
         return adapter.plan(model)  # type: ignore[call-arg]
@@ -359,7 +360,7 @@ def make_plan(adapter: Adapter, model: nn.Module, context: PlanContext) -> Captu
 
 def __getattr__(name: str) -> Any:
     """``ExampleModel``, moved to :mod:`layergraph.bench.examples`, with a
-    ``DeprecationWarning`` (the old path goes in 0.3)."""
+    ``LayergraphDeprecationWarning`` (the old path goes in 0.3)."""
     if name == "ExampleModel":
         return moved_example_model(__name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -372,7 +373,7 @@ def moved_example_model(where: str) -> type:
     warnings.warn(
         f"{where}.ExampleModel moved to layergraph.bench.examples.ExampleModel (the old path "
         f"goes in 0.3)",
-        DeprecationWarning,
+        LayergraphDeprecationWarning,
         stacklevel=3,
     )
     return ExampleModel

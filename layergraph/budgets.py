@@ -1,5 +1,5 @@
-"""The old path of :mod:`layergraph.serving.budgets`, kept with a ``DeprecationWarning`` until
-layergraph 0.3."""
+"""The old path of :mod:`layergraph.serving.budgets`, kept with a ``LayergraphDeprecationWarning``
+until layergraph 0.3."""
 
 from .warn import moved_module
 

@@ -25,6 +25,8 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 import torch
 from torch.utils import _pytree as pytree
 
+from .warn import LayergraphDeprecationWarning
+
 __all__ = ["Call", "PackedCall", "Packing", "buffer_tensors", "split_ranges"]
 
 
@@ -78,9 +80,9 @@ class PackedCall(Generic[PartsT]):
     def batch(self) -> int:
         """Deprecated: :attr:`size` (the same number), until layergraph 0.3."""
         warnings.warn(
-            "PackedCall.batch is PackedCall.size (the call's tokens) since layergraph 0.2.1; "
+            "PackedCall.batch is PackedCall.size (the call's tokens) since layergraph 0.2.0; "
             "batch goes in 0.3",
-            DeprecationWarning,
+            LayergraphDeprecationWarning,
             stacklevel=2,
         )
         return self.size

@@ -38,7 +38,7 @@ from .attention.layout import (
     check_packed_metadata,
 )
 from .version import __version__
-from .warn import warn
+from .warn import LayergraphDeprecationWarning, warn
 
 if TYPE_CHECKING:
     from .bench.example_model import ExampleModel
@@ -484,7 +484,7 @@ class AdapterRegistry:
                     f"the {adapter.name} adapter offers example models through its deprecated "
                     f"example_model(s) methods: implement the example_model and "
                     f"example_model_names hooks in its plugin instead (they go in 0.3)",
-                    DeprecationWarning,
+                    LayergraphDeprecationWarning,
                 )
                 yield answer
 

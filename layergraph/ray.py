@@ -1,4 +1,4 @@
-"""The old path of :mod:`layergraph.service.ray`, kept with a ``DeprecationWarning`` until
+"""The old path of :mod:`layergraph.service.ray`, kept with a ``LayergraphDeprecationWarning`` until
 layergraph 0.3."""
 
 from .warn import moved_module

@@ -14,7 +14,21 @@ import sys
 import warnings
 from types import FrameType
 
-__all__ = ["INTERNAL_PACKAGES", "moved_module", "user_stacklevel", "warn"]
+__all__ = [
+    "INTERNAL_PACKAGES",
+    "LayergraphDeprecationWarning",
+    "moved_module",
+    "user_stacklevel",
+    "warn",
+]
+
+
+class LayergraphDeprecationWarning(FutureWarning):
+    """A name or form of layergraph's API or plugin API that a later release removes; the
+    message names the old form, the new one and the release that removes it. A
+    ``FutureWarning``, which Python shows by default (a ``DeprecationWarning`` is hidden outside
+    ``__main__`` and test runners), so whoever runs a script, a service or a plugin sees it."""
+
 
 INTERNAL_PACKAGES: tuple[str, ...] = (
     "layergraph",
@@ -61,11 +75,12 @@ def warn(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
-def moved_module(old: str, new: str, since: str = "0.2.1", until: str = "0.3") -> None:
+def moved_module(old: str, new: str, since: str = "0.2.0", until: str = "0.3") -> None:
     """Make the module being imported as ``old`` the module ``new`` (the same object, so
-    everything it holds is reachable by the old path), with a ``DeprecationWarning`` naming
-    the importing line. Called by the body of a module that moved."""
+    everything it holds is reachable by the old path), with a ``LayergraphDeprecationWarning``
+    naming the importing line. Called by the body of a module that moved."""
     sys.modules[old] = importlib.import_module(new)
     warn(
-        f"{old} is {new} since layergraph {since}; the old path goes in {until}", DeprecationWarning
+        f"{old} is {new} since layergraph {since}; the old path goes in {until}",
+        LayergraphDeprecationWarning,
     )

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import layergraph
+from layergraph import LayergraphDeprecationWarning
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 from layergraph_adapters.kit import automatic
@@ -149,7 +150,7 @@ def test_a_tanh_gelu_tower_takes_fuse_gelu_and_answers_within_rounding() -> None
 @pytest.mark.usefixtures("as_on_a_gpu")
 def test_a_plan_taking_keywords_is_decided_by_trials_with_a_deprecation() -> None:
     """The form before SpeedChoices: each "auto" option decided by a build with those taken
-    before it, the plan returned one that was built, and a DeprecationWarning."""
+    before it, the plan returned one that was built, and a LayergraphDeprecationWarning."""
     from layergraph.adapter import AdapterMismatch, PlanContext
 
     built: list[dict[str, object]] = []
@@ -160,7 +161,7 @@ def test_a_plan_taking_keywords_is_decided_by_trials_with_a_deprecation() -> Non
                 raise AdapterMismatch("fuse_gelu and align_mlp both rewrite each block's MLP")
             built.append(options)
 
-    with pytest.warns(DeprecationWarning, match="takes the speed options as keywords"):
+    with pytest.warns(LayergraphDeprecationWarning, match="takes the speed options as keywords"):
         plan = automatic.build_with_automatic_options(
             torch.nn.Linear(2, 2),
             {"fuse_gelu": "auto", "align_mlp": "auto"},

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from layergraph import capture_streams
+from layergraph import LayergraphDeprecationWarning, capture_streams
 
 DEVICE = 7  # a device number no other test uses
 
@@ -79,7 +79,7 @@ def test_the_old_module_name_gives_the_new_names_with_a_deprecation() -> None:
     import sys
 
     sys.modules.pop("layergraph.capture_lanes", None)
-    with pytest.warns(DeprecationWarning, match="layergraph.capture_streams since"):
+    with pytest.warns(LayergraphDeprecationWarning, match="layergraph.capture_streams since"):
         old = importlib.import_module("layergraph.capture_lanes")
     assert old.CaptureLane is capture_streams.CaptureStream
     assert old.take_lane is capture_streams.take_stream

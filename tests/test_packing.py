@@ -7,6 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
+from layergraph import LayergraphDeprecationWarning
 from layergraph.packing import split_ranges
 
 
@@ -38,5 +39,5 @@ def test_a_packed_calls_batch_is_its_size_with_a_deprecation() -> None:
     from layergraph.packing import PackedCall
 
     call = PackedCall((), {}, size=12, signature=(), tensors=(torch.zeros(1),))
-    with pytest.warns(DeprecationWarning, match="PackedCall.batch is PackedCall.size"):
+    with pytest.warns(LayergraphDeprecationWarning, match="PackedCall.batch is PackedCall.size"):
         assert call.batch == 12

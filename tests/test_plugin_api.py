@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import layergraph
-from layergraph import plugins
+from layergraph import LayergraphDeprecationWarning, plugins
 from layergraph.adapter import PLUGIN_API_VERSION, plan_api_version
 from layergraph.testing import SimulatedGraphs
 
@@ -125,7 +125,9 @@ def test_an_old_api_plugin_beside_the_first_party_adapters_works_and_says_so(
     assert graphed.adapter.name == "vit"
     graphed.unwrap()
     # Named, the old adapter serves, with a deprecation warning naming it and the way out.
-    with pytest.warns(DeprecationWarning, match=r"adapter 'oldvit' .*plan\(model\).*0\.3"):
+    with pytest.warns(
+        LayergraphDeprecationWarning, match=r"adapter 'oldvit' .*plan\(model\).*0\.3"
+    ):
         graphed = layergraph.wrap(model, adapter="oldvit", backend=SimulatedGraphs())
     with torch.inference_mode():
         got = graphed(pixel_values=pixels).last_hidden_state

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import layergraph
-from layergraph import plugins
+from layergraph import LayergraphDeprecationWarning, plugins
 from layergraph.bench.examples import ExampleModel, example_model, example_model_names
 from layergraph.plugins import AdapterRegistry, UnknownAdapterError
 
@@ -368,11 +368,11 @@ def test_examples_of_adapter_methods_still_work_with_a_deprecation_warning() -> 
             return example if name == "tiny" else None
 
     registry = registry_with(NeedsStack, Tiny)
-    with pytest.warns(DeprecationWarning, match="the tiny adapter offers example models"):
+    with pytest.warns(LayergraphDeprecationWarning, match="the tiny adapter offers example models"):
         assert example_model_names(registry) == ["tiny"]
-    with pytest.warns(DeprecationWarning, match="implement the example_model and"):
+    with pytest.warns(LayergraphDeprecationWarning, match="implement the example_model and"):
         assert example_model("tiny", registry) is example
-    with pytest.warns(DeprecationWarning, match="layergraph.bench.examples.ExampleModel"):
+    with pytest.warns(LayergraphDeprecationWarning, match="layergraph.bench.examples.ExampleModel"):
         assert layergraph.ExampleModel is ExampleModel
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from layergraph import AdapterMismatch
+from layergraph import AdapterMismatch, LayergraphDeprecationWarning
 from layergraph_adapters.kit.versions import (
     TRANSFORMERS_CHECKED,
     UNCHECKED_VARIABLE,
@@ -154,6 +154,8 @@ def test_the_qwen_records_state_their_range() -> None:
 def test_the_old_range_constants_warn_and_read_the_records(old: str, family: str) -> None:
     import layergraph_adapters.kit.versions as versions
 
-    with pytest.warns(DeprecationWarning, match=f"{old} is the {family} family's support"):
+    with pytest.warns(
+        LayergraphDeprecationWarning, match=f"{old} is the {family} family's support"
+    ):
         value = getattr(versions, old)
     assert value == versions.support_table()[family].checked

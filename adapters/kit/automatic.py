@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from layergraph.adapter import AdapterMismatch, CapturePlan, PlanContext
+from layergraph.warn import LayergraphDeprecationWarning
 
 __all__ = [
     "AUTOMATIC_OPTIONS",
@@ -210,19 +211,19 @@ def build_with_automatic_options(
     ``build`` takes the :class:`SpeedChoices` as its ``choices`` keyword. A ``build`` that
     takes the options as keywords of their own instead (the form before
     :class:`SpeedChoices`) is built once per ``"auto"`` option to decide it, with a
-    ``DeprecationWarning``; that form goes in layergraph 0.3. ``build`` must not change the
-    model (plans change it later, through the ledger).
+    ``LayergraphDeprecationWarning``; that form goes in layergraph 0.3. ``build`` must not change
+    the model (plans change it later, through the ledger).
     """
     choices = SpeedChoices(module, options, context)
     if _takes_choices(build):
         plan = build(choices=choices)
     else:
         warnings.warn(
-            f"{_name_of(build)} takes the speed options as keywords; since layergraph 0.2.1 a "
+            f"{_name_of(build)} takes the speed options as keywords; since layergraph 0.2.0 a "
             f"plan takes one `choices` keyword (layergraph_adapters.kit.automatic."
             f"SpeedChoices) and is built once. The keywords work until layergraph 0.3, one "
             f"trial build per 'auto' option",
-            DeprecationWarning,
+            LayergraphDeprecationWarning,
             stacklevel=3,
         )
         plan = _build_by_trials(choices, build)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from layergraph import AdapterMismatch
-from layergraph.warn import warn
+from layergraph.warn import LayergraphDeprecationWarning, warn
 
 __all__ = [
     "TRANSFORMERS_CHECKED",
@@ -181,7 +181,7 @@ _RANGES_MOVED = {
 
 def __getattr__(name: str) -> object:
     """``SUPPORT`` (:func:`support_table`), and the packed families' old range constants with
-    a ``DeprecationWarning`` (they go in 0.3)."""
+    a ``LayergraphDeprecationWarning`` (they go in 0.3)."""
     if name == "SUPPORT":
         return support_table()
     if name in _RANGES_MOVED:
@@ -189,8 +189,8 @@ def __getattr__(name: str) -> object:
         warn(
             f"layergraph_adapters.kit.versions.{name} is the {family} family's "
             f"support.checked (kit.versions.support_table()['{family}'], or its record's "
-            "support) since layergraph 0.2.1; the constant goes in 0.3",
-            DeprecationWarning,
+            "support) since layergraph 0.2.0; the constant goes in 0.3",
+            LayergraphDeprecationWarning,
         )
         return support_table()[family].checked
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,25 +12,25 @@
 Users reach them through ``wrap`` and its options; plugin code never imports them. The
 embedding service that used to live at this path is :mod:`layergraph.service`; its names
 (``ImageEncoder``, ``MicroBatcher``, ``EmbedBatches``, ``default_embed``) are still found
-here, with a ``DeprecationWarning``, until layergraph 0.3.
+here, with a ``LayergraphDeprecationWarning``, until layergraph 0.3.
 """
 
 from __future__ import annotations
 
-from ..warn import warn
+from ..warn import LayergraphDeprecationWarning, warn
 
 _MOVED_TO_SERVICE = ("EmbedBatches", "ImageEncoder", "MicroBatcher", "default_embed")
 
 
 def __getattr__(name: str) -> object:
-    """The embedding service's names at their old path, with a ``DeprecationWarning``."""
+    """The embedding service's names at their old path, with a ``LayergraphDeprecationWarning``."""
     if name in _MOVED_TO_SERVICE:
         from .. import service
 
         warn(
-            f"layergraph.serving.{name} is layergraph.service.{name} since layergraph 0.2.1; "
+            f"layergraph.serving.{name} is layergraph.service.{name} since layergraph 0.2.0; "
             "the old path goes in 0.3",
-            DeprecationWarning,
+            LayergraphDeprecationWarning,
         )
         value = globals()[name] = getattr(service, name)  # one warning per name
         return value
