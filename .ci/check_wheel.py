@@ -24,6 +24,7 @@ for name in (
     "layergraph.bench",
     "layergraph_adapters.kit.packed_tower",
     "layergraph_adapters.example_models",
+    "layergraph_pytest",
 ):
     module = importlib.import_module(name)
     assert Path(module.__file__).resolve().is_relative_to(installed), module.__file__

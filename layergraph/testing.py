@@ -1,7 +1,8 @@
 """Tools for testing adapters: a CPU graph backend, a check, and a pytest plugin.
 
-Installed as the pytest plugin ``layergraph`` (entry point ``pytest11``), so adapter authors get
-the fixtures ``layergraph_registry`` and ``register_adapter`` in any test, and call
+Adapter authors get the fixtures ``layergraph_registry`` and ``register_adapter`` in any test
+from the pytest plugin ``layergraph`` (entry point ``pytest11``, the module
+``layergraph_pytest``, which imports nothing heavy until a fixture is used), and call
 :func:`check_adapter` to compare a wrapped model with the model itself.
 
 :class:`SimulatedGraphs` is a graph backend for CPU tensors that keeps the contract of a CUDA
@@ -402,37 +403,6 @@ def check_adapter(
     return AdapterCheck(graphed, eager_error, max(graph_errors))
 
 
-try:
-    import pytest
-except ImportError:  # the fixtures exist only where pytest does; the rest works without it
-    pytest = None
-
-if pytest is not None:
-
-    @pytest.fixture
-    def layergraph_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-        """A fresh plugin registry, loaded from the installed entry points, used by ``wrap``.
-
-        Changes made through it (plugins added or removed) end with the test.
-        """
-        from . import plugins
-
-        registry = plugins.AdapterRegistry()
-        registry.load_entry_points()
-        monkeypatch.setattr(plugins, "_registry", registry)
-        yield registry
-
-    @pytest.fixture
-    def register_adapter(layergraph_registry: Any) -> Callable[[Any], None]:
-        """``register_adapter(AdapterClass)``: available by its name to ``wrap`` for this test."""
-        from .hookspecs import hookimpl
-
-        def register(factory: Any) -> None:
-            class _TestPlugin:
-                @hookimpl
-                def register_adapters(self, register: Callable[[Any], Any]) -> None:
-                    register(factory)
-
-            layergraph_registry.add_plugin(_TestPlugin(), f"test:{factory.name}")
-
-        return register
+with contextlib.suppress(ImportError):  # the fixtures, where pytest is installed, for a
+    # conftest that lists this module in ``pytest_plugins``
+    from layergraph_pytest import layergraph_registry, register_adapter

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quick_check import QUICK
 
 from layergraph import plugins
 
@@ -91,10 +92,13 @@ Together about four fifths of the suite's time on two cores."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    slow = pytest.mark.slow
+    slow, quick = pytest.mark.slow, pytest.mark.quick
     for item in items:
         if item.path.name in SLOW_FILES or "triton" in item.name:
             item.add_marker(slow)
+        chosen = QUICK.get(item.path.name, ())
+        if item.name in chosen or getattr(item, "originalname", item.name) in chosen:
+            item.add_marker(quick)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -20,3 +20,20 @@ def test_every_subpackage_is_listed_for_setuptools() -> None:
         for init in directory.rglob("__init__.py")
     }
     assert sorted(settings["packages"]) == sorted(found)
+
+
+def test_the_pytest_plugin_imports_nothing_heavy() -> None:
+    """A pytest run where layergraph is installed loads the plugin, and with it neither
+    layergraph nor PyTorch, until a test asks for one of its fixtures."""
+    import subprocess
+    import sys
+
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert entry["pytest11"] == {"layergraph": "layergraph_pytest"}
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, layergraph_pytest; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "'torch'" not in loaded and "'layergraph'" not in loaded
