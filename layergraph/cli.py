@@ -55,7 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated batch sizes to check and time (default: 1,3,8,32 on a GPU, 1,3 "
         "on the CPU; 3 is padded to the captured 4)",
     )
-    demo.add_argument("--dtype", default="float16", choices=sorted(_DTYPES))
+    demo.add_argument(
+        "--dtype",
+        default="float16",
+        choices=sorted(_DTYPES),
+        help="the dtype the model runs in on a GPU (default float16; the CPU runs float32)",
+    )
     demo.add_argument("--iters", type=_positive, default=None, help="timed calls per measurement")
     demo.add_argument("--json", default=None, help="also write the results to this file")
     bench = commands.add_parser(
@@ -103,7 +108,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(e.g. 1,8) in two fresh processes with empty Inductor caches: cold, which saves a "
         "warm-start file, and warm, which loads it; needs --compile-layers or --compile-region",
     )
-    bench.add_argument("--batch-sizes", default=[1, 2, 4, 8, 16, 32], type=_batch_sizes)
+    bench.add_argument(
+        "--batch-sizes",
+        default=[1, 2, 4, 8, 16, 32],
+        type=_batch_sizes,
+        help="comma-separated batch sizes, each timed with every method (default "
+        "1,2,4,8,16,32); for a tower that takes every image at its own size, images per call",
+    )
     bench.add_argument(
         "--image-size",
         default=None,
@@ -113,7 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "siglip2-so400m-naflex, ...): images of this many pixels (e.g. 896x896; default 448x448),"
         " a batch size being that many images in one call",
     )
-    bench.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    bench.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=sorted(_DTYPES),
+        help="the dtype of the timed model on a GPU (default bfloat16; the CPU times float32)",
+    )
     bench.add_argument("--iters", type=_positive, default=100, help="timed calls per measurement")
     bench.add_argument(
         "--compile",
@@ -253,11 +269,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = _console(Console)
     if args.command == "adapters":
         return _adapters(console)
-    if args.command == "bench":
-        from .bench.command import bench_command
+    from .adapter import AdapterMismatch
+    from .plugins import UnknownAdapterError
 
-        return bench_command(console, args)
-    return _demo(console, args)
+    try:
+        if args.command == "bench":
+            from .bench.command import bench_command
+
+            return bench_command(console, args)
+        return _demo(console, args)
+    except (AdapterMismatch, UnknownAdapterError) as refusal:  # the model, not the command
+        print(f"layergraph {args.command}: error: {refusal}", file=sys.stderr)
+        return 2
 
 
 def _adapters(console: Console) -> int:

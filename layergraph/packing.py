@@ -137,6 +137,9 @@ class Packing(ABC, Generic[CallT]):
     own, run eagerly) and the pieces' outputs are :meth:`join`-ed.
     """
 
+    size_unit: str = "tokens"
+    """What a call's size counts, as the statistics name it: ``"tokens"`` (``"batch"`` for
+    :class:`~layergraph.rows.RowPacking`)."""
     budget_unit: int = 1
     """Every budget, learnt or given, is a multiple of this many tokens: the call's indivisible
     group of rows (a patch merger's 2x2 patches), so that padding never shares a group with a

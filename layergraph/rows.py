@@ -46,6 +46,7 @@ class RowPacking(Packing[CallInputs]):
     """Batches of a plan keyed by batch size, as packings of rows (see the module's text)."""
 
     later_warmup_runs = None
+    size_unit = "batch"
 
     def __init__(self, plan: CapturePlan) -> None:
         self.plan = plan

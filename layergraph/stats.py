@@ -55,11 +55,15 @@ class GraphStats:
     eager_calls: Counter[str] = field(default_factory=Counter)
     """Calls that ran the model eagerly, by reason ("model is in training mode", "shape not yet
     seen 2 times (capture_after)"...). :attr:`eager_total` is their sum."""
+    size_unit: str = "batch"
+    """What the sizes of :attr:`served` and :attr:`costs` count: ``"batch"`` (rows), or
+    ``"tokens"`` for a packed plan, whose sizes are a call's tokens and whose graphs are token
+    budgets."""
     served: Counter[tuple[int, str]] = field(default_factory=Counter)
-    """Calls by batch size and the way each was served: ``"graph"`` (its own), ``"padded to
-    16"``, ``"chunks 32+8"`` (several graphs), ``"eager"`` (the reason is in
-    :attr:`eager_calls`). Calls that ran eagerly before their batch was known (arguments a
-    graph cannot take) are only in :attr:`eager_calls`."""
+    """Calls by batch size (by tokens for a packed plan) and the way each was served:
+    ``"graph"`` (its own), ``"padded to 16"``, ``"chunks 32+8"`` (several graphs), ``"eager"``
+    (the reason is in :attr:`eager_calls`). Calls that ran eagerly before their batch was known
+    (arguments a graph cannot take) are only in :attr:`eager_calls`."""
     costs: dict[int, Costs] = field(default_factory=dict)
     """What was measured, by batch size: an eager call and a replay of the batch's own graph
     (at capture), or an eager call alone (a batch served through other graphs or eagerly);
@@ -101,5 +105,6 @@ class GraphStats:
                 f"{way} x{n}" for (size, way), n in self.served.most_common() if size == batch
             )
             measured = f" ({self.costs[batch]})" if batch in self.costs else ""
-            lines.append(f"  batch {batch}: {ways or 'not called'}{measured}")
+            size = f"batch {batch}" if self.size_unit == "batch" else f"{batch} {self.size_unit}"
+            lines.append(f"  {size}: {ways or 'not called'}{measured}")
         return "\n".join(lines)

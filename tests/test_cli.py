@@ -33,6 +33,23 @@ def test_help_reads_as_text() -> None:
     assert "``" not in result.stdout and "adapters" in result.stdout
 
 
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_every_option_has_help(command: str) -> None:
+    """Each option line of a command's help is followed by its text (argparse leaves an option
+    without ``help`` as a bare line)."""
+    result = run_cli(command, "--help")
+    assert result.returncode == 0, result.stderr
+    options = result.stdout.split("options:")[1].splitlines()
+    bare = [
+        line.strip()
+        for line, after in zip(options, [*options[1:], ""])
+        if line.startswith("  -")
+        and len(line.split("  ")) <= 2  # no text on the option's own line
+        and not after.startswith(" " * 10)  # nor on the next
+    ]
+    assert bare == []
+
+
 def test_version_is_the_packages() -> None:
     import layergraph
 
@@ -63,6 +80,14 @@ def test_usage_errors_exit_2_with_a_message_and_no_traceback(
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr and "usage: layergraph" in result.stderr
+
+
+def test_a_model_no_adapter_serves_ends_in_one_line_and_exit_2() -> None:
+    result = run_cli("demo", "--model", "resnet18", "--batch-sizes", "1", "--iters", "1")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("layergraph demo: error: the timm adapter serves") and "ResNet" in line
 
 
 @pytest.mark.skipif(

@@ -105,6 +105,7 @@ def test_each_size_gets_its_own_graph_by_default(mlp_stack: nn.Sequential) -> No
     assert stats.served == {(3, "graph"): 2, (5, "graph"): 1, (7, "graph"): 1}
     assert stats.costs[5] == Costs(launch_bound_eager(5), graph_replay(5))
     assert "batch 3: graph x2 (eager 4.500 ms, graph 1.600 ms)" in str(stats)
+    assert stats.size_unit == "batch"
 
 
 def test_a_graph_slower_than_eager_is_dropped_and_its_batch_runs_eagerly(

@@ -179,6 +179,7 @@ def test_equal_token_totals_with_other_grids_read_their_own_boundaries_and_posit
     assert graphed.stats.graphs == 1
     assert graphed.stats.replays == 5
     assert graphed.stats.served == {(54, "padded to 64"): 5}
+    assert "  54 tokens: padded to 64 x5" in str(graphed.stats)  # a packed call's size is tokens
 
 
 @pytest.mark.usefixtures("registry")

@@ -140,6 +140,19 @@ def test_bad_images_are_refused_before_capture(
     assert graphed.stats.graphs == 0 and backend.captures == 0
 
 
+@pytest.mark.parametrize("backend", [SimulatedGraphs, None], ids=["graphs", "eager path"])
+def test_integer_images_get_an_error_naming_their_dtype(backend: type | None) -> None:
+    model = build("vit_tiny_patch16_224")
+    graphed = layergraph.wrap(model, adapter="timm", backend=backend() if backend else None)
+    pixels = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    with (
+        torch.inference_mode(),
+        pytest.raises(ValueError, match=r"images are torch.uint8: .* / 255"),
+    ):
+        graphed(pixels)
+    assert graphed.stats.graphs == 0
+
+
 def test_other_models_are_refused_by_name() -> None:
     with pytest.raises(
         layergraph.AdapterMismatch, match=r"timm VisionTransformer.*Eva.*got .*Linear"

@@ -48,7 +48,8 @@ class TileTokens(NamedTuple):
 
 def checked_images(call: CallInputs, channels: int) -> torch.Tensor:
     """The one image batch of ``call``, ``[batch, channels, height, width]``; ``ValueError``
-    naming what is wrong otherwise (another count of tensors, rank or channel count). Image
+    naming what is wrong otherwise (another count of tensors, rank, channel count, or integer
+    pixels). Image
     sizes are the caller's to check."""
     if len(call.tensors) != 1:
         raise ValueError(f"expected one image tensor, got {len(call.tensors)} tensors")
@@ -59,4 +60,10 @@ def checked_images(call: CallInputs, channels: int) -> torch.Tensor:
         )
     if images.shape[1] != channels:
         raise ValueError(f"expected {channels} channels, got {images.shape[1]}")
+    if not images.is_floating_point():
+        raise ValueError(
+            f"images are {images.dtype}: the model takes floating-point images, scaled and "
+            f"normalised as its preprocessing does (for 8-bit pixels, images.float() / 255, "
+            f"then its mean and std)"
+        )
     return images

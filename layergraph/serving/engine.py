@@ -132,7 +132,7 @@ class GraphEngine:
         self._cache = GraphCache(max_graphs, options.capture_after)
         """Every graph, and everything known about each key: its graph with that graph's
         validation, its sightings, or its failed capture."""
-        self.stats = GraphStats()
+        self.stats = GraphStats(size_unit=packing.size_unit)
         self.lock = threading.RLock()
         self.hooks = HookWatch(plan.owner, hooks)
         """The forward hooks graphs are captured with, and whether the model's differ now."""
