@@ -129,3 +129,40 @@ def test_tables_written_to_a_pipe_are_not_cut_at_80_columns(
     assert cli._console(Console).width == cli.PIPED_WIDTH > 80
     monkeypatch.setenv("COLUMNS", "100")
     assert cli._console(Console).width == 100
+
+
+def test_the_bench_table_keeps_every_value_whole_at_80_columns() -> None:
+    """Large values in every column of a GPU run, printed to an 80-column console: each value
+    appears on one line, uncut; columns no row has a value in are left out."""
+    from rich.console import Console
+
+    from layergraph.bench.command import report_table
+    from layergraph.bench.report import BenchReport, BenchRow
+
+    rows = [
+        BenchRow(
+            batch=batch,
+            eager_ms=1200.125 * batch,
+            gflop=1.0,
+            layergraph_ms=1000.5 * batch,
+            plain_graph_ms=1100.25 * batch,
+            compile_ms=1150.75 * batch,
+            tuned_ms=900.125 * batch,
+        )
+        for batch in (1, 32)
+    ]
+    report = BenchReport(
+        model="vit-large", adapter="timm", device="NVIDIA H100 80GB HBM3", dtype="bfloat16",
+        versions={}, date="2026-12-06", command="layergraph bench", iters=10, rows=rows,
+        tuned_options={"compile_region": True, "fuse_qkv": True},
+    )  # fmt: skip
+    console = Console(width=80, record=True, color_system=None)
+    console.print(report_table(report))
+    text = console.export_text()
+    values = [f"{row.eager_ms:.3f}" for row in rows] + [f"{row.tuned_ms:.3f}" for row in rows]
+    assert all(value in text for value in values), text
+    assert "…" not in text
+    only_eager = BenchReport(**{**report.__dict__, "rows": [BenchRow(1, 5.0, 1.0)]})
+    console = Console(width=80, record=True, color_system=None)
+    console.print(report_table(only_eager))
+    assert "layergraph ms" not in console.export_text()

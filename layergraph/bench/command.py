@@ -34,6 +34,49 @@ def _tuned_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _folded(table: Any) -> Any:
+    """``table`` fitted to a narrow console without cutting a value: each column at least as
+    wide as its widest cell, headers wrapped onto more lines (rich's default cuts cells and
+    ends them with an ellipsis)."""
+    for column in table.columns:
+        column.min_width = max((len(str(cell)) for cell in column.cells), default=1)
+        column.overflow = "fold"
+    return table
+
+
+def report_table(report: Any) -> Any:
+    """The side-by-side run's table (a :class:`~layergraph.bench.BenchReport`'s rows), without
+    the columns no row has a value in, fitted to the console without cutting a value."""
+    from rich.table import Table
+
+    images = "" if report.image_size is None else " images of {}x{}".format(*report.image_size)
+    view = Table(title=f"{report.model} on {report.device}, {report.dtype}{images}")
+    labels = report.labels()
+    columns: dict[str, list[str]] = {"batch": [str(row.batch) for row in report.rows]}
+    for method, label in labels.items():
+        columns[f"{label} ms"] = [
+            "-"
+            if getattr(row, method) is None
+            else f"{getattr(row, method):.3f}"
+            + (" (eager)" if method == "layergraph_ms" and row.served_eagerly else "")
+            for row in report.rows
+        ]
+    speedups = [row.ratio("eager_ms", "layergraph_ms") for row in report.rows]
+    columns["speedup"] = ["-" if x is None else f"{x:.2f}x" for x in speedups]
+    for method, name in (
+        ("layergraph_ms", "vs hand-written"),
+        ("tuned_ms", "tuned vs hand-written"),
+    ):
+        ratios = [row.ratio(method, "plain_graph_ms") for row in report.rows]
+        columns[name] = ["-" if x is None else f"{x:.3f}" for x in ratios]
+    shown = {name: cells for name, cells in columns.items() if any(c != "-" for c in cells)}
+    for name in shown:
+        view.add_column(name)
+    for cells in zip(*shown.values()):
+        view.add_row(*cells)
+    return _folded(view)
+
+
 def _profile_table(report: Any) -> Any:
     """The profiled rows by kernel class (:meth:`~layergraph.bench.BenchReport.profile_rows`),
     against the floor of their matrix products and attention."""
@@ -173,7 +216,7 @@ def _bench_start(console: Console, args: argparse.Namespace) -> int:
             str(row.misses),
             f"{row.worst_error:.2e}",
         )
-    console.print(table)
+    console.print(_folded(table))
     console.print(
         f"warm-start file: {(report.cold.file_bytes or 0) / 2**20:.1f} MiB; each start in a "
         f"fresh process with empty Inductor and Triton caches"
@@ -195,7 +238,6 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
     status."""
     import torch
     from rich.live import Live
-    from rich.table import Table
 
     from . import BenchReport, run_benchmark
     from .examples import example_model, example_model_names
@@ -219,38 +261,21 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
     if args.stream is not None:
         return _bench_stream(console, args)
 
-    def table(report: BenchReport) -> Table:
-        images = "" if report.image_size is None else " images of {}x{}".format(*report.image_size)
-        view = Table(title=f"{report.model} on {report.device}, {report.dtype}{images}")
-        view.add_column("batch")
-        labels = report.labels()
-        for label in labels.values():
-            view.add_column(f"{label} ms")
-        view.add_column("speedup")
-        view.add_column("vs hand-written")
-        view.add_column("tuned vs hand-written")
-        for row in report.rows:
-            cells = [
-                "-"
-                if getattr(row, method) is None
-                else f"{getattr(row, method):.3f}"
-                + (" (eager)" if method == "layergraph_ms" and row.served_eagerly else "")
-                for method in labels
-            ]
-            speedup = row.ratio("eager_ms", "layergraph_ms")
-            ratios = (row.ratio(m, "plain_graph_ms") for m in ("layergraph_ms", "tuned_ms"))
-            view.add_row(
-                str(row.batch),
-                *cells,
-                "-" if speedup is None else f"{speedup:.2f}x",
-                *("-" if ratio is None else f"{ratio:.3f}" for ratio in ratios),
-            )
-        return view
+    def progress(partial: BenchReport) -> None:
+        live.update(report_table(partial))
+        if not console.is_terminal:  # a pipe sees no live table: a line per batch measured
+            console.print(f"batch {partial.rows[-1].batch} measured", highlight=False)
 
     sizes = args.batch_sizes
     dtype = getattr(torch, args.dtype)
+    if torch.cuda.is_available():
+        message = f"building {args.model} and capturing {len(sizes)} batch sizes..."
+    else:
+        message = f"building {args.model} and timing its eager calls on the CPU..."
+    if not console.is_terminal:
+        console.print(message, highlight=False)
     with Live(console=console, refresh_per_second=4) as live:
-        live.update(f"building {args.model} and capturing {len(sizes)} batch sizes...")
+        live.update(message)
         report = run_benchmark(
             args.model,
             sizes,
@@ -260,7 +285,7 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
             tuned=_tuned_options(args),
             profile=args.profile,
             image_size=args.image_size,
-            on_row=lambda partial: live.update(table(partial)),
+            on_row=progress,
         )
     if report.capture_seconds is not None:
         pool = f"pool {report.pool_bytes / 2**20:.0f} MiB"
@@ -278,7 +303,7 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
     if report.tuned_compile_seconds:
         console.print(f"tuned: compiling took {report.tuned_compile_seconds:.1f} s in all")
     if args.profile:
-        console.print(_profile_table(report))
+        console.print(_folded(_profile_table(report)))
     if args.json:
         report.write_json(args.json)
     if args.markdown:
