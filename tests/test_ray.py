@@ -103,7 +103,7 @@ def test_a_ray_data_job_embeds_every_row(local_ray: int, build: Any) -> None:
         EmbedBatches,
         fn_constructor_kwargs={"build": build, "backend": SimulatedGraphs()},
         batch_size=5,
-        concurrency=1,
+        compute=ray.data.ActorPoolStrategy(size=1),
     )
     rows = sorted(embedded.take_all(), key=lambda row: row["id"])
     assert [row["id"] for row in rows] == list(range(13))
