@@ -56,7 +56,13 @@ def streams_of(tower: dict[str, Any]) -> dict[str, float]:
 
 
 def plot_calls(towers: list[dict[str, Any]], path: Path) -> None:
-    """Speedup over eager and over the hand-written graph against tokens, a panel per tower."""
+    """:func:`calls_figure` as a PNG."""
+    save(calls_figure(towers), path)
+
+
+def calls_figure(towers: list[dict[str, Any]]) -> Any:
+    """Speedup over eager and over the hand-written graph against tokens, a panel per tower,
+    the legend above the panels."""
     import matplotlib
     import matplotlib.ticker
 
@@ -93,14 +99,27 @@ def plot_calls(towers: list[dict[str, Any]], path: Path) -> None:
         axis.grid(True, which="both", alpha=0.3)
     for axis in list(axes.flat)[len(shown) :]:
         axis.set_visible(False)
-    axes.flat[0].legend(fontsize="small")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    return figure
+
+
+def save(figure: Any, path: Path) -> None:
+    """Write ``figure`` to ``path``, its legend (outside the axes) included, and close it."""
+    import matplotlib.pyplot as plt
+
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
 def plot_streams(towers: list[dict[str, Any]], path: Path) -> None:
-    """Seconds of each tower's stream, by method, as grouped bars."""
+    """:func:`streams_figure` as a PNG."""
+    save(streams_figure(towers), path)
+
+
+def streams_figure(towers: list[dict[str, Any]]) -> Any:
+    """Seconds of each tower's stream, by method, as grouped bars, the legend beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,11 +139,10 @@ def plot_streams(towers: list[dict[str, Any]], path: Path) -> None:
     axis.set_xticks([position + 0.4 - width / 2 for position in range(len(shown))])
     axis.set_xticklabels([tower.get("tower", "?") for tower in shown], fontsize="small")
     axis.set_ylabel("seconds for the stream")
-    axis.legend(fontsize="small")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize="small")
     axis.grid(True, axis="y", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

@@ -77,3 +77,31 @@ def test_runs_without_timed_calls_are_refused(plots: Any, tmp_path: Path, capsys
     with pytest.raises(SystemExit):
         plots.main([str(empty), "--out", str(tmp_path / "run")])
     assert "no tower in these runs has calls timed by every method" in capsys.readouterr().err
+
+
+def legend_clear_of_the_data(figure: Any) -> bool:
+    """Whether every legend of ``figure`` lies outside every visible axes' area."""
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    legends = [*figure.legends, *(a.get_legend() for a in figure.axes if a.get_legend())]
+    areas = [axis.get_window_extent(renderer) for axis in figure.axes if axis.get_visible()]
+    assert legends, "the figure has no legend"
+    return not any(
+        legend.get_window_extent(renderer).overlaps(area) for legend in legends for area in areas
+    )
+
+
+def test_every_plots_legend_sits_outside_its_axes(plots: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    from layergraph.bench.report import BenchReport, BenchRow
+
+    towers = [PACKED["towers"][0], {**NAFLEX, "images": NAFLEX["calls"]}]
+    report = BenchReport(
+        model="vit", adapter="timm", device="GPU", dtype="bfloat16", versions={},
+        date="2026-12-06", command="bench", iters=1,
+        rows=[BenchRow(b, 2.0 * b, 1.0, 1.0 * b, 1.5 * b, 1.2 * b, 0.9 * b) for b in (1, 8, 32)],
+    )  # fmt: skip
+    for figure in (plots.calls_figure(towers), plots.streams_figure(towers), report.figure()):
+        assert legend_clear_of_the_data(figure)
+        plt.close(figure)

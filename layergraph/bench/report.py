@@ -338,14 +338,23 @@ class BenchReport:
         return lines
 
     def plot(self, path: str | Path) -> None:
-        """A PNG of latency against batch size, one line per method measured."""
+        """A PNG of latency against batch size, one line per method measured, the legend
+        beside the axes (:meth:`figure`)."""
+        from matplotlib import pyplot as plt
+
+        figure = self.figure()
+        figure.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(figure)
+
+    def figure(self) -> Any:
+        """The matplotlib figure :meth:`plot` saves; the caller closes it."""
         import matplotlib
         import matplotlib.ticker
 
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
 
-        figure, axes = plt.subplots(figsize=(7, 4.5))
+        figure, axes = plt.subplots(figsize=(7, 5.5))
         batches = [row.batch for row in self.rows]
         for method, label in self.labels().items():
             values = [getattr(row, method) for row in self.rows]
@@ -353,16 +362,19 @@ class BenchReport:
                 axes.plot(batches, values, marker="o", label=label)
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
-        axes.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+        axes.yaxis.set_major_formatter(plain)
+        axes.yaxis.set_minor_formatter(plain)
         axes.set_xticks(batches, [str(b) for b in batches])
         axes.set_xlabel("batch size")
         axes.set_ylabel("median latency (ms)")
         axes.set_title(f"{self.model}, {self.dtype}, {self.device}")
         axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
+        axes.legend(
+            loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize="small", frameon=False
+        )
         figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
+        return figure
 
 
 _LEGACY_FIELDS = {"compiled_layers_ms": "tuned_ms", "compiled_layers_error": "tuned_error"}
