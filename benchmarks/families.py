@@ -23,7 +23,7 @@ eager's, against bf16's tolerance (2e-2), and eager's and layergraph's with a fl
 classes the installed transformers lacks gets a row saying so. ``--tiny`` builds each family
 small, in float32, and runs layergraph on simulated graphs when there is no GPU (the
 hand-written graph needs one), so that the whole script runs anywhere in seconds. ``--json``
-writes the rows, ``--markdown`` the section of ``docs/benchmarks.md`` that holds them;
+writes the rows, ``--markdown`` the section of ``docs/benchmark-runs.md`` that holds them;
 ``benchmarks/coverage_page.py`` reads a GPU run's JSON from ``docs/results``.
 """
 
@@ -310,7 +310,7 @@ def print_table(rows: list[Row], title: str) -> None:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """The run as a section of ``docs/benchmarks.md``: how it was measured, one table."""
+    """The run as a section of ``docs/benchmark-runs.md``: how it was measured, one table."""
     lines = [
         "## Tower families at batch 1 (`benchmarks/families.py`)",
         "",

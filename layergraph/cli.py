@@ -340,7 +340,7 @@ def _demo(console: Console, args: argparse.Namespace) -> int:
             "Without a GPU both columns time the same eager computation, so there is no "
             "speedup to show. On a GPU this table adds the speedup and a hand-written CUDA "
             "graph: on an H200, vit_base_patch16_224 at batch 1 runs in 0.69 ms graphed "
-            "against 2.6 to 6.5 ms eager (docs/benchmarks.md)."
+            "against 2.6 to 6.5 ms eager (docs/benchmark-runs.md)."
         )
     if args.json:
         record = {

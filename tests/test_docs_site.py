@@ -33,9 +33,13 @@ PAGES = [
     "tutorials/attention-backends/",
     "tutorials/tensor-parallel/",
     "tutorials/writing-an-adapter/",
+    "tutorials/open-clip/",
+    "tutorials/sentence-transformers/",
     "troubleshooting/",
     "coverage/",
     "benchmarks/",
+    "benchmark-runs/",
+    "releasing/",
     "reference/hooks/",
     "reference/api/",
 ]
@@ -145,3 +149,15 @@ def test_no_broken_links(site: str, browser: object) -> None:
         except urllib.error.HTTPError as error:
             broken.append(f"{target}: {error.code}")
     assert len(targets) > 15 and broken == []
+
+
+def test_the_current_benchmarks_page_needs_no_horizontal_scroll_at_1280_px(
+    site: str, browser: object
+) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(site + "benchmarks/")
+    tables = page.eval_on_selector_all(  # a table, and the box the theme scrolls it in
+        "article table, article .md-typeset__scrollwrap",
+        "boxes => boxes.map(box => [box.scrollWidth, box.clientWidth])",
+    )
+    assert tables and all(scroll <= client for scroll, client in tables), tables

@@ -77,7 +77,7 @@ class VarlenConfig:
 def default_config(head_dim: int) -> VarlenConfig:
     """The block sizes, warps and stages used for ``head_dim`` unless a config is given.
 
-    Chosen on an H200 with ``benchmarks/attention_kernel.py`` (docs/benchmarks.md), bf16:
+    Chosen on an H200 with ``benchmarks/attention_kernel.py`` (docs/benchmark-runs.md), bf16:
     64-row query blocks (less work lost on the ragged last query block than with 128, and as
     fast per block), 4 warps, 3 stages; 64-key blocks up to head dim 64, 32-key blocks at 128.
     Between 64 and 128 (measured at 72 and 80), 128-row query blocks of 64 keys, and the head
