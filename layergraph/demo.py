@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .module import wrap
+from .progress import status
 from .reference import plain_graph
 from .runner import DEFAULT_BATCH_SIZES
 from .timing import median_ms
@@ -125,7 +126,7 @@ def run_demo(
             )
         tolerance = DEFAULT_TOLERANCE[dtype]
         for batch in batch_sizes:
-            with console.status(f"batch {batch}: checking against eager, timing {iters} calls"):
+            with status(console, f"batch {batch}: checking against eager, timing {iters} calls"):
                 x = images(batch)
                 error = relative_error(graphed(x), model(x))
                 if not error <= tolerance:

@@ -1,11 +1,13 @@
-"""A progress bar for long captures: rich's, when rich is installed and the caller wants one."""
+"""Progress for long work: a progress bar for captures (rich's, when rich is installed and the
+caller wants one), and a status line that a pipe sees too."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["track"]
+__all__ = ["status", "track"]
 
 T = TypeVar("T")
 
@@ -24,3 +26,16 @@ def track(items: Sequence[T], description: str, *, enabled: bool) -> Iterator[T]
             )
             return
     yield from items
+
+
+@contextlib.contextmanager
+def status(console: Any, message: str) -> Iterator[Callable[[str], None]]:
+    """Say ``message`` while the block runs: a spinner on a terminal (a rich ``Console``), a
+    printed line where the output is a pipe, which would show nothing of a spinner. Yields the
+    function that replaces the message (on a pipe, prints the new one)."""
+    if console.is_terminal:
+        with console.status(message) as shown:
+            yield shown.update
+        return
+    console.print(message, highlight=False)
+    yield lambda text: console.print(text, highlight=False)

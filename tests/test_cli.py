@@ -166,3 +166,19 @@ def test_the_bench_table_keeps_every_value_whole_at_80_columns() -> None:
     console = Console(width=80, record=True, color_system=None)
     console.print(report_table(only_eager))
     assert "layergraph ms" not in console.export_text()
+
+
+def test_a_status_is_printed_where_the_output_is_a_pipe() -> None:
+    import io
+
+    from rich.console import Console
+
+    from layergraph.progress import status
+
+    piped = io.StringIO()
+    with status(Console(file=piped, width=80), "cold start: compiling...") as update:
+        update("warm start: from the file...")
+    assert piped.getvalue().splitlines() == [
+        "cold start: compiling...",
+        "warm start: from the file...",
+    ]

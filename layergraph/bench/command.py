@@ -8,6 +8,8 @@ import ast
 import json
 from typing import TYPE_CHECKING, Any
 
+from ..progress import status
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -114,7 +116,7 @@ def _bench_stream(console: Console, args: argparse.Namespace) -> int:
 
     requests = parse_stream(args.stream, args.seed)
     tuned = _tuned_options(args)
-    with console.status(f"serving {len(requests)} requests {4 + bool(tuned)} ways..."):
+    with status(console, f"serving {len(requests)} requests {4 + bool(tuned)} ways..."):
         report = run_stream(
             args.model,
             requests,
@@ -147,7 +149,7 @@ def _bench_requests(console: Console, args: argparse.Namespace) -> int:
             "graphs, so the times compare nothing a GPU would show.[/]"
         )
     dtype = getattr(torch, args.dtype)
-    with console.status(f"requests to {args.model}, eager then wrapped..."):
+    with status(console, f"requests to {args.model}, eager then wrapped..."):
         if args.prefill is not None:
             report = run_prefill(args.model, args.prefill, seed=args.seed, dtype=dtype)
         else:
@@ -177,13 +179,13 @@ def _bench_start(console: Console, args: argparse.Namespace) -> int:
             "graphs; compiling and Inductor's caches are real, capture is not.[/]"
         )
     options = _tuned_options(args)
-    with console.status("cold start: compiling with empty caches...") as status:
+    with status(console, "cold start: compiling with empty caches...") as update:
         report = run_start(
             args.model,
             args.start,
             options,
             dtype=getattr(torch, args.dtype),
-            on_process=lambda process: status.update(
+            on_process=lambda process: update(
                 f"{process} start: "
                 + ("compiling with empty caches..." if process == "cold" else "from the file...")
             ),
