@@ -23,6 +23,7 @@ def wrapped(model: object, **options: object) -> layergraph.GraphedModule:
     return layergraph.wrap(model, **{**settings, **options})
 
 
+@pytest.mark.slow  # the add-and-norm kernel in Triton's interpreter
 @pytest.mark.skipif(
     fused_norm_unavailable(torch.device("cpu")) is not None,
     reason="runs the add-and-norm kernel through Triton's interpreter",
