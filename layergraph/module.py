@@ -153,6 +153,11 @@ def wrap(
     fingerprint = _fingerprint(
         model, adapter_object, {**adapter_options, "compile": (compile_layers, compile_region)}
     )
+    if warm_start is not None and not isinstance(warm_start, (str, os.PathLike)):
+        raise TypeError(
+            f"warm_start must be the path (a str or os.PathLike) of a file written by "
+            f"save_warm_start, got {type(warm_start).__name__}"
+        )
     if warm_start is not None:
         load_warm_start(warm_start)
     budget = CompileBudget(compile_budget)

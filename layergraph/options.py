@@ -70,6 +70,9 @@ class RunnerOptions:
     observe_calls: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("lazy", "static_output", "validate", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_graphs is not None and self.max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {self.max_graphs}")
         if self.warmup_runs < 1:

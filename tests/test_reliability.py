@@ -449,6 +449,21 @@ def test_empty_and_non_tensor_inputs_get_clear_errors() -> None:
     assert graphed.stats.graphs == 0
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"static_output": "yes"}, "static_output must be True or False, got 'yes'"),
+        ({"validate": 1}, "validate must be True or False, got 1"),
+        ({"warm_start": 3}, r"warm_start must be the path .* of a file written by save_warm_start"),
+    ],
+)
+def test_a_wrong_option_type_is_refused_naming_what_it_takes(options: dict, message: str) -> None:
+    model = stack()
+    with pytest.raises(TypeError, match=message):
+        layergraph.wrap(model, adapter="sequential", backend=SimulatedGraphs(), **options)
+    assert layergraph.wrap(model, adapter="sequential").unwrap() is model  # nothing left behind
+
+
 def test_threads_calling_one_wrapped_model_get_their_own_answers() -> None:
     model = stack()
     graphed = wrap(model, batch_sizes=[1, 2, 4, 8])
