@@ -554,15 +554,14 @@ class Qwen2VLPlan(PackedTowerPlan):
         chosen = f"full: {backend.described}"
         window = None
         if self.windows:
-            window = _Windows(
-                *self.choose_attention(
-                    budget,
-                    self.window_slots(budget, slots),
-                    min(self.window_tokens, budget),
-                    parts.host.cu_window_seqlens.diff().tolist(),
-                    computing,
-                )[::-1]
+            window_backend, window_metadata = self.choose_attention(
+                budget,
+                self.window_slots(budget, slots),
+                min(self.window_tokens, budget),
+                parts.host.cu_window_seqlens.diff().tolist(),
+                computing,
             )
+            window = _Windows(metadata=window_metadata, backend=window_backend)
             chosen += f", windows: {window.backend.described}"
         self.attention_by_budget[budget] = chosen
         backends = (backend,) if window is None else (backend, window.backend)
