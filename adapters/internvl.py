@@ -69,60 +69,9 @@ INTERNVIT_CONFIGS: dict[str, dict[str, Any]] = {
 building the towers with random weights (tests, benchmarks) without downloading anything."""
 
 
-INTERNVL = TowerSpec(
-    adapter="internvl",
-    classes=("InternVLVisionModel",),
-    casts_pixels=True,
-    family="InternViT",
-    layers=("encoder.layer",),
-    attention="attention",
-    prefix_tokens=1,
-    image_sizes="any",  # the position embedding is interpolated to any tile size
-    layer_form=SCALED_LAYER,
-)
-"""InternViT: the class token; attention routed to the chosen backend by
-:class:`InternViTPlan`, which fuses q, k and v there with ``fuse_qkv``."""
-
-
 def build_internvit(name: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """An ``InternVLVisionModel`` of one of :data:`INTERNVIT_CONFIGS`, random weights, eval mode."""
     return build_tower("InternVLVisionModel", INTERNVIT_CONFIGS[name], dtype, device)
-
-
-class InternVLAdapter(VisionTowerAdapter):
-    """Graphs InternViT, alone or as the vision tower of an InternVL model."""
-
-    name = "internvl"
-    spec = INTERNVL
-
-    def __init__(
-        self,
-        attention: str = "auto",
-        feature_layers: int | list[int] | None = None,
-        fuse_qkv: bool | str = "auto",
-        patch_matmul: bool | str = "auto",
-        fuse_gelu: bool | str = "auto",
-        fuse_norm: bool | str = "auto",
-    ) -> None:
-        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu, fuse_norm)
-        self.attention = attention
-
-    def make_plan(
-        self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
-    ) -> VisionTowerPlan:
-        return build_with_automatic_options(
-            tower,
-            self.rewrite_options(),
-            functools.partial(
-                InternViTPlan,
-                tower,
-                self.spec,
-                attention=self.attention,
-                context=context,
-                feature_layers=feature_layers,
-            ),
-            context,
-        )
 
 
 @dataclass(frozen=True)
@@ -295,6 +244,59 @@ def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[...
         return module.projection_dropout(out), None
 
     return forward
+
+
+INTERNVL = TowerSpec(
+    adapter="internvl",
+    classes=("InternVLVisionModel",),
+    casts_pixels=True,
+    family="InternViT",
+    layers=("encoder.layer",),
+    attention="attention",
+    prefix_tokens=1,
+    image_sizes="any",  # the position embedding is interpolated to any tile size
+    layer_form=SCALED_LAYER,
+    plan=InternViTPlan,
+)
+"""InternViT: the class token; attention routed to the chosen backend by
+:class:`InternViTPlan`, which fuses q, k and v there with ``fuse_qkv``."""
+
+
+class InternVLAdapter(VisionTowerAdapter):
+    """Graphs InternViT, alone or as the vision tower of an InternVL model."""
+
+    name = "internvl"
+    spec = INTERNVL
+
+    def __init__(
+        self,
+        attention: str = "auto",
+        feature_layers: int | list[int] | None = None,
+        fuse_qkv: bool | str = "auto",
+        patch_matmul: bool | str = "auto",
+        fuse_gelu: bool | str = "auto",
+        fuse_norm: bool | str = "auto",
+    ) -> None:
+        super().__init__(feature_layers, fuse_qkv, patch_matmul, fuse_gelu, fuse_norm)
+        self.attention = attention
+
+    def make_plan(
+        self, tower: nn.Module, feature_layers: int | list[int] | None, context: PlanContext
+    ) -> VisionTowerPlan:
+        return build_with_automatic_options(
+            tower,
+            self.rewrite_options(),
+            functools.partial(
+                InternViTPlan,
+                tower,
+                self.spec,
+                attention=self.attention,
+                context=context,
+                feature_layers=feature_layers,
+            ),
+            context,
+            self.spec.ruled_out(),
+        )
 
 
 @hookimpl

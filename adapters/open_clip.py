@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
 from torch import nn
 
 from layergraph import (
@@ -38,11 +39,51 @@ from layergraph.adapter import own_forward
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
 from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
-from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.family_record import FrameworkFamily
+from layergraph_adapters.kit.fused_norm import FusedAddNorm, LayerForm, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
 from layergraph_adapters.kit.patch_embedding import patch_matmul_for
 from layergraph_adapters.kit.tokens import ImageTokens, checked_images
+from layergraph_adapters.timm_vit import TIMM_VIT
+
+
+def _is_open_clip_block(layer: nn.Module) -> bool:
+    """Whether ``layer`` is open_clip's self-attention ``ResidualAttentionBlock`` with layer
+    scales that are ``LayerScale`` (a ``gamma`` vector) or ``Identity``."""
+    if "open_clip" not in sys.modules:
+        return False
+    from open_clip.transformer import LayerScale, ResidualAttentionBlock
+
+    if type(layer).forward is not ResidualAttentionBlock.forward or hasattr(layer, "ln_1_kv"):
+        return False
+    return all(type(s) in (nn.Identity, LayerScale) for s in (layer.ls_1, layer.ls_2))
+
+
+def _open_clip_block(
+    rewrite: FusedAddNorm,
+    q_x: torch.Tensor,
+    k_x: torch.Tensor | None = None,
+    v_x: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    block = rewrite.module
+    if k_x is not None or v_x is not None:
+        return rewrite.own_forward(q_x, k_x, v_x, attn_mask)
+    attention = block.attention(q_x=rewrite.first_norm(q_x), attn_mask=attn_mask)
+    residual, normed = rewrite.add_norm(q_x, attention)
+    return rewrite.add_scaled(residual, block.mlp(normed))
+
+
+OPEN_CLIP_BLOCK = LayerForm(
+    _open_clip_block, ("ln_1", "ln_2"), ("ls_1", "ls_2"), _is_open_clip_block
+)
+"""open_clip's self-attention ``ResidualAttentionBlock``."""
+
+
+OPEN_CLIP = FrameworkFamily(name="open_clip", layer_form=OPEN_CLIP_BLOCK)
+"""open_clip's own ViT towers; a ``TimmModel`` tower's ViT trunk has timm's blocks
+(:data:`layergraph_adapters.timm_vit.TIMM_VIT`'s form)."""
 
 
 def _tower_classes() -> tuple[type, ...]:
@@ -88,11 +129,15 @@ class OpenClipAdapter(Adapter):
             ) from error
         if isinstance(model, classes):
             build = functools.partial(_TowerPlan, model)
-            return build_with_automatic_options(model, self.options, build, context)
+            return build_with_automatic_options(
+                model, self.options, build, context, OPEN_CLIP.ruled_out()
+            )
         visual = getattr(model, "visual", None)
         if isinstance(visual, classes):
             build = functools.partial(_RoutedTowerPlan, visual)
-            return build_with_automatic_options(visual, self.options, build, context)
+            return build_with_automatic_options(
+                visual, self.options, build, context, OPEN_CLIP.ruled_out()
+            )
         raise AdapterMismatch(
             f"the open_clip adapter serves open_clip's VisionTransformer and TimmModel towers and "
             f"models whose `visual` is one (CLIP, CustomTextCLIP, CoCa); got "
@@ -150,6 +195,7 @@ def _rewrites(tower: nn.Module, choices: SpeedChoices) -> list[Change]:
     trunk = getattr(tower, "trunk", None)
     if trunk is None:
         embedding, blocks, layout = tower.conv1, list(tower.transformer.resblocks), []
+        form = OPEN_CLIP.layer_form
     else:
         blocks = list(getattr(trunk, "blocks", []))
         embedding = getattr(trunk, "patch_embed", None)
@@ -164,11 +210,12 @@ def _rewrites(tower: nn.Module, choices: SpeedChoices) -> list[Change]:
             for name in ("patch_matmul", "fuse_norm", "fuse_gelu"):
                 choices.take(name, refuse, [])
             return []
+        form = TIMM_VIT.layer_form
         prefix = getattr(trunk, "num_prefix_tokens", 1)
         layout = [RowMajorOutput(embedding)] if prefix == 0 and hasattr(embedding, "proj") else []
     mlps = [block.mlp for block in blocks]
     patch = choices.take("patch_matmul", lambda on: patch_matmul_for(embedding, on), [])
-    norms = choices.take("fuse_norm", lambda on: fused_norms(blocks, on), [])
+    norms = choices.take("fuse_norm", lambda on: fused_norms(blocks, on, form), [])
     gelus = choices.take("fuse_gelu", lambda setting: gelu_epilogues(mlps, setting), [])
     return [*layout, *patch, *gelus, *norms]
 

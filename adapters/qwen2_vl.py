@@ -127,8 +127,8 @@ class _TowerKind(PackedFamily):
     holders: dict[str, tuple[str, ...]] = None  # type: ignore[assignment]
     layers: str = "blocks"
     attention: str = "attn"
-    layer_form: LayerForm | None = BLOCK
-    support: Support | None = field(default=QWEN_SUPPORT, compare=False)
+    layer_form: LayerForm | None = field(default=BLOCK, compare=False, kw_only=True)
+    support: Support | None = field(default=QWEN_SUPPORT, compare=False, kw_only=True)
     windows: bool = False
     """Whether some layers attend per window (``window_index``, ``cu_window_seqlens``)."""
     learned_positions: bool = False
@@ -146,6 +146,18 @@ class _TowerKind(PackedFamily):
     them."""
     other_holders: tuple[str, ...] = ()
     """Other modeling modules whose VLMs hold this tower at ``visual`` or ``model.visual``."""
+
+    def ruled_out(self) -> dict[str, str]:
+        """:meth:`PackedFamily.ruled_out`, and ``positions_matmul`` for a tower whose
+        embeddings do not resample a learned table with ``grid_sample`` (all but GLM-4.1V's
+        and GLM-4.5V's)."""
+        found = super().ruled_out()
+        if not self.grid_rows:
+            found["positions_matmul"] = (
+                f"positions_matmul is not available for {self.name}: it resamples no learned "
+                "position table with grid_sample (the GLM-4.1V and GLM-4.5V towers do)"
+            )
+        return found
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -333,7 +345,7 @@ class Qwen2VLPlan(PackedTowerPlan):
             ),
             *choices.take(
                 "positions_matmul",
-                lambda on: resampled_positions_for(embeddings, on, kind.grid_rows),
+                lambda on: resampled_positions_for(embeddings, on),
                 [],
             ),
         ]

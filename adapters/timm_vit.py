@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
 from torch import nn
 
 from layergraph import (
@@ -30,7 +31,8 @@ from layergraph import (
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
 from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
-from layergraph_adapters.kit.fused_norm import fused_norms
+from layergraph_adapters.kit.family_record import FrameworkFamily
+from layergraph_adapters.kit.fused_norm import FusedAddNorm, LayerForm, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
 from layergraph_adapters.kit.patch_embedding import patch_matmul_for
@@ -55,6 +57,46 @@ def _vit_of(model: nn.Module) -> nn.Module | None:
     if isinstance(model, FeatureGetterNet) and isinstance(getattr(model, "model", None), classes):
         return model.model
     return None
+
+
+def _timm_classes() -> tuple[type, type] | None:
+    """timm's ``Block`` and ``LayerScale``, if timm is imported (a timm block exists only
+    then)."""
+    if "timm" not in sys.modules:
+        return None
+    from timm.layers import LayerScale
+    from timm.models.vision_transformer import Block
+
+    return Block, LayerScale
+
+
+def _timm_block(
+    rewrite: FusedAddNorm,
+    x: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    block = rewrite.module
+    if attn_mask is not None:
+        kwargs["attn_mask"] = attn_mask
+    residual, normed = rewrite.add_norm(x, block.attn(rewrite.first_norm(x), **kwargs))
+    return rewrite.add_scaled(residual, block.mlp(normed))
+
+
+def _is_timm_block(layer: nn.Module) -> bool:
+    """Whether ``layer`` is timm's ``Block`` (its forward) with layer scales that are
+    ``LayerScale`` or ``Identity``."""
+    classes = _timm_classes()
+    if classes is None or type(layer).forward is not classes[0].forward:
+        return False
+    return all(isinstance(s, nn.Identity) or type(s) is classes[1] for s in (layer.ls1, layer.ls2))
+
+
+TIMM_BLOCK = LayerForm(_timm_block, ("norm1", "norm2"), ("ls1", "ls2"), _is_timm_block)
+"""timm's ``Block`` (the blocks of ``VisionTransformer``)."""
+TIMM_VIT = FrameworkFamily(name="timm ViT", layer_form=TIMM_BLOCK)
+"""timm's VisionTransformer and Eva towers (Eva's blocks are not of :data:`TIMM_BLOCK`'s form,
+so ``fuse_norm`` stays off for them)."""
 
 
 class TimmVisionTransformerAdapter(Adapter):
@@ -108,6 +150,7 @@ class TimmVisionTransformerAdapter(Adapter):
             },
             functools.partial(_TimmViTPlan, model, vit),
             context,
+            ruled_out=TIMM_VIT.ruled_out(),
         )
 
 
@@ -126,7 +169,9 @@ class _TimmViTPlan(WholeForward):
         self.vit = vit
         mlps = [getattr(block, "mlp", block) for block in vit.blocks]
         patch = choices.take("patch_matmul", lambda on: patch_matmul_for(vit.patch_embed, on), [])
-        norms = choices.take("fuse_norm", lambda on: fused_norms(list(vit.blocks), on), [])
+        norms = choices.take(
+            "fuse_norm", lambda on: fused_norms(list(vit.blocks), on, TIMM_VIT.layer_form), []
+        )
         self._rewrites: list[Change] = [
             *([RowMajorOutput(vit.patch_embed)] if vit.num_prefix_tokens == 0 else []),
             *patch,

@@ -59,7 +59,9 @@ def test_left_to_auto_only_the_glm_tables_take_it(monkeypatch: pytest.MonkeyPatc
         outcomes[kind] = graphed.speed_options["positions_matmul"]
         graphed.unwrap()
     assert outcomes["glm4v"] == "on"
-    assert outcomes["qwen3_vl"].startswith("off: positions_matmul resamples a learned position")
+    assert outcomes["qwen3_vl"].startswith(
+        "off: positions_matmul is not available for Qwen3VLVisionModel: it resamples no learned"
+    )
 
 
 def test_other_modules_and_modes_are_refused() -> None:

@@ -44,11 +44,18 @@ from layergraph.warn import LayergraphDeprecationWarning
 __all__ = [
     "AUTOMATIC_OPTIONS",
     "SPEED_OPTIONS",
+    "OptionDoesNotApply",
     "SpeedChoices",
     "SpeedOption",
     "build_with_automatic_options",
     "not_on_a_gpu",
 ]
+
+
+class OptionDoesNotApply(AdapterMismatch, ValueError):
+    """A speed option asked for with ``True`` that the tower's family record rules out. Both an
+    :class:`~layergraph.adapter.AdapterMismatch` and a ``ValueError``, as the refusals of the
+    plans that decided it before the records did were one or the other."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +141,21 @@ class SpeedChoices:
     keeps what :meth:`take` returns and makes its changes through the ledger later.
     """
 
-    def __init__(self, module: nn.Module, asked: Mapping[str, Any], context: PlanContext):
+    def __init__(
+        self,
+        module: nn.Module,
+        asked: Mapping[str, Any],
+        context: PlanContext,
+        ruled_out: Mapping[str, str] | None = None,
+    ):
         for name, value in asked.items():
             if name in SPEED_OPTIONS:
                 SPEED_OPTIONS[name].check(value)
         self.asked = dict(asked)
+        self.ruled_out = dict(ruled_out or {})
+        """The options the tower's family record rules out, with why
+        (:meth:`~layergraph_adapters.kit.family_record.FamilyRecord.ruled_out`): ``"auto"``
+        leaves them off with the reason and ``True`` is refused with it, before ``make``."""
         self._elsewhere = not_on_a_gpu(module)
         self._compiled = context.compiled
         self._outcome: dict[str, str] = {}
@@ -156,6 +173,11 @@ class SpeedChoices:
         value = self.asked.get(name, False)
         if value is False:
             self._outcome[name] = "off"
+            return off
+        if name in self.ruled_out:
+            if value != "auto":
+                raise OptionDoesNotApply(self.ruled_out[name])
+            self._outcome[name] = f"off: {self.ruled_out[name]}"
             return off
         rival = next((other for other in option.conflicts if self.on(other)), None)
         if value == "auto":
@@ -205,8 +227,11 @@ def build_with_automatic_options(
     options: Mapping[str, Any],
     build: Callable[..., Plan],
     context: PlanContext,
+    ruled_out: Mapping[str, str] | None = None,
 ) -> Plan:
-    """The plan ``build`` makes for ``module`` with the speed ``options`` asked, built once.
+    """The plan ``build`` makes for ``module`` with the speed ``options`` asked, built once;
+    ``ruled_out``: the options the tower's family record rules out, with why
+    (:meth:`~layergraph_adapters.kit.family_record.FamilyRecord.ruled_out`).
 
     ``build`` takes the :class:`SpeedChoices` as its ``choices`` keyword. A ``build`` that
     takes the options as keywords of their own instead (the form before
@@ -214,7 +239,7 @@ def build_with_automatic_options(
     ``LayergraphDeprecationWarning``; that form goes in layergraph 0.3. ``build`` must not change
     the model (plans change it later, through the ledger).
     """
-    choices = SpeedChoices(module, options, context)
+    choices = SpeedChoices(module, options, context, ruled_out)
     if _takes_choices(build):
         plan = build(choices=choices)
     else:

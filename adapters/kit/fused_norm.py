@@ -24,12 +24,10 @@ norm-only path. The attention and the MLP are called as modules, so the other re
 only: the kernel rounds once where eager rounds after each operation. While ``torch.compile``
 traces a layer nothing is handed over (Inductor fuses the add and the norm itself).
 
-Layers served: those whose family declares their form (:class:`LayerForm`, in the family's
-record: ``TowerSpec.layer_form``, ``PackedFamily.layer_form``; CLIP's, SigLIP's, SigLIP2's,
-InternViT's, the Qwen and GLM towers'), and the frameworks' blocks found by their class
-(:data:`FRAMEWORK_FORMS`): open_clip's self-attention ``ResidualAttentionBlock``
-(``LayerScale`` or no layer scales) and timm's ``Block`` (the blocks of
-``VisionTransformer``) whose layer scales are ``LayerScale`` or ``Identity``. Norms served:
+Layers served: those whose family's record declares their form (:class:`LayerForm`,
+:attr:`FamilyRecord.layer_form <layergraph_adapters.kit.family_record.FamilyRecord.layer_form>`;
+CLIP's, SigLIP's, SigLIP2's, InternViT's, the Qwen and GLM towers', timm's ViT blocks and
+open_clip's self-attention blocks, whose forms live in their adapters). Norms served:
 ``nn.LayerNorm``, ``nn.RMSNorm`` and transformers' RMSNorm classes, recognised by what they
 compute (:func:`norm_kind`). Dropout and drop path are left out: they do nothing at inference.
 
@@ -41,8 +39,8 @@ float32; a CPU tensor outside Triton's interpreter). The kernel needs Triton and
 
 from __future__ import annotations
 
+import importlib
 import itertools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,16 +48,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from layergraph.warn import LayergraphDeprecationWarning, warn
 from layergraph_adapters.kit.rewrites import InferenceForward
 from layergraph_adapters.kit.triton_kernels import kernel_takes, triton_unavailable
 
 __all__ = [
     "BLOCK",
     "ENCODER_LAYER",
-    "FRAMEWORK_FORMS",
-    "OPEN_CLIP_BLOCK",
     "SCALED_LAYER",
-    "TIMM_BLOCK",
     "FusedAddNorm",
     "LayerForm",
     "fused_norm_unavailable",
@@ -122,7 +118,8 @@ def fused_norms(
     layers: list[nn.Module], setting: bool, form: LayerForm | None = None
 ) -> list[FusedAddNorm]:
     """One :class:`FusedAddNorm` per layer for an adapter's ``fuse_norm`` option, the layers
-    of ``form`` (their family's, :class:`LayerForm`; ``None``: one of the frameworks' blocks).
+    of ``form`` (their family's :class:`LayerForm`; ``None`` is deprecated: timm's or
+    open_clip's blocks, found by their class, until 0.3).
 
     Raises ``ValueError`` when a layer is not one served (see the module docstring) or the
     kernel cannot run where the model lives (:func:`fused_norm_unavailable`).
@@ -146,21 +143,19 @@ def fused_norms(
 class FusedAddNorm(InferenceForward):
     """Computes one layer's residual adds and second norm with the fused kernel while applied.
 
-    ``form``: the layer's (its family's :class:`LayerForm`); ``None``: one of
-    :data:`FRAMEWORK_FORMS` that accepts it. Raises ``ValueError`` for a layer not served, a
-    norm the kernel does not
-    compute, hooks on the modules the kernel stands in for (the second norm, the layer
-    scales), or tensor-parallel (DTensor) weights there.
+    ``form``: the layer's (its family's :class:`LayerForm`; ``None`` is deprecated: timm's or
+    open_clip's block, found by its class, until 0.3). Raises ``ValueError`` for a layer not
+    served, a norm the kernel does not compute, hooks on the modules the kernel stands in for
+    (the second norm, the layer scales), or tensor-parallel (DTensor) weights there.
     """
 
     def __init__(self, layer: nn.Module, form: LayerForm | None = None) -> None:
         if form is None:
-            form = next((known for known in FRAMEWORK_FORMS if known.accepts(layer)), None)
+            form = _framework_form(layer)
         if form is None or not form.accepts(layer):
             raise ValueError(
-                f"fuse_norm serves the layers whose family declares their form (layer_form), "
-                f"timm's Block and open_clip's ResidualAttentionBlock; "
-                f"{type(layer).__name__} is not one"
+                f"fuse_norm serves the layers whose family's record declares their form "
+                f"(layer_form); {type(layer).__name__} is not one"
             )
         self._call_layer, (first_name, self._norm_name), self._scale_names = (
             form.call,
@@ -197,7 +192,8 @@ class FusedAddNorm(InferenceForward):
         computes it too, and hands it over (:meth:`add_scaled`)."""
         self._handed: tuple[torch.Tensor, torch.Tensor] | None = None
         """The hidden states and their first norm handed over by the layer before."""
-        self._own = type(layer).forward.__get__(layer)
+        self.own_forward = type(layer).forward.__get__(layer)
+        """The layer's own forward, for the calls the kernel does not serve."""
         what = "residual adds and second norm through one kernel"
         if self._first_kind is not None:
             what += ", first norm through another"
@@ -206,7 +202,7 @@ class FusedAddNorm(InferenceForward):
     def compute(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not kernel_takes(hidden_states):
             self._handed = None
-            return self._own(hidden_states, *args, **kwargs)
+            return self.own_forward(hidden_states, *args, **kwargs)
         return self._call_layer(self, hidden_states, *args, **kwargs)
 
     def kernel_first_norm(self) -> tuple[Literal["layer_norm", "rms_norm"], nn.Module] | None:
@@ -325,17 +321,17 @@ class LayerForm:
     """How a family's pre-norm layer computes, for ``fuse_norm``: its call written with the
     kernel, where its norms and layer scales live, and which layers have the form.
 
-    A family's record declares its layers' form (``TowerSpec.layer_form``,
-    ``PackedFamily.layer_form``); the frameworks' blocks (timm's, open_clip's) are found by
-    :data:`FRAMEWORK_FORMS`. A layer of a form computes ``x + ls1 * attn(norm1(x))`` and then
-    ``x + ls2 * mlp(norm2(x))`` with the attribute names given.
+    A family's record declares its layers' form
+    (:attr:`~layergraph_adapters.kit.family_record.FamilyRecord.layer_form`). A layer of a
+    form computes ``x + ls1 * attn(norm1(x))`` and then ``x + ls2 * mlp(norm2(x))`` with the
+    attribute names given.
     """
 
     call: LayerCall
     norms: NormNames
     scales: ScaleNames = (None, None)
     accepts: Callable[[nn.Module], bool] = lambda layer: True
-    """Whether a layer has the form (the frameworks' forms check their classes)."""
+    """Whether a layer has the form (timm's and open_clip's forms check their classes)."""
 
 
 def _block_call(
@@ -381,71 +377,42 @@ BLOCK = LayerForm(_block_call, ("norm1", "norm2"))
 towers')."""
 
 
-def _timm_classes() -> tuple[type, type] | None:
-    """timm's ``Block`` and ``LayerScale``, if timm is imported (a timm block exists only
-    then)."""
-    if "timm" not in sys.modules:
-        return None
-    from timm.layers import LayerScale
-    from timm.models.vision_transformer import Block
-
-    return Block, LayerScale
+_MOVED_FORMS = {
+    "TIMM_BLOCK": ("layergraph_adapters.timm_vit", "TIMM_BLOCK"),
+    "OPEN_CLIP_BLOCK": ("layergraph_adapters.open_clip", "OPEN_CLIP_BLOCK"),
+}
+"""The frameworks' forms that lived here, by where their families' records are now."""
 
 
-def _is_open_clip_block(layer: nn.Module) -> bool:
-    """Whether ``layer`` is open_clip's self-attention ``ResidualAttentionBlock`` with layer
-    scales that are ``LayerScale`` (a ``gamma`` vector) or ``Identity``."""
-    if type(layer).__name__ != "ResidualAttentionBlock" or "open_clip" not in sys.modules:
-        return False
-    from open_clip.transformer import LayerScale, ResidualAttentionBlock
-
-    if type(layer).forward is not ResidualAttentionBlock.forward or hasattr(layer, "ln_1_kv"):
-        return False
-    return all(type(s) in (nn.Identity, LayerScale) for s in (layer.ls_1, layer.ls_2))
+def _moved_form(name: str) -> LayerForm:
+    module, attribute = _MOVED_FORMS[name]
+    return getattr(importlib.import_module(module), attribute)
 
 
-def _timm_block(
-    rewrite: FusedAddNorm,
-    x: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    block = rewrite.module
-    if attn_mask is not None:
-        kwargs["attn_mask"] = attn_mask
-    residual, normed = rewrite.add_norm(x, block.attn(rewrite.first_norm(x), **kwargs))
-    return rewrite.add_scaled(residual, block.mlp(normed))
+def _framework_form(layer: nn.Module) -> LayerForm | None:
+    """The deprecated lookup of a form by the layer's class (timm's or open_clip's block)."""
+    form = next((form for form in map(_moved_form, _MOVED_FORMS) if form.accepts(layer)), None)
+    if form is not None:
+        warn(
+            "fuse_norm without the layers' form is deprecated since layergraph 0.2.1: pass "
+            "their family's (layergraph_adapters.timm_vit.TIMM_BLOCK, "
+            "layergraph_adapters.open_clip.OPEN_CLIP_BLOCK); the lookup by class goes in 0.3",
+            LayergraphDeprecationWarning,
+        )
+    return form
 
 
-def _open_clip_block(
-    rewrite: FusedAddNorm,
-    q_x: torch.Tensor,
-    k_x: torch.Tensor | None = None,
-    v_x: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    block = rewrite.module
-    if k_x is not None or v_x is not None:
-        return rewrite._own(q_x, k_x, v_x, attn_mask)
-    attention = block.attention(q_x=rewrite.first_norm(q_x), attn_mask=attn_mask)
-    residual, normed = rewrite.add_norm(q_x, attention)
-    return rewrite.add_scaled(residual, block.mlp(normed))
-
-
-def _is_timm_block(layer: nn.Module) -> bool:
-    """Whether ``layer`` is timm's ``Block`` (its forward) with layer scales that are
-    ``LayerScale`` or ``Identity``."""
-    classes = _timm_classes()
-    if classes is None or type(layer).forward is not classes[0].forward:
-        return False
-    return all(isinstance(s, nn.Identity) or type(s) is classes[1] for s in (layer.ls1, layer.ls2))
-
-
-TIMM_BLOCK = LayerForm(_timm_block, ("norm1", "norm2"), ("ls1", "ls2"), _is_timm_block)
-"""timm's ``Block`` (the blocks of ``VisionTransformer``)."""
-OPEN_CLIP_BLOCK = LayerForm(
-    _open_clip_block, ("ln_1", "ln_2"), ("ls_1", "ls_2"), _is_open_clip_block
-)
-"""open_clip's self-attention ``ResidualAttentionBlock``."""
-FRAMEWORK_FORMS = (TIMM_BLOCK, OPEN_CLIP_BLOCK)
-"""The forms found by the layer's class, where no family record declares one."""
+def __getattr__(name: str) -> object:
+    """``TIMM_BLOCK``, ``OPEN_CLIP_BLOCK`` and ``FRAMEWORK_FORMS``, which moved to the
+    families' adapters, with a ``LayergraphDeprecationWarning`` (they go in 0.3)."""
+    if name in _MOVED_FORMS or name == "FRAMEWORK_FORMS":
+        warn(
+            f"layergraph_adapters.kit.fused_norm.{name} moved to the family's adapter "
+            "(layergraph_adapters.timm_vit.TIMM_BLOCK, layergraph_adapters.open_clip."
+            "OPEN_CLIP_BLOCK) in layergraph 0.2.1; the name here goes in 0.3",
+            LayergraphDeprecationWarning,
+        )
+        if name == "FRAMEWORK_FORMS":
+            return tuple(map(_moved_form, _MOVED_FORMS))
+        return _moved_form(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -137,6 +137,7 @@ class VisionTowerAdapter(Adapter):
             self.rewrite_options(),
             functools.partial(plan_class, tower, self.spec, feature_layers=feature_layers),
             context,
+            self.spec.ruled_out(),
         )
 
     def rewrite_options(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -65,11 +65,9 @@ from layergraph_adapters.kit.budget_buffers import (
     pad_boundaries,
     workspace,
 )
+from layergraph_adapters.kit.family_record import FamilyRecord
 from layergraph_adapters.kit.packed_examples import EXAMPLE_IMAGE_SIZE, PackedExamples
-from layergraph_adapters.kit.versions import Support, require_transformers
-
-if TYPE_CHECKING:
-    from layergraph_adapters.kit.fused_norm import LayerForm
+from layergraph_adapters.kit.versions import require_transformers
 
 __all__ = [
     "EXAMPLE_IMAGE_SIZE",
@@ -94,8 +92,11 @@ graph's signature: the varlen kernels' grids grow with it."""
 
 
 @dataclass(frozen=True)
-class PackedFamily:
-    """One native-resolution tower class, as data."""
+class PackedFamily(FamilyRecord):
+    """One native-resolution tower class, as data: a packed family's record (its layer form
+    and support are :class:`~layergraph_adapters.kit.family_record.FamilyRecord`'s; the
+    release table and CI's floors are read from the support,
+    :func:`~layergraph_adapters.kit.versions.support_table`)."""
 
     module: str
     """The modeling module that defines the tower class (never imported here: an instance
@@ -117,18 +118,14 @@ class PackedFamily:
     cls: type | None = field(default=None, compare=False)
     """The tower class itself, for one defined where :attr:`module` is not importable by name
     (a notebook, a test); ``None``: looked up by :attr:`module` and :attr:`name`."""
-    layer_form: LayerForm | None = field(default=None, compare=False)
-    """How the tower's layers compute, for ``fuse_norm``
-    (:class:`~layergraph_adapters.kit.fused_norm.LayerForm`); ``None``: ``fuse_norm`` does not
-    serve them."""
-    support: Support | None = field(default=None, compare=False)
-    """What the family is served with (releases, the functions that copy transformers' code,
-    the tests that check them): the release table and CI's floors are read from the records
-    (:func:`~layergraph_adapters.kit.versions.support_table`)."""
 
     def __post_init__(self) -> None:
         if self.checked is None and self.support is not None:
             object.__setattr__(self, "checked", self.support.checked)
+
+    @property
+    def title(self) -> str:
+        return self.name
 
     def tower_class(self) -> type | None:
         """The tower class, if its modeling module is imported; never imports it."""
@@ -218,7 +215,7 @@ class PackedTowerAdapter(PackedExamples, Adapter):
         if not self.speed_options:
             return build()
         options = {name: getattr(self, name) for name in self.speed_options}
-        return build_with_automatic_options(tower, options, build, context)
+        return build_with_automatic_options(tower, options, build, context, family.ruled_out())
 
 
 class PackedTowerPlan(CapturePlan, Packing):

@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from layergraph import AdapterMismatch
+from layergraph_adapters.kit.family_record import FamilyRecord, Support
+from layergraph_adapters.kit.versions import TRANSFORMER_TOWERS
 
 if TYPE_CHECKING:
     from layergraph.bench.example_model import ExampleModel
-    from layergraph_adapters.kit.fused_norm import LayerForm
     from layergraph_adapters.kit.fused_qkv import FusedQKV
 
 __all__ = [
@@ -102,8 +103,11 @@ class TowerExample:
 
 
 @dataclass(frozen=True)
-class TowerSpec:
-    """How one family of transformers vision towers is found, called and captured."""
+class TowerSpec(FamilyRecord):
+    """How one family of transformers vision towers is found, called and captured: a
+    fixed-resolution family's record (its layer form and support are
+    :class:`~layergraph_adapters.kit.family_record.FamilyRecord`'s; the support is
+    :data:`~layergraph_adapters.kit.versions.TRANSFORMER_TOWERS` unless given)."""
 
     adapter: str
     """The adapter's name: ``wrap(model, adapter=...)``."""
@@ -132,10 +136,6 @@ class TowerSpec:
     """The attention forward ``fuse_qkv`` routes each layer's attention to (it takes q, k and v
     from one product); ``None``: the family's attention has no such forward, and ``fuse_qkv``
     is refused."""
-    layer_form: LayerForm | None = None
-    """How the family's layers compute, for ``fuse_norm``
-    (:class:`~layergraph_adapters.kit.fused_norm.LayerForm`); ``None``: ``fuse_norm`` does not
-    serve them."""
     casts_pixels: bool = False
     """Whether the tower casts the pixels it is given to its weights' dtype before using them,
     as most transformers patch embeddings do: float32 pixels from a processor then reach the
@@ -156,6 +156,29 @@ class TowerSpec:
     examples: Mapping[str, TowerExample] = field(default_factory=dict)
     """Deprecated (goes in 0.3; example models come from a plugin's ``example_model`` hook,
     :mod:`layergraph.bench.examples`): well-known towers of the family by name."""
+
+    support: Support | None = field(default=TRANSFORMER_TOWERS, compare=False, kw_only=True)
+
+    @property
+    def title(self) -> str:
+        return self.family
+
+    def ruled_out(self) -> dict[str, str]:
+        """:meth:`FamilyRecord.ruled_out`, and ``fuse_qkv`` for a family whose record names no
+        attention forward taking q, k and v from one product (nor a plan that routes attention
+        itself), ``patch_matmul`` for one whose record names no embeddings."""
+        found = super().ruled_out()
+        if self.fused_attention is None and not getattr(self.plan, "routes_attention", False):
+            found["fuse_qkv"] = (
+                f"fuse_qkv is not available for {self.family}: the {self.adapter} adapter has "
+                "no attention forward that takes q, k and v from one product for its layers"
+            )
+        if not self.embeddings:
+            found["patch_matmul"] = (
+                f"patch_matmul is not available for {self.family}: its patch embedding is not "
+                f"a module the {self.adapter} adapter can rewrite"
+            )
+        return found
 
     def prefix_for(self, config: Any) -> int:
         """Tokens per image besides the patches, for a tower of ``config``."""

@@ -20,14 +20,12 @@ serves. :func:`support_table` (also ``SUPPORT``) gathers them.
 from __future__ import annotations
 
 import os
-import re
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from layergraph import AdapterMismatch
 from layergraph.warn import LayergraphDeprecationWarning, warn
+from layergraph_adapters.kit.family_record import Support, family_records
 
 __all__ = [
     "TRANSFORMERS_CHECKED",
@@ -81,35 +79,6 @@ def require_transformers(adapter_name: str, checked: str = TRANSFORMERS_CHECKED)
     )
 
 
-@dataclass(frozen=True)
-class Support:
-    """What one family of transformers towers is served with: the releases, the functions of
-    layergraph that follow transformers' code for it, what is read from the release at run time
-    rather than from its version, and the tests that check it (which CI runs with the oldest
-    release of the range, and the newest)."""
-
-    name: str
-    """The family's name in the docs and the release table."""
-    checked: str
-    """The transformers releases served, as a version specifier."""
-    copies: tuple[str, ...]
-    """The functions that compute what transformers' own code computes for this family
-    (``module:qualified name``): each is compared with transformers' forward by its tests."""
-    probes: tuple[str, ...]
-    """What the family's plan reads from the installed release's behaviour or declarations
-    rather than its version."""
-    tests: tuple[str, ...]
-    """The test files that check the family against transformers' own forward."""
-
-    @property
-    def floor(self) -> str:
-        """The oldest release of :attr:`checked` (its ``>=`` bound)."""
-        found = re.search(r">=\s*([0-9][0-9.]*)", self.checked)
-        if found is None:
-            raise ValueError(f"{self.checked!r} names no oldest release")
-        return found.group(1)
-
-
 TRANSFORMER_TOWERS = Support(
     "transformers towers",
     TRANSFORMERS_CHECKED,
@@ -142,31 +111,23 @@ SigLIP2 NaFlex's."""
 
 
 def support_table() -> dict[str, Support]:
-    """Every family's support, by name: :data:`TRANSFORMER_TOWERS`, then those the plugins of
-    the entry-point group ``layergraph`` hold (each imported; one that fails to import is left
-    out): a :class:`Support` of the plugin module, or the support of a family record of one of
-    its adapter classes (their ``families``). The release table CI reads (:func:`floors`)."""
+    """Every family's support, by name: :data:`TRANSFORMER_TOWERS`, then those of the family
+    records the plugins of the entry-point group ``layergraph`` hold
+    (:func:`~layergraph_adapters.kit.family_record.family_records`) and the supports their
+    modules hold. The release table CI reads (:func:`floors`)."""
     found = {TRANSFORMER_TOWERS.name: TRANSFORMER_TOWERS}
+    for record in family_records():
+        if record.support is not None:
+            found.setdefault(record.support.name, record.support)
     for point in entry_points(group="layergraph"):
         try:
             plugin = point.load()
         except Exception:  # a broken plugin names no family here
             continue
-        for support in _supports_in(plugin):
-            found.setdefault(support.name, support)
+        for value in vars(plugin).values():
+            if isinstance(value, Support):
+                found.setdefault(value.name, value)
     return found
-
-
-def _supports_in(plugin: object) -> Iterator[Support]:
-    """The supports a plugin module holds, itself or in its adapters' family records."""
-    for value in vars(plugin).values():
-        if isinstance(value, Support):
-            yield value
-        families = getattr(value, "families", ()) if isinstance(value, type) else ()
-        for family in families:
-            support = getattr(family, "support", None)
-            if isinstance(support, Support):
-                yield support
 
 
 _RANGES_MOVED = {
