@@ -196,11 +196,7 @@ class VisionTowerPlan(CapturePlan):
         self.owner = tower
         self.spec = spec
         self.casts_inputs = spec.casts_pixels
-        self.prefix_tokens = spec.prefix_for(config)
-        self.image_sizes = spec.sizes_for(config)
-        self.patch_size = pair(config.patch_size)
-        self.image_size = pair(config.image_size)
-        self.channels: int = config.num_channels
+        self.read_geometry(config)
         self._forward = own_forward(tower)
         self._parent, self._layers_name, layers = layer_list(tower, spec)
         self.depth = len(layers)
@@ -274,6 +270,17 @@ class VisionTowerPlan(CapturePlan):
             return None
         held = feature_indices(wanted, self.depth)
         return None if held[-1] == self.depth else held
+
+    def read_geometry(self, config: Any) -> None:
+        """Read from the tower's configuration what its inputs are checked and keyed by: an
+        image tower's channels, image and patch size, and tokens besides the patches. A tower
+        of other inputs (an audio encoder's mel features) overrides it, with
+        :meth:`sequence_of` and :meth:`check_inputs`."""
+        self.prefix_tokens = self.spec.prefix_for(config)
+        self.image_sizes = self.spec.sizes_for(config)
+        self.patch_size = pair(config.patch_size)
+        self.image_size = pair(config.image_size)
+        self.channels: int = config.num_channels
 
     def attention_modules(self) -> list[nn.Module]:
         """The layers' attention modules, in order (the spec's ``attention`` of each layer)."""
