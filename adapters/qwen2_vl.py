@@ -117,6 +117,11 @@ QWEN3_VL_MOE_SUPPORT = Support(
     "qwen3-vl-moe vision", ">=5.17.0,<5.25", _ATTEND, (), ("tests/test_qwen3_vl_moe_adapter.py",)
 )
 """Qwen3-VL-MoE's tower: Qwen3-VL's renamed, called by its VLM as Qwen3-VL's is."""
+QWEN_OMNI_SUPPORT = Support(
+    "qwen omni vision", ">=5.17.0,<5.25", _ATTEND, (), ("tests/test_qwen_omni_adapter.py",)
+)
+"""The vision encoders of Qwen2.5-Omni's and Qwen3-Omni's thinkers: Qwen2.5-VL's and
+Qwen3-VL's towers renamed, held as ``visual`` by the thinker."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,9 @@ class _TowerKind(PackedFamily):
     (:attr:`QwenBuffers.grid_thw`), and a call with an entry of several frames, whose rows
     the forward reads by frame index, runs eagerly."""
     qk_norms: bool = False
+    separate_qkv: bool = False
+    """Whether attention projects q, k and v by three modules (``q``, ``k``, ``v``:
+    Qwen2.5-Omni's) rather than one (``qkv``)."""
     """Whether attention normalises q and k per head (``q_norm``, ``k_norm``) before rotating
     them."""
     other_holders: tuple[str, ...] = ()
@@ -215,6 +223,20 @@ _TOWERS = (
         windows=False,
         learned_positions=True,
         support=QWEN3_5_SUPPORT,
+    ),
+    _TowerKind(
+        "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
+        "Qwen2_5OmniVisionEncoder",
+        windows=True,
+        separate_qkv=True,
+        support=QWEN_OMNI_SUPPORT,
+    ),
+    _TowerKind(
+        "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
+        "Qwen3OmniMoeVisionEncoder",
+        windows=False,
+        learned_positions=True,
+        support=QWEN_OMNI_SUPPORT,
     ),
     _glm(
         "glm4v",
@@ -379,6 +401,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         self.learned_positions = kind.learned_positions
         self.grid_rows = kind.grid_rows
         self.qk_norms = kind.qk_norms
+        self.separate_qkv = kind.separate_qkv
         self.budget_unit = tower.spatial_merge_size**2
         if adapter.budget_step % self.budget_unit or adapter.max_tokens % adapter.budget_step:
             raise ValueError(
@@ -680,7 +703,13 @@ class Qwen2VLPlan(PackedTowerPlan):
             backend.prepare(metadata, hidden_states)
             buffers.prepared.add(id(metadata))
         tokens = hidden_states.shape[0]
-        q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
+        if self.separate_qkv:
+            q, k, v = (
+                projection(hidden_states).view(tokens, module.num_heads, -1)
+                for projection in (module.q, module.k, module.v)
+            )
+        else:
+            q, k, v = module.qkv(hidden_states).view(tokens, 3, module.num_heads, -1).unbind(1)
         if self.qk_norms:
             q, k = module.q_norm(q), module.k_norm(k)
         q, k = self.rotation(q, k, *position_embeddings)

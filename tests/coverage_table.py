@@ -38,6 +38,8 @@ PACKED_SERVED: dict[str, str] = {
     "Mistral3ForConditionalGeneration": "pixtral",
     "MistralLarge4ForConditionalGeneration": "pixtral",
     "Siglip2Model": "siglip2",
+    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_vl",
+    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen2_vl",
 }
 """Every class layergraph serves in packed mode (images of their own sizes packed into one
 sequence per token budget), with its adapter; the coverage test builds each tiny with the
@@ -64,8 +66,6 @@ UNSERVED: dict[str, str] = {
     # packed or variable resolution
     **dict.fromkeys(
         (
-            "Qwen2_5OmniThinkerForConditionalGeneration",
-            "Qwen3OmniMoeThinkerForConditionalGeneration",
             "Qwen4ExpForConditionalGeneration",
             "Lfm3VlForConditionalGeneration",
             "Kimi_K25ForConditionalGeneration",
@@ -276,7 +276,7 @@ def meta_model(class_name: str) -> nn.Module | Exception | None:
 
 PACKED_FAMILIES = {
     "pixtral": "Pixtral (Mistral 3, LightOnOCR)",
-    "qwen2_vl": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V and later",
+    "qwen2_vl": "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, the Omni thinkers and GLM-4.1V and later",
     "siglip2": "SigLIP2 NaFlex (LFM2-VL)",
 }
 """The families the packed adapters serve, which have no tower table entry."""

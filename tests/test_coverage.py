@@ -77,6 +77,11 @@ def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 
         pixels, grid = glm.call([(1, 4, 6), (1, 2, 2)])
         return glm.vlm(name), {"pixel_values": pixels, "image_grid_thw": grid}
+    if "Omni" in name:
+        import test_qwen_omni_adapter as omni
+
+        pixels, grid = omni.call([(1, 4, 6), (1, 2, 2)])
+        return omni.thinker(name), {"pixel_values": pixels, "image_grid_thw": grid}
     if name.startswith("Qwen3_5"):
         import test_qwen3_5_adapter as qwen3_5
 
