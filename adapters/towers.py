@@ -21,19 +21,28 @@ from layergraph_adapters.kit.fused_qkv import fused_attention_forward
 from layergraph_adapters.kit.hf_vision import adapter_class
 from layergraph_adapters.kit.idefics import IdeficsPlan
 from layergraph_adapters.kit.mllama import MllamaVisionPlan, tiles_of_images
-from layergraph_adapters.kit.tower_specs import TowerSpec, images
+from layergraph_adapters.kit.tower_specs import TOWER_PATHS, TowerSpec, images
 
 __all__ = [
     "AIMV2",
+    "BEIT",
+    "BLIP",
     "CLIP",
+    "DEIT",
     "DINOV2",
+    "DINOV3",
     "IDEFICS",
+    "IJEPA",
     "JANUS",
     "LLAMA4",
+    "MLCD",
     "MLLAMA",
+    "PIXIO",
     "SIGLIP",
+    "TIPS",
     "TOWERS",
     "VIT",
+    "VIT_MSN",
 ]
 
 SIGLIP = TowerSpec(
@@ -50,15 +59,26 @@ Gemma 3, Aya Vision, Cohere2Vision and DeepSeek-VL."""
 
 CLIP = TowerSpec(
     adapter="clip",
-    classes=("CLIPVisionModel", "CLIPVisionModelWithProjection", "CLIPVisionTransformer"),
+    classes=(
+        "CLIPVisionModel",
+        "CLIPVisionModelWithProjection",
+        "CLIPVisionTransformer",
+        "MetaClip2VisionModel",
+        "MetaClip2VisionModelWithProjection",
+        "AltCLIPVisionModel",
+        "ChineseCLIPVisionModel",
+        "CLIPSegVisionModel",
+    ),
     casts_pixels=True,
-    family="CLIP",
+    family="CLIP (MetaCLIP 2, AltCLIP, Chinese-CLIP, CLIPSeg)",
+    paths=(*TOWER_PATHS, "clip.vision_model"),
     prefix_tokens=1,
     fused_attention=fused_attention_forward,
     layer_form=ENCODER_LAYER,
 )
 """CLIP: the class token; the projection of ``CLIPVisionModelWithProjection`` included. Inside
-LLaVA and LLaVA-NeXT, which read layer -2."""
+LLaVA and LLaVA-NeXT, which read layer -2. MetaCLIP 2's, AltCLIP's, Chinese-CLIP's and
+CLIPSeg's towers are CLIP's (transformers copies its code), inside their dual encoders."""
 
 
 def images_with_patch_mask(
@@ -113,6 +133,7 @@ DINOV2 = TowerSpec(
     adapter="dinov2",
     classes=("Dinov2Model", "Dinov2WithRegistersModel"),
     casts_pixels=True,
+    paths=("dinov2", *TOWER_PATHS),
     family="DINOv2",
     layers=("encoder.layer",),
     attention="attention",
@@ -125,6 +146,7 @@ VIT = TowerSpec(
     adapter="vit",
     classes=("ViTModel",),
     casts_pixels=True,
+    paths=("vit", *TOWER_PATHS),
     family="ViT",
     layers=("layers", "encoder.layer"),  # transformers 5.17 moved the layers to the model
     attention="attention",
@@ -159,7 +181,142 @@ MLLAMA = TowerSpec(
 """Llama 3.2 Vision's tower: tiles of images as a 6-d input with aspect-ratio ids and masks,
 a local and a global encoder (:mod:`layergraph_adapters.kit.mllama`)."""
 
-TOWERS: tuple[TowerSpec, ...] = (SIGLIP, CLIP, IDEFICS, JANUS, AIMV2, DINOV2, VIT, LLAMA4, MLLAMA)
+_VIT_LAYERS = ("layers", "encoder.layer")
+"""Where transformers' ViT copies keep their layers (5.17 moved them to the model)."""
+
+DEIT = TowerSpec(
+    adapter="deit",
+    classes=("DeiTModel",),
+    casts_pixels=True,
+    family="DeiT",
+    layers=_VIT_LAYERS,
+    attention="attention",
+    prefix_tokens=2,  # the class and distillation tokens
+    paths=("deit", *TOWER_PATHS),
+)
+"""DeiT: ViT with a distillation token; inside ``DeiTForImageClassification``."""
+
+BEIT = TowerSpec(
+    adapter="beit",
+    classes=("BeitModel", "Data2VecVisionModel"),
+    family="BEiT and Data2Vec-Vision",
+    layers=_VIT_LAYERS,
+    attention="attention",
+    prefix_tokens=1,
+    paths=("beit", "data2vec_vision", *TOWER_PATHS),
+)
+"""BEiT and Data2Vec-Vision: the class token, relative position biases, layer scales."""
+
+IJEPA = TowerSpec(
+    adapter="ijepa",
+    classes=("IJepaModel",),
+    casts_pixels=True,
+    family="I-JEPA",
+    layers=_VIT_LAYERS,
+    attention="attention",
+    paths=("ijepa", *TOWER_PATHS),
+)
+"""I-JEPA: a ViT without a class token."""
+
+VIT_MSN = TowerSpec(
+    adapter="vit_msn",
+    classes=("ViTMSNModel",),
+    casts_pixels=True,
+    family="ViT-MSN",
+    layers=_VIT_LAYERS,
+    attention="attention",
+    prefix_tokens=1,
+    paths=("vit", *TOWER_PATHS),
+)
+"""ViT-MSN: transformers' ViT trained by masked siamese networks."""
+
+
+def _class_and_registers(config: Any) -> int:
+    return 1 + config.num_register_tokens
+
+
+DINOV3 = TowerSpec(
+    adapter="dinov3",
+    classes=("DINOv3ViTModel",),
+    casts_pixels=True,
+    family="DINOv3",
+    layers=("model.layer",),
+    attention="attention",
+    prefix_tokens=_class_and_registers,
+    image_sizes="any",  # rotary positions of each image's patch grid
+)
+"""DINOv3's ViT: the class token and registers, 2-d rotary attention, layer scales."""
+
+TIPS = TowerSpec(
+    adapter="tipsv2",
+    classes=("Tipsv2VisionModel",),
+    casts_pixels=True,
+    family="TIPSv2",
+    layers=("encoder.layer",),
+    attention="attention",
+    prefix_tokens=_class_and_registers,
+    image_sizes="any",
+)
+"""TIPSv2's vision tower: DINOv2-style layers, the class token and registers; inside
+``Tipsv2Model``."""
+
+PIXIO = TowerSpec(
+    adapter="pixio",
+    classes=("PixioModel",),
+    casts_pixels=True,
+    family="Pixio",
+    layers=("layers",),
+    attention="attention",
+    prefix_tokens=lambda config: config.n_cls_tokens,
+    image_sizes="any",
+)
+"""Pixio: a ViT with several class tokens."""
+
+MLCD = TowerSpec(
+    adapter="mlcd",
+    classes=("MLCDVisionModel",),
+    casts_pixels=True,
+    family="MLCD",
+    prefix_tokens=1,
+    image_sizes="any",  # 2-d rotary positions of each image's patch grid
+)
+"""MLCD: CLIP's layers with 2-d rotary attention (which leaves ``fuse_qkv`` out)."""
+
+BLIP = TowerSpec(
+    adapter="blip",
+    classes=(
+        "BlipVisionModel",
+        "Blip2VisionModel",
+        "InstructBlipVisionModel",
+        "InstructBlipVideoVisionModel",
+    ),
+    casts_pixels=True,
+    family="BLIP, BLIP-2 and InstructBLIP",
+    prefix_tokens=1,
+)
+"""The ViTs of BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video (their q, k and v one
+product already), inside their models as ``vision_model``; the Q-Former runs eagerly."""
+
+TOWERS: tuple[TowerSpec, ...] = (
+    SIGLIP,
+    CLIP,
+    IDEFICS,
+    JANUS,
+    AIMV2,
+    DINOV2,
+    VIT,
+    LLAMA4,
+    MLLAMA,
+    DEIT,
+    BEIT,
+    IJEPA,
+    VIT_MSN,
+    DINOV3,
+    TIPS,
+    PIXIO,
+    MLCD,
+    BLIP,
+)
 """Every family this plugin serves, in the order ``adapter="auto"`` asks them."""
 
 

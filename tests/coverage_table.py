@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tiny_models import DUALS, HEADS, TOWERS, VLMS, Tiny, transformers_kept
+from tiny_models import BLIP_VLMS, DUALS, HEADS, TOWERS, VLMS, Tiny, transformers_kept
 from torch import nn
 
-SERVED: dict[str, Tiny] = {**TOWERS, **VLMS, **DUALS, **HEADS}
+SERVED: dict[str, Tiny] = {**TOWERS, **VLMS, **BLIP_VLMS, **DUALS, **HEADS}
 """Every class layergraph serves at fixed shapes, with its tiny model: towers, VLMs, dual
 encoders and models with a head of their own on a served tower."""
 
@@ -177,27 +177,7 @@ UNSERVED: dict[str, str] = {
     # towers the table does not describe yet
     **dict.fromkeys(
         (
-            "BeitModel",
-            "Data2VecVisionModel",
-            "DeiTModel",
-            "DINOv3ViTModel",
-            "IJepaModel",
-            "MLCDVisionModel",
-            "PixioModel",
-            "Tipsv2Model",
-            "Tipsv2VisionModel",
-            "ViTMSNModel",
             "VitDetModel",
-            "AltCLIPModel",
-            "ChineseCLIPModel",
-            "CLIPSegModel",
-            "MetaClip2Model",
-            "BlipModel",
-            "BlipForConditionalGeneration",
-            "Blip2ForConditionalGeneration",
-            "Blip2ForImageTextRetrieval",
-            "InstructBlipForConditionalGeneration",
-            "InstructBlipVideoForConditionalGeneration",
             "GitForCausalLM",
             "IdeficsForVisionText2Text",
             "Kosmos2ForConditionalGeneration",

@@ -80,8 +80,9 @@ def test_unrecognised_model_gets_the_reason_and_the_list(
     assert "no adapter recognises torch.nn.modules.linear.Linear" in message
     assert "adapter=NAME" not in message and "sequential', stack" not in message
     assert (
-        "aimv2, clip, dinov2, idefics, internvl, janus, llama4, mllama, open_clip, pixtral, "
-        "qwen2_vl, sentence_transformers, sequential, siglip, siglip2, timm, vit" in message
+        "aimv2, beit, blip, clip, deit, dinov2, dinov3, idefics, ijepa, internvl, janus, llama4, "
+        "mlcd, mllama, open_clip, pixio, pixtral, qwen2_audio, qwen2_vl, sentence_transformers, "
+        "sequential, siglip, siglip2, timm, tipsv2, vit, vit_msn, whisper" in message
     )
 
 

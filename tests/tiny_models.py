@@ -264,6 +264,30 @@ TOWERS: dict[str, Tiny] = by_name(
         "mllama",
         lambda model, batch: model(**mllama_tiles(batch)).last_hidden_state,
     ),
+    Tiny("DeiTModel", tower_config("DeiTConfig", **WIDTH), "deit", tower_call()),
+    Tiny("BeitModel", tower_config("BeitConfig", **WIDTH), "beit", tower_call()),
+    Tiny(
+        "Data2VecVisionModel",
+        tower_config("Data2VecVisionConfig", use_relative_position_bias=True, **WIDTH),
+        "beit",
+        tower_call(),
+    ),
+    Tiny("IJepaModel", tower_config("IJepaConfig", **WIDTH), "ijepa", tower_call()),
+    Tiny("ViTMSNModel", tower_config("ViTMSNConfig", **WIDTH), "vit_msn", tower_call()),
+    Tiny(
+        "DINOv3ViTModel",
+        tower_config("DINOv3ViTConfig", num_register_tokens=2, **WIDTH),
+        "dinov3",
+        tower_call(),
+    ),
+    Tiny(
+        "Tipsv2VisionModel",
+        tower_config("Tipsv2VisionConfig", num_register_tokens=1, **WIDTH),
+        "tipsv2",
+        tower_call(),
+    ),
+    Tiny("PixioModel", tower_config("PixioConfig", n_cls_tokens=2, **WIDTH), "pixio", tower_call()),
+    Tiny("MLCDVisionModel", tower_config("MLCDVisionConfig", **WIDTH), "mlcd", tower_call()),
 )
 """A tiny tower of every family, by class name."""
 
@@ -694,12 +718,159 @@ def dual_config(config_name: str, vision_config: str, **settings: Any) -> Callab
     )
 
 
+QFORMER = dict(
+    hidden_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    intermediate_size=128,
+    encoder_hidden_size=64,
+    vocab_size=VOCAB,
+)
+"""A one-layer Q-Former, as BLIP-2 and InstructBLIP configurations take it."""
+OPT_TEXT = dict(
+    model_type="opt",
+    hidden_size=64,
+    ffn_dim=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    word_embed_proj_dim=64,
+    max_position_embeddings=64,
+)
+
+
+def qformer_tokens(batch: int) -> dict[str, torch.Tensor]:
+    """Pixels and the instruction tokens InstructBLIP's Q-Former reads with them."""
+    return {**pixels(batch), "qformer_input_ids": torch.ones(batch, 4, dtype=torch.long)}
+
+
+def video_qformer_tokens(batch: int) -> dict[str, torch.Tensor]:
+    """``batch`` videos of two frames and their instruction tokens (InstructBLIP-Video)."""
+    return {"pixel_values": images(batch, 2), "qformer_input_ids": torch.ones(batch, 4).long()}
+
+
+def video_features(model: nn.Module, batch: int) -> torch.Tensor:
+    return main_tensor(model.get_video_features(**video_qformer_tokens(batch)))
+
+
+def text_with_pixels(model: nn.Module, batch: int) -> torch.Tensor:
+    """A model's forward on ``batch`` images and a three-token text each: its first output."""
+    ids = torch.tensor([[1, 2, 3]] * batch)
+    out = model(pixel_values=images(batch), input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+BLIP_VLMS: dict[str, Tiny] = by_name(
+    Tiny(
+        "Blip2ForConditionalGeneration",
+        vlm_config(
+            "Blip2Config",
+            vision_config=vision("Blip2VisionConfig"),
+            qformer_config=QFORMER,
+            text_config=OPT_TEXT,
+            num_query_tokens=4,
+            image_token_index=IMAGE_TOKEN,
+        ),
+        "blip",
+        features(pixels),
+    ),
+    Tiny(
+        "Blip2ForImageTextRetrieval",
+        vlm_config(
+            "Blip2Config",
+            vision_config=vision("Blip2VisionConfig"),
+            qformer_config=dict(QFORMER, use_qformer_text_input=True),
+            text_config=OPT_TEXT,
+            num_query_tokens=4,
+            image_text_hidden_size=32,
+        ),
+        "blip",
+        text_with_pixels,
+    ),
+    Tiny(
+        "InstructBlipForConditionalGeneration",
+        vlm_config(
+            "InstructBlipConfig",
+            vision_config=vision("InstructBlipVisionConfig"),
+            qformer_config=QFORMER,
+            text_config=OPT_TEXT,
+            num_query_tokens=4,
+            image_token_index=IMAGE_TOKEN,
+        ),
+        "blip",
+        features(qformer_tokens),
+    ),
+    Tiny(
+        "InstructBlipVideoForConditionalGeneration",
+        vlm_config(
+            "InstructBlipVideoConfig",
+            vision_config=vision("InstructBlipVideoVisionConfig"),
+            qformer_config=QFORMER,
+            text_config=OPT_TEXT,
+            num_query_tokens=4,
+            video_token_index=IMAGE_TOKEN,
+        ),
+        "blip",
+        video_features,
+    ),
+    Tiny(
+        "BlipForConditionalGeneration",
+        vlm_config(
+            "BlipConfig",
+            vision_config=vision("BlipVisionConfig"),
+            text_config=dict(ONE_LAYER_TEXT, vocab_size=VOCAB, bos_token_id=1),
+        ),
+        "blip",
+        text_with_pixels,
+    ),
+)
+"""A tiny BLIP, BLIP-2 and InstructBLIP model of every class the coverage walk meets."""
+
+
 DUALS: dict[str, Tiny] = by_name(
     Tiny(
         "SiglipModel", dual_config("SiglipConfig", "SiglipVisionConfig"), "siglip", features(pixels)
     ),
     Tiny("CLIPModel", dual_config("CLIPConfig", "CLIPVisionConfig"), "clip", features(pixels)),
     Tiny("Aimv2Model", dual_config("Aimv2Config", "Aimv2VisionConfig"), "aimv2", features(pixels)),
+    Tiny(
+        "MetaClip2Model",
+        dual_config("MetaClip2Config", "MetaClip2VisionConfig"),
+        "clip",
+        features(pixels),
+    ),
+    Tiny(
+        "AltCLIPModel",
+        vlm_config(
+            "AltCLIPConfig",
+            text_config=dict(
+                ONE_LAYER_TEXT, vocab_size=VOCAB, project_dim=32, max_position_embeddings=64
+            ),
+            vision_config=vision("AltCLIPVisionConfig"),
+            projection_dim=32,
+        ),
+        "clip",
+        features(pixels),
+    ),
+    Tiny(
+        "ChineseCLIPModel",
+        dual_config("ChineseCLIPConfig", "ChineseCLIPVisionConfig"),
+        "clip",
+        features(pixels),
+    ),
+    Tiny(
+        "CLIPSegModel",
+        dual_config("CLIPSegConfig", "CLIPSegVisionConfig"),
+        "clip",
+        features(pixels),
+    ),
+    Tiny(
+        "Tipsv2Model",
+        dual_config("Tipsv2Config", "Tipsv2VisionConfig"),
+        "tipsv2",
+        features(pixels),
+    ),
+    Tiny("BlipModel", dual_config("BlipConfig", "BlipVisionConfig"), "blip", features(pixels)),
 )
 """A tiny image-text dual encoder of every family that has one, by class name."""
 
@@ -778,6 +949,30 @@ HEADS: dict[str, Tiny] = by_name(
         ),
         "siglip",
         features(image_sets),
+    ),
+    Tiny(
+        "ViTForImageClassification",
+        tower_config("ViTConfig", num_labels=3, **WIDTH),
+        "vit",
+        logits,
+    ),
+    Tiny(
+        "Dinov2ForImageClassification",
+        tower_config("Dinov2Config", num_labels=3, **LAYERS),
+        "dinov2",
+        logits,
+    ),
+    Tiny(
+        "DeiTForImageClassification",
+        tower_config("DeiTConfig", num_labels=3, **WIDTH),
+        "deit",
+        logits,
+    ),
+    Tiny(
+        "BeitForImageClassification",
+        tower_config("BeitConfig", num_labels=3, **WIDTH),
+        "beit",
+        logits,
     ),
 )
 """A tiny model of each class outside transformers' vision auto mappings that holds a served

@@ -280,7 +280,7 @@ class VisionTowerPlan(CapturePlan):
         self.image_sizes = self.spec.sizes_for(config)
         self.patch_size = pair(config.patch_size)
         self.image_size = pair(config.image_size)
-        self.channels: int = config.num_channels
+        self.channels: int = getattr(config, "num_channels", 3)  # BLIP's configurations lack it
 
     def attention_modules(self) -> list[nn.Module]:
         """The layers' attention modules, in order (the spec's ``attention`` of each layer)."""
