@@ -147,11 +147,11 @@ class _TowerKind(PackedFamily):
     (:attr:`QwenBuffers.grid_thw`), and a call with an entry of several frames, whose rows
     the forward reads by frame index, runs eagerly."""
     qk_norms: bool = False
+    """Whether attention normalises q and k per head (``q_norm``, ``k_norm``) before rotating
+    them."""
     separate_qkv: bool = False
     """Whether attention projects q, k and v by three modules (``q``, ``k``, ``v``:
     Qwen2.5-Omni's) rather than one (``qkv``)."""
-    """Whether attention normalises q and k per head (``q_norm``, ``k_norm``) before rotating
-    them."""
     other_holders: tuple[str, ...] = ()
     """Other modeling modules whose VLMs hold this tower at ``visual`` or ``model.visual``."""
 
@@ -174,67 +174,39 @@ class _TowerKind(PackedFamily):
             object.__setattr__(self, "holders", dict.fromkeys(modules, _VLM_PATHS))
 
 
+def _kind(package: str, name: str, **fields: Any) -> _TowerKind:
+    """The tower class ``name`` of transformers' model package ``package``."""
+    return _TowerKind(f"transformers.models.{package}.modeling_{package}", name, **fields)
+
+
 def _glm(package: str, name: str, **fields: Any) -> _TowerKind:
     """A GLM vision tower: full attention per frame, a downsampling convolution and a merger
     at the end (:data:`GLM_SUPPORT`)."""
-    return _TowerKind(
-        f"transformers.models.{package}.modeling_{package}",
-        name,
-        windows=False,
-        support=GLM_SUPPORT,
-        **fields,
-    )
+    return _kind(package, name, support=GLM_SUPPORT, **fields)
 
 
 _TOWERS = (
-    _TowerKind(
-        "transformers.models.qwen2_vl.modeling_qwen2_vl",
-        "Qwen2VisionTransformerPretrainedModel",
-        windows=False,
-    ),
-    _TowerKind(
-        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-        "Qwen2_5_VisionTransformerPretrainedModel",
-        windows=True,
-    ),
-    _TowerKind(
-        "transformers.models.qwen3_vl.modeling_qwen3_vl",
-        "Qwen3VLVisionModel",
-        windows=False,
-        learned_positions=True,
-    ),
-    _TowerKind(
-        "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+    _kind("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+    _kind("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel", windows=True),
+    _kind("qwen3_vl", "Qwen3VLVisionModel", learned_positions=True),
+    _kind(
+        "qwen3_vl_moe",
         "Qwen3VLMoeVisionModel",
-        windows=False,
         learned_positions=True,
         support=QWEN3_VL_MOE_SUPPORT,
     ),
-    _TowerKind(
-        "transformers.models.qwen3_5.modeling_qwen3_5",
-        "Qwen3_5VisionModel",
-        windows=False,
-        learned_positions=True,
-        support=QWEN3_5_SUPPORT,
-    ),
-    _TowerKind(
-        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-        "Qwen3_5MoeVisionModel",
-        windows=False,
-        learned_positions=True,
-        support=QWEN3_5_SUPPORT,
-    ),
-    _TowerKind(
-        "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
+    _kind("qwen3_5", "Qwen3_5VisionModel", learned_positions=True, support=QWEN3_5_SUPPORT),
+    _kind("qwen3_5_moe", "Qwen3_5MoeVisionModel", learned_positions=True, support=QWEN3_5_SUPPORT),
+    _kind(
+        "qwen2_5_omni",
         "Qwen2_5OmniVisionEncoder",
         windows=True,
         separate_qkv=True,
         support=QWEN_OMNI_SUPPORT,
     ),
-    _TowerKind(
-        "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe",
+    _kind(
+        "qwen3_omni_moe",
         "Qwen3OmniMoeVisionEncoder",
-        windows=False,
         learned_positions=True,
         support=QWEN_OMNI_SUPPORT,
     ),

@@ -25,9 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from coverage_table import (  # noqa: E402
+    AUDIO_SERVED,
     NOTES,
     PACKED_SERVED,
     SERVED,
+    SEVERAL_TOWERS,
     UNSERVED,
     family_of,
     walked_classes,
@@ -93,6 +95,7 @@ def render(results: dict[str, Any] | None) -> str:
     for name in sorted(PACKED_SERVED):
         packed[PACKED_SERVED[name]].append(name)
     served += [name for names in packed.values() for name in names]
+    served += sorted(SEVERAL_TOWERS)
     runs = _runs_by_adapter(results)
     lines = [
         "# Coverage",
@@ -138,6 +141,31 @@ def render(results: dict[str, Any] | None) -> str:
         )
         listed.append(_classes_item(adapter, packed[adapter], []))
     lines += ["", "### Classes served, by family", "", *listed]
+    lines += [
+        "",
+        "### Several towers in one model",
+        "",
+        "Each tower is served in place by its own adapter's plan under one wrapper "
+        "(`layergraph.multi_tower`), the graphs in one pool, each tower's stats of its own.",
+        "",
+    ]
+    for name, towers in sorted(SEVERAL_TOWERS.items()):
+        parts = ", ".join(f"`{path}` (`{adapter}`)" for path, adapter in towers.items())
+        lines.append(f"- `{name}`: {parts}.")
+    lines += [
+        "",
+        "## Audio encoders",
+        "",
+        "Outside the walked mappings; each class, and its encoder alone (`WhisperEncoder`, "
+        "`Qwen2AudioEncoder`), is recognised by its adapter, and tests/test_audio_encoders.py "
+        "checks their answers.",
+        "",
+    ]
+    by_audio: dict[str, list[str]] = defaultdict(list)
+    for name, adapter in sorted(AUDIO_SERVED.items()):
+        by_audio[adapter].append(name)
+    for adapter, names in by_audio.items():
+        lines.append(_classes_item(adapter, names, []))
     lines += ["", "## Not served", ""]
     by_reason: dict[str, list[str]] = defaultdict(list)
     for name in sorted(UNSERVED):

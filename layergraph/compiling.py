@@ -2,8 +2,9 @@
 
 What ``compile_layers`` and ``compile_region`` call is the compiled code wrapped by
 :func:`compiled_call`, which gives Dynamo room for one compiled version per shape
-(:data:`RECOMPILE_LIMIT`) and charges the time spent compiling to a :class:`CompileBudget`.
-It does not choose what is compiled; :mod:`layergraph.module` does.
+(:data:`RECOMPILE_LIMIT`) and charges the time spent compiling to a :class:`CompileBudget`;
+:func:`compile_layers_in_place` and :func:`compiled_region` make a plan's compiled layers or
+region. It does not choose which a model gets; ``wrap``'s options do.
 """
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
+from .adapter import CapturePlan
+from .ledger import ChangeLedger
 from .warn import warn
 
 __all__ = [
     "RECOMPILE_LIMIT",
     "CompileBudget",
     "CompileBudgetSpent",
+    "compile_layers_in_place",
     "compile_options",
     "compiled_call",
+    "compiled_region",
 ]
 
 RECOMPILE_LIMIT = 64
@@ -112,3 +118,53 @@ def compiled_call(compiled: Callable[..., Any], budget: CompileBudget) -> Callab
 def compile_options(setting: bool | dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` keyword arguments for ``compile_layers`` or ``compile_region``."""
     return {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
+
+
+def compile_layers_in_place(
+    plan: CapturePlan,
+    adapter_name: str,
+    setting: bool | dict[str, Any],
+    budget: CompileBudget,
+    changes: ChangeLedger,
+) -> None:
+    """Compile the plan's layers in place (regional compilation), each a recorded change
+    (``compile_layers``); nothing for ``setting`` ``False``."""
+    if setting is False:
+        return
+    layers = plan.layers()
+    if not layers:
+        raise ValueError(
+            f"compile_layers needs the model's repeated layers, which the {adapter_name!r} "
+            f"adapter does not name"
+        )
+    for layer in layers:
+        compiled = torch.compile(_calling(layer), **compile_options(setting))
+        # What nn.Module.compile() sets: the module's calls go to the compiled function.
+        changes.set_attribute(
+            layer, "_compiled_call_impl", compiled_call(compiled, budget), "compiled"
+        )
+
+
+def _calling(layer: nn.Module) -> Callable[..., Any]:
+    """A function that calls ``layer`` (hooks and forward), for torch.compile to trace.
+
+    Compiling this function rather than the layer's own ``_call_impl`` (what
+    ``nn.Module.compile()`` compiles) gives Dynamo a first frame outside ``torch.nn``, which
+    some PyTorch versions (2.11, for one) skip for PyTorch's own layers
+    (``nn.TransformerEncoderLayer``, say): those would run uncompiled without a word.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return layer._call_impl(*args, **kwargs)
+
+    return call
+
+
+def compiled_region(
+    plan: CapturePlan, setting: bool | dict[str, Any], budget: CompileBudget
+) -> Callable[..., Any] | None:
+    """``plan.region`` compiled with torch.compile (``compile_region``), or ``None`` to
+    capture it as it is."""
+    if setting is False:
+        return None
+    return compiled_call(torch.compile(plan.region, **compile_options(setting)), budget)

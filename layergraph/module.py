@@ -10,19 +10,25 @@ import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-import torch
 from torch import nn
 
 from .adapter import Adapter, AdapterMismatch, CapturePlan, PlanContext, make_plan
-from .compiling import RECOMPILE_LIMIT, CompileBudget, compile_options, compiled_call
+from .compiling import (
+    RECOMPILE_LIMIT,
+    CompileBudget,
+    compile_layers_in_place,
+    compiled_region,
+)
 from .graphs import CudaGraphs, GraphBackend
 from .guards import NoticeMoves
 from .keys import ShapeKey
 from .ledger import ChangeLedger, UndoError
+from .multi_tower import SHARED_POOLS, GraphedTowers, find_towers, wrap_towers
 from .plugins import AdapterRegistry, UnknownAdapterError, get_registry
 from .runner import GraphInfo, GraphRunner, RunnerOptions
+from .serving.pool import PoolShare
 from .stats import GraphStats
 from .warm_start import Measurements, load_warm_start, read_measurements, save_warm_start
 from .warn import warn
@@ -50,7 +56,7 @@ def wrap(
     warm_start: str | os.PathLike[str] | None = None,
     backend: GraphBackend | None = None,
     **adapter_options: Any,
-) -> GraphedModule:
+) -> GraphedModule | GraphedTowers:
     """Wrap ``model`` so that its calls replay CUDA graphs, one per shape key.
 
     ``adapter`` is the name of a registered adapter (see :func:`layergraph.list_adapters`), an
@@ -107,11 +113,50 @@ def wrap(
         gc.collect()  # a wrapper dropped but kept by a reference cycle is not live
     holder = _wrapper_of(model)
     if holder is not None:
+        by = (
+            f"the wrapper of adapter {holder.adapter.name!r}"
+            if isinstance(holder, GraphedModule)
+            else "a wrapper of its towers"
+        )
         raise TypeError(
-            f"this {type(model).__name__} is wrapped already (by the wrapper of adapter "
-            f"{holder.adapter.name!r}); use that wrapper, or unwrap() it before wrapping again"
+            f"this {type(model).__name__} is wrapped already (by {by}); use that wrapper, or "
+            f"unwrap() it before wrapping again"
         )
     registry = get_registry()
+    if adapter == "auto" and SHARED_POOLS.get() is None:
+        towers = find_towers(model, registry.dedicated)
+        if len(towers) > 1:
+            settings = dict(
+                batch_sizes=batch_sizes,
+                lazy=lazy,
+                max_graphs=max_graphs,
+                capture_after=capture_after,
+                static_output=static_output,
+                validate=validate,
+                tolerance=tolerance,
+                warmup_runs=warmup_runs,
+                debug=debug,
+                observe_calls=observe_calls,
+                compile_layers=compile_layers,
+                compile_region=compile_region,
+                compile_budget=compile_budget,
+            )
+            if warm_start is not None:
+                raise ValueError(
+                    f"warm_start serves a wrapper of one tower; this {type(model).__name__} "
+                    f"holds {len(towers)} ({', '.join(towers)}): wrap each for its own file"
+                )
+            backend = backend if backend is not None else CudaGraphs()
+
+            def wrap_tower(part: nn.Module, name: str, options: dict[str, Any]) -> GraphedModule:
+                return cast(GraphedModule, wrap(part, name, backend=backend, **settings, **options))
+
+            factories = {path: registry.factory(name) for path, name in towers.items()}
+            graphed_towers = wrap_towers(
+                model, towers, factories, adapter_options, PoolShare(backend), wrap_tower
+            )
+            _WRAPPERS[model] = weakref.ref(graphed_towers)
+            return graphed_towers
     compiled = compile_layers is not False or compile_region is not False
     context = PlanContext(
         registry,
@@ -167,15 +212,16 @@ def wrap(
     route = _Route()
     try:
         plan.change_model(changes, route)
-        _compile_layers(plan, adapter_object, compile_layers, budget, changes)
+        compile_layers_in_place(plan, adapter_object.name, compile_layers, budget, changes)
         changes.apply(NoticeMoves(plan.owner))
         runner = GraphRunner(
             plan,
             options,
             backend if backend is not None else CudaGraphs(),
-            captured_region=_compiled_region(plan, compile_region, budget),
+            captured_region=compiled_region(plan, compile_region, budget),
             capture_contexts=functools.partial(registry.capture_contexts, model),
             eager_checks=registry.eager_checks(model),
+            pools=SHARED_POOLS.get(),
         )
     except BaseException:
         changes.undo_all()
@@ -205,13 +251,13 @@ def _undo_quietly(changes: ChangeLedger) -> None:
         warn(f"a collected wrapper could not undo its changes to the model: {error}", UserWarning)
 
 
-_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GraphedModule]] = (
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GraphedModule | GraphedTowers]] = (
     weakref.WeakKeyDictionary()
 )
 """The wrapper of each model wrapped and not unwrapped, so that a second wrap is refused."""
 
 
-def _wrapper_of(model: nn.Module) -> GraphedModule | None:
+def _wrapper_of(model: nn.Module) -> GraphedModule | GraphedTowers | None:
     """The live wrapper of ``model`` that was not unwrapped, or ``None``."""
     held = _WRAPPERS.get(model)
     graphed = held() if held is not None else None
@@ -262,54 +308,6 @@ def _fingerprint(model: nn.Module, adapter: Adapter, options: dict[str, Any]) ->
         )
     )
     return hashlib.sha256(described.encode()).hexdigest()[:16]
-
-
-def _compile_layers(
-    plan: CapturePlan,
-    adapter: Adapter,
-    setting: bool | dict[str, Any],
-    budget: CompileBudget,
-    changes: ChangeLedger,
-) -> None:
-    """Compile the plan's layers in place (regional compilation), each a recorded change."""
-    if setting is False:
-        return
-    layers = plan.layers()
-    if not layers:
-        raise ValueError(
-            f"compile_layers needs the model's repeated layers, which the {adapter.name!r} "
-            f"adapter does not name"
-        )
-    for layer in layers:
-        compiled = torch.compile(_calling(layer), **compile_options(setting))
-        # What nn.Module.compile() sets: the module's calls go to the compiled function.
-        changes.set_attribute(
-            layer, "_compiled_call_impl", compiled_call(compiled, budget), "compiled"
-        )
-
-
-def _calling(layer: nn.Module) -> Callable[..., Any]:
-    """A function that calls ``layer`` (hooks and forward), for torch.compile to trace.
-
-    Compiling this function rather than the layer's own ``_call_impl`` (what
-    ``nn.Module.compile()`` compiles) gives Dynamo a first frame outside ``torch.nn``, which
-    some PyTorch versions (2.11, for one) skip for PyTorch's own layers
-    (``nn.TransformerEncoderLayer``, say): those would run uncompiled without a word.
-    """
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return layer._call_impl(*args, **kwargs)
-
-    return call
-
-
-def _compiled_region(
-    plan: CapturePlan, setting: bool | dict[str, Any], budget: CompileBudget
-) -> Callable[..., Any] | None:
-    """``plan.region`` compiled with torch.compile, or ``None`` to capture it as it is."""
-    if setting is False:
-        return None
-    return compiled_call(torch.compile(plan.region, **compile_options(setting)), budget)
 
 
 def unwrap(graphed: GraphedModule) -> nn.Module:

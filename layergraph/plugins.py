@@ -372,10 +372,10 @@ class AdapterRegistry:
         else:
             name = self.plugin_manager.hook.recognize_model(model=model)
         if name is None:
-            raise UnknownAdapterError(refusal(model, self._dedicated, sorted(self._adapters)))
+            raise UnknownAdapterError(refusal(model, self.dedicated, sorted(self._adapters)))
         return name
 
-    def _dedicated(self, part: torch.nn.Module) -> str | None:
+    def dedicated(self, part: torch.nn.Module) -> str | None:
         """The dedicated (not generic) adapter that ``adapter="auto"`` would choose for
         ``part``, or ``None``; a plugin failing on it answers ``None``."""
         try:

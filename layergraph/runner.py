@@ -26,6 +26,7 @@ from .serving.budgets import PACKED_MAX_GRAPHS
 from .serving.engine import CaptureFailedWarning, GraphEngine, Lane, StaleOutputWarning
 from .serving.packed_lane import PackedLane
 from .serving.policy import Costs
+from .serving.pool import PoolShare
 from .stats import GraphStats
 
 __all__ = [
@@ -114,6 +115,7 @@ class GraphRunner:
         hooks: HookFingerprint | None = None,
         capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
         eager_checks: Sequence[Callable[[], str | None]] = (),
+        pools: PoolShare | None = None,
     ) -> None:
         self.plan = plan
         self.options = options
@@ -133,6 +135,7 @@ class GraphRunner:
             hooks,
             capture_contexts,
             eager_checks,
+            pools,
         )
         self._lane: Lane = (
             PackedLane(self._engine, plan.packing) if packed else BatchedLane(self._engine)
@@ -262,7 +265,8 @@ class GraphRunner:
         """A snapshot of the statistics, with the pool's current size read from the allocator."""
         engine = self._engine
         with engine.lock:
-            pool_bytes = self.backend.pool_bytes(engine.pool) if engine.pool is not None else 0
+            pool = engine.pools.holding(engine)
+            pool_bytes = self.backend.pool_bytes(pool) if pool is not None else 0
             return replace(
                 engine.stats,
                 graphs=len(engine.held),

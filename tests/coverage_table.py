@@ -45,6 +45,26 @@ PACKED_SERVED: dict[str, str] = {
 sequence per token budget), with its adapter; the coverage test builds each tiny with the
 adapter's own test builders and checks its image features against eager."""
 
+SEVERAL_TOWERS: dict[str, dict[str, str]] = {
+    "VideoLlavaForConditionalGeneration": {
+        "model.video_tower": "clip",
+        "model.image_tower": "clip",
+    },
+}
+"""Every walked class whose towers are served each by its own plan under one wrapper
+(:mod:`layergraph.multi_tower`), with its towers' paths and adapters; the coverage test builds
+each on the meta device and checks the towers ``wrap`` finds."""
+
+AUDIO_SERVED: dict[str, str] = {
+    "WhisperModel": "whisper",
+    "WhisperForConditionalGeneration": "whisper",
+    "WhisperForAudioClassification": "whisper",
+    "Qwen2AudioForConditionalGeneration": "qwen2_audio",
+}
+"""The audio models layergraph serves, outside the walked mappings, with their adapters
+(tests/test_audio_encoders.py checks their answers, and the encoders alone; the coverage test
+their recognition)."""
+
 MAPPINGS = (
     "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
     "MODEL_FOR_IMAGE_MAPPING_NAMES",
@@ -202,9 +222,6 @@ UNSERVED: dict[str, str] = {
     "Granite4VisionForConditionalGeneration": (
         "reads several CLIP hidden states through window Q-Formers, chosen by settings of its "
         "own rather than vision_feature_layer: not checked yet"
-    ),
-    "VideoLlavaForConditionalGeneration": (
-        "two CLIP towers (image_tower, video_tower); wrap either tower itself to graph it"
     ),
     "VisionEncoderDecoderModel": (
         "an encoder-decoder whose encoder is any vision model; wrap its encoder itself"

@@ -23,8 +23,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from coverage_table import (  # noqa: E402
+    AUDIO_SERVED,
     PACKED_SERVED,
     SERVED,
+    SEVERAL_TOWERS,
     UNSERVED,
     meta_model,
     walked_classes,
@@ -53,7 +55,10 @@ def test_every_walked_class_is_served_or_has_a_reason() -> None:
     unlisted = {
         name: model_type
         for name, model_type in walked_classes().items()
-        if name not in SERVED and name not in PACKED_SERVED and name not in UNSERVED
+        if name not in SERVED
+        and name not in PACKED_SERVED
+        and name not in SEVERAL_TOWERS
+        and name not in UNSERVED
     }
     assert not unlisted, (
         f"transformers {transformers.__version__} has classes with a vision tower that "
@@ -64,9 +69,30 @@ def test_every_walked_class_is_served_or_has_a_reason() -> None:
     )
 
 
+@pytest.mark.parametrize("name", sorted(SEVERAL_TOWERS))
+def test_a_class_of_several_towers_has_each_found_with_its_adapter(
+    name: str, own_plugins: plugins.AdapterRegistry
+) -> None:
+    from layergraph.multi_tower import find_towers
+
+    model = meta_model(name)
+    assert isinstance(model, torch.nn.Module), model
+    assert find_towers(model, own_plugins.dedicated) == SEVERAL_TOWERS[name]
+
+
+@pytest.mark.parametrize("name", sorted(AUDIO_SERVED))
+def test_an_audio_class_is_recognised_by_its_adapter(
+    name: str, own_plugins: plugins.AdapterRegistry
+) -> None:
+    model = meta_model(name)
+    assert isinstance(model, torch.nn.Module), model
+    assert own_plugins.recognize(model) == AUDIO_SERVED[name]
+
+
 def test_a_class_is_served_or_unserved_not_both() -> None:
     assert not SERVED.keys() & UNSERVED.keys()
     assert not PACKED_SERVED.keys() & (SERVED.keys() | UNSERVED.keys())
+    assert not SEVERAL_TOWERS.keys() & (SERVED.keys() | PACKED_SERVED.keys() | UNSERVED.keys())
 
 
 def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

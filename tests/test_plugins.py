@@ -120,9 +120,10 @@ def test_unknown_adapter_lists_available_names(
     with pytest.raises(
         UnknownAdapterError,
         match=(
-            "no adapter named 'swin'; available: aimv2, clip, dinov2, idefics, internvl, "
-            "janus, llama4, mllama, open_clip, pixtral, qwen2_vl, sentence_transformers, "
-            "sequential, siglip, siglip2, timm, vit"
+            "no adapter named 'swin'; available: aimv2, beit, blip, clip, deit, dinov2, dinov3, "
+            "idefics, ijepa, internvl, janus, llama4, mlcd, mllama, open_clip, pixio, pixtral, "
+            "qwen2_audio, qwen2_vl, sentence_transformers, sequential, siglip, siglip2, timm, "
+            "tipsv2, vit, vit_msn, whisper"
         ),
     ):
         layergraph.wrap(torch.nn.Sequential(), adapter="swin")

@@ -36,6 +36,7 @@ from ..warn import warn
 from .cache import GraphCache, GraphEntry, HeldGraphs
 from .gate import EagerGate
 from .policy import ROUTE_MARGIN, Costs
+from .pool import PoolShare
 
 __all__ = [
     "CaptureFailedWarning",
@@ -118,6 +119,7 @@ class GraphEngine:
         hooks: HookFingerprint | None = None,
         capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
         eager_checks: Sequence[Callable[[], str | None]] = (),
+        pools: PoolShare | None = None,
     ) -> None:
         self.plan = plan
         self.options = options
@@ -138,7 +140,10 @@ class GraphEngine:
         """The forward hooks graphs are captured with, and whether the model's differ now."""
         self._watch = ParameterWatch(plan.owner)
         self.gate = EagerGate(plan, backend, self.hooks, eager_checks)
-        self.pool: Any = None
+        self.pools = pools or PoolShare(backend)
+        """The pool this engine's graphs are captured into, shared with the other engines of
+        a wrapper of several towers."""
+        self.pools.join(self)
         self._done: Any = None
         self._warmed: set[Any] = set()
         """Call signatures captured since the model last changed: the lazy initialisation of
@@ -183,13 +188,11 @@ class GraphEngine:
             self._cache.clear()
         if scope == "model":
             self._warmed.clear()
-        self.pool = None
 
     def keep_budgets(self, budgets: Sequence[int]) -> None:
         """Drop the graphs of budgets not in ``budgets`` (a new plan of learnt budgets); the
         pool goes with the last graph."""
-        if self._cache.keep_buckets(budgets) and not len(self._cache):
-            self.pool = None
+        self._cache.keep_buckets(budgets)
 
     # ---- eager calls --------------------------------------------------------------------------
 
@@ -394,11 +397,6 @@ class GraphEngine:
         the call is loaded into them. The capture seconds counted include the buffers'
         allocation (where a plan times its attention backends) and the measurement."""
         started = time.perf_counter()
-        if not len(self._cache):
-            # A pool is shared only while one of its graphs lives: PyTorch's allocator refuses
-            # to capture into a pool whose graphs were all released if any of its memory is
-            # still held (an output kept by the caller, a cached cuBLAS workspace).
-            self.pool = self.backend.new_pool()
         packing = self.packing
         with torch.inference_mode(False):
             buffers = packing.allocate(key.batch, call)
@@ -417,7 +415,8 @@ class GraphEngine:
         with self.hooks.adopting(), contextlib.ExitStack() as contexts:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
-            graph, output = self.backend.capture(region, self.pool, warmup_runs)
+            with self.pools.capturing(self) as pool:
+                graph, output = self.backend.capture(region, pool, warmup_runs)
         self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
         known = self._cache.costs(lookup)
