@@ -476,6 +476,17 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_version_is_the_packages",
         "test_tables_written_to_a_pipe_are_not_cut_at_80_columns",
     ),
+    "test_audio_encoders.py": (
+        "test_generate_runs_the_encoder_from_the_graphs_with_the_eager_scores",
+    ),
+    "test_multi_tower.py": (
+        "test_towers_are_the_shallowest_parts_above_exactly_one_recognised_leaf",
+        "test_each_tower_is_served_in_place_from_one_pool_with_stats_of_its_own",
+    ),
+    "test_family_records.py": (
+        "test_the_release_table_is_read_from_the_records",
+        "test_ruled_out_options_are_off_with_the_reason_or_refused_without_a_build",
+    ),
     "test_docs.py": (
         "test_every_code_block_of_a_page_runs[index.md]",
         "test_every_code_block_of_a_page_runs[troubleshooting.md]",

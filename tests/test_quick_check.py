@@ -33,6 +33,9 @@ COVERED = {
     "sequential": "test_sequential.py",
     "a third-party plugin (DINOv2)": "test_dinov2.py",
     "the embedding service": "test_serving.py",
+    "audio encoders": "test_audio_encoders.py",
+    "several towers in one model": "test_multi_tower.py",
+    "the family records": "test_family_records.py",
 }
 
 

@@ -18,12 +18,13 @@ from layergraph_adapters.kit.fused_rotary import FusedRotary, rotates_halves
 from layergraph_adapters.kit.triton_kernels import triton_unavailable
 
 pytest.importorskip("transformers")
-from test_qwen2_vl_streams import check_answers, model, option_calls, wrapped_with
+from test_qwen2_vl_streams import SMALL_GRIDS, check_answers, model, option_calls, wrapped_with
 
 KINDS = ["qwen2_5_vl", "qwen3_vl", "glm_ocr"]
 """One tower of each rotation path: windowed layers (Qwen2.5-VL), interpolated positions
-(Qwen3-VL), q and k normalised before the rotation (GLM-OCR); each takes 15 to 25 s in
-Triton's interpreter."""
+(Qwen3-VL), q and k normalised before the rotation (GLM-OCR), each on small calls
+(:data:`~test_qwen2_vl_streams.SMALL_GRIDS`): Triton's interpreter runs one program per
+token."""
 needs_the_kernel = pytest.mark.skipif(
     triton_unavailable("fuse_rotary", torch.device("cpu")) is not None,
     reason="runs the kernel on CPU tensors, through Triton's interpreter",
@@ -42,8 +43,8 @@ def test_fused_rotation_answers_as_the_tower(kind: str, monkeypatch: pytest.Monk
         return kernel(self, *args)
 
     monkeypatch.setattr(fused_rotary.FusedRotary, "__call__", counted)
-    inputs, want = option_calls(kind)
-    graphed = wrapped_with(kind, fuse_norm=False, fuse_rotary=True)
+    inputs, want = option_calls(kind, SMALL_GRIDS)
+    graphed = wrapped_with(kind, fuse_norm=False, fuse_rotary=True, budget_step=16)
     routed = [line for line in graphed.changes if "fuse_rotary" in line]
     assert len(routed) == len(model(kind).blocks)
     check_answers(graphed, inputs, want)

@@ -90,10 +90,17 @@ OPTION_GRIDS = ([(1, 4, 6), (1, 2, 2)], [(2, 4, 4), (1, 8, 8)])
 """Two calls for the speed options' tests: several images, and a video beside an image."""
 
 
-def option_calls(kind: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-    """Fresh inputs of :data:`OPTION_GRIDS` for the tower of ``kind``, and its own merged
+SMALL_GRIDS = ([(1, 2, 4), (1, 2, 2)], [(2, 2, 2), (1, 4, 4)])
+""":data:`OPTION_GRIDS`' kinds of call in fewer tokens, for kernels run by Triton's
+interpreter, whose time grows with the tokens (one program per token)."""
+
+
+def option_calls(
+    kind: str, grids_of_calls: tuple[list[tuple[int, int, int]], ...] = OPTION_GRIDS
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Fresh inputs of ``grids_of_calls`` for the tower of ``kind``, and its own merged
     features for them, computed before anything is wrapped."""
-    inputs = [call(entries(kind, grids)) for grids in OPTION_GRIDS]
+    inputs = [call(entries(kind, grids)) for grids in grids_of_calls]
     with torch.inference_mode():
         want = [model(kind)(p, grid_thw=g).pooler_output for p, g in inputs]
     return inputs, want
