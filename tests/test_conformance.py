@@ -62,10 +62,14 @@ EXAMPLES = settings(
 # ---- calls -----------------------------------------------------------------------------------
 
 
+FEATURE_METHODS = ("get_image_features", "get_video_features")
+"""The features methods of VLMs a tiny model's call may enter by."""
+
+
 class Recorded:
-    """The entry point a tiny model's call used (``forward``, or ``get_image_features`` of the
-    model or of a submodule) and the inputs it was given, learnt by running the call once on
-    the unwrapped twin."""
+    """The entry point a tiny model's call used (``forward``, or a features method of the
+    model or of a submodule, :data:`FEATURE_METHODS`) and the inputs it was given, learnt by
+    running the call once on the unwrapped twin."""
 
     def __init__(self, model: torch.nn.Module, call: Callable[[], Any]) -> None:
         self.owner = ""
@@ -74,13 +78,13 @@ class Recorded:
         self.inputs: dict[str, Any] = {}
         patched = []
 
-        def recording(path: str, features: Callable[..., Any]) -> Callable[..., Any]:
+        def recording(path: str, method: str, features: Callable[..., Any]) -> Callable[..., Any]:
             def record(*args: Any, **kwargs: Any) -> Any:
                 if not self.inputs:
                     bound = inspect.signature(features).bind(*args, **kwargs).arguments
                     named = {k: v for k, v in bound.items() if k != "kwargs"}
                     named.update(bound.get("kwargs", {}))
-                    self.owner, self.method, self.inputs = path, "get_image_features", named
+                    self.owner, self.method, self.inputs = path, method, named
                 return features(*args, **kwargs)
 
             return record
@@ -92,17 +96,18 @@ class Recorded:
 
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         for path, module in model.named_modules():
-            features = getattr(module, "get_image_features", None)
-            if features is not None:
-                module.get_image_features = recording(path, features)  # type: ignore[method-assign]
-                patched.append(module)
+            for method in FEATURE_METHODS:
+                features = getattr(module, method, None)
+                if features is not None:
+                    setattr(module, method, recording(path, method, features))
+                    patched.append((module, method))
         try:
             call()
         finally:
             handle.remove()
-            for module in patched:
-                del module.get_image_features
-        assert self.inputs, "the call reached neither forward nor get_image_features"
+            for module, method in patched:
+                delattr(module, method)
+        assert self.inputs, "the call reached neither forward nor a features method"
 
     def entry(self, model: torch.nn.Module) -> Callable[..., Any]:
         """The recorded entry point of ``model`` (the wrapped one or its twin)."""

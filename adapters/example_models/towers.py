@@ -13,7 +13,7 @@ from torch import nn
 
 from layergraph.bench.examples import ExampleModel
 from layergraph.ledger import Change
-from layergraph_adapters import towers
+from layergraph_adapters import audio, towers
 from layergraph_adapters.internvl import INTERNVIT_CONFIGS, INTERNVL
 from layergraph_adapters.kit.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.kit.tower_specs import (
@@ -27,11 +27,22 @@ from layergraph_adapters.kit.tower_specs import (
 
 __all__ = [
     "SO400M",
+    "WHISPER_LARGE_ENCODER",
     "TOWER_EXAMPLES",
     "capture_changes",
     "tower_example",
     "tower_example_model",
 ]
+
+WHISPER_LARGE_ENCODER = dict(
+    d_model=1280,
+    encoder_layers=32,
+    encoder_attention_heads=20,
+    encoder_ffn_dim=5120,
+    num_mel_bins=128,
+    max_source_positions=1500,
+)
+"""Whisper large-v3's encoder, which distil-whisper large-v3 and Qwen2-Audio keep."""
 
 SO400M = dict(
     hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16
@@ -156,6 +167,28 @@ TOWER_EXAMPLES: dict[str, tuple[TowerSpec, TowerExample]] = {
         name: (INTERNVL, TowerExample("InternVLVisionModel", settings))
         for name, settings in INTERNVIT_CONFIGS.items()
     },
+    "whisper-large-v3-encoder": (
+        audio.WHISPER,
+        TowerExample("whisper.WhisperEncoder", WHISPER_LARGE_ENCODER),
+    ),
+    "whisper-base-encoder": (
+        audio.WHISPER,
+        TowerExample(
+            "whisper.WhisperEncoder",
+            dict(
+                d_model=512,
+                encoder_layers=6,
+                encoder_attention_heads=8,
+                encoder_ffn_dim=2048,
+                num_mel_bins=80,
+                max_source_positions=1500,
+            ),
+        ),
+    ),
+    "qwen2-audio-encoder": (
+        audio.QWEN2_AUDIO,
+        TowerExample("qwen2_audio.Qwen2AudioEncoder", WHISPER_LARGE_ENCODER),
+    ),
 }
 """Well-known towers by name: SigLIP so400m, CLIP ViT-L/14-336, the Idefics2, Idefics3 and
 SmolVLM2 towers, Janus-Pro's, AIMv2-L, DINOv2-L (with and without registers) at 224, ViT-B,
@@ -179,7 +212,7 @@ def tower_example_model(name: str, spec: TowerSpec, example: TowerExample) -> Ex
         batch: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         config = transformers_class(example.tower).config_class(**example.settings)
-        size = pair(example.image_size or config.image_size)
+        size = pair(example.image_size or getattr(config, "image_size", 0))  # audio: none
         return (), spec.inputs(config, batch, size, dtype, device)
 
     @contextlib.contextmanager
