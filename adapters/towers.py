@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from layergraph import hookimpl
+from layergraph_adapters.kit.beit import BeitPlan
 from layergraph_adapters.kit.fused_norm import ENCODER_LAYER
 from layergraph_adapters.kit.fused_qkv import fused_attention_forward
 from layergraph_adapters.kit.hf_vision import adapter_class
@@ -204,8 +205,10 @@ BEIT = TowerSpec(
     attention="attention",
     prefix_tokens=1,
     paths=("beit", "data2vec_vision", *TOWER_PATHS),
+    plan=BeitPlan,
 )
-"""BEiT and Data2Vec-Vision: the class token, relative position biases, layer scales."""
+"""BEiT and Data2Vec-Vision: the class token, relative position biases (their indices kept on
+the device, :mod:`layergraph_adapters.kit.beit`), layer scales."""
 
 IJEPA = TowerSpec(
     adapter="ijepa",

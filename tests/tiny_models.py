@@ -265,7 +265,12 @@ TOWERS: dict[str, Tiny] = by_name(
         lambda model, batch: model(**mllama_tiles(batch)).last_hidden_state,
     ),
     Tiny("DeiTModel", tower_config("DeiTConfig", **WIDTH), "deit", tower_call()),
-    Tiny("BeitModel", tower_config("BeitConfig", **WIDTH), "beit", tower_call()),
+    Tiny(
+        "BeitModel",
+        tower_config("BeitConfig", use_relative_position_bias=True, **WIDTH),
+        "beit",
+        tower_call(),
+    ),
     Tiny(
         "Data2VecVisionModel",
         tower_config("Data2VecVisionConfig", use_relative_position_bias=True, **WIDTH),

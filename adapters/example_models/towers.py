@@ -15,6 +15,7 @@ from layergraph.bench.examples import ExampleModel
 from layergraph.ledger import Change
 from layergraph_adapters import audio, towers
 from layergraph_adapters.internvl import INTERNVIT_CONFIGS, INTERNVL
+from layergraph_adapters.kit.beit import BeitPlan, device_position_indices
 from layergraph_adapters.kit.idefics import CapturablePositions, IdeficsPlan
 from layergraph_adapters.kit.tower_specs import (
     TowerExample,
@@ -27,8 +28,8 @@ from layergraph_adapters.kit.tower_specs import (
 
 __all__ = [
     "SO400M",
-    "WHISPER_LARGE_ENCODER",
     "TOWER_EXAMPLES",
+    "WHISPER_LARGE_ENCODER",
     "capture_changes",
     "tower_example",
     "tower_example_model",
@@ -235,7 +236,10 @@ def tower_example_model(name: str, spec: TowerSpec, example: TowerExample) -> Ex
 def capture_changes(model: nn.Module, spec: TowerSpec) -> list[Change]:
     """The changes layergraph makes so that a CUDA stream can capture a tower of ``spec``'s
     family at all (none of its speed options), for a hand-written graph of its own forward:
-    Idefics' position ids computed without boolean-mask indexing; none for the others."""
+    Idefics' position ids computed without boolean-mask indexing, BEiT's relative position
+    indices kept on the device; none for the others."""
+    if spec.plan is not None and issubclass(spec.plan, BeitPlan):
+        return device_position_indices(model)
     if spec.plan is not None and issubclass(spec.plan, IdeficsPlan):
         found = find_module(model, spec.embeddings)
         if found is not None:
