@@ -185,18 +185,15 @@ def _glm(package: str, name: str, **fields: Any) -> _TowerKind:
     return _kind(package, name, support=GLM_SUPPORT, **fields)
 
 
+_LEARNED = dict(learned_positions=True)
+"""The record fields of a tower with a learned position table."""
 _TOWERS = (
     _kind("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
     _kind("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel", windows=True),
-    _kind("qwen3_vl", "Qwen3VLVisionModel", learned_positions=True),
-    _kind(
-        "qwen3_vl_moe",
-        "Qwen3VLMoeVisionModel",
-        learned_positions=True,
-        support=QWEN3_VL_MOE_SUPPORT,
-    ),
-    _kind("qwen3_5", "Qwen3_5VisionModel", learned_positions=True, support=QWEN3_5_SUPPORT),
-    _kind("qwen3_5_moe", "Qwen3_5MoeVisionModel", learned_positions=True, support=QWEN3_5_SUPPORT),
+    _kind("qwen3_vl", "Qwen3VLVisionModel", **_LEARNED),
+    _kind("qwen3_vl_moe", "Qwen3VLMoeVisionModel", **_LEARNED, support=QWEN3_VL_MOE_SUPPORT),
+    _kind("qwen3_5", "Qwen3_5VisionModel", **_LEARNED, support=QWEN3_5_SUPPORT),
+    _kind("qwen3_5_moe", "Qwen3_5MoeVisionModel", **_LEARNED, support=QWEN3_5_SUPPORT),
     _kind(
         "qwen2_5_omni",
         "Qwen2_5OmniVisionEncoder",
@@ -204,12 +201,7 @@ _TOWERS = (
         separate_qkv=True,
         support=QWEN_OMNI_SUPPORT,
     ),
-    _kind(
-        "qwen3_omni_moe",
-        "Qwen3OmniMoeVisionEncoder",
-        learned_positions=True,
-        support=QWEN_OMNI_SUPPORT,
-    ),
+    _kind("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoder", **_LEARNED, support=QWEN_OMNI_SUPPORT),
     _glm(
         "glm4v",
         "Glm4vVisionModel",
@@ -543,6 +535,21 @@ class Qwen2VLPlan(PackedTowerPlan):
 
     def image_tokens(self, call: PackedCall) -> list[int]:
         return [t * h * w for t, h, w in call.parts.grids]
+
+    def split(self, call: PackedCall, budget: int) -> list[PackedCall]:
+        """Split by entries, a video above ``budget`` first cut into entries of as many frames
+        as fit: attention never crosses a frame and positions repeat per frame, so the answer
+        is the uncut video's."""
+        grids = call.parts.grids
+        if not any(t > 1 and t * h * w > budget >= h * w for t, h, w in grids):
+            return super().split(call, budget)
+        cut = []
+        for t, h, w in grids:
+            step = budget // (h * w) if t * h * w > budget >= h * w else t
+            cut += [(min(step, t - start), h, w) for start in range(0, t, step)]
+        grid = call.argument("grid_thw", position=1)
+        frames = torch.tensor(cut, dtype=grid.dtype, device=grid.device)
+        return super().split(self.pack((call.parts.pixels, frames), call.parts.fixed), budget)
 
     def piece(self, call: PackedCall, images: range) -> PackedCall:
         parts = call.parts
