@@ -29,7 +29,7 @@ from coverage_table import (  # noqa: E402
     NOTES,
     PACKED_SERVED,
     SERVED,
-    SEVERAL_TOWERS,
+    TOWERS_IN_PLACE,
     UNSERVED,
     family_of,
     walked_classes,
@@ -95,7 +95,7 @@ def render(results: dict[str, Any] | None) -> str:
     for name in sorted(PACKED_SERVED):
         packed[PACKED_SERVED[name]].append(name)
     served += [name for names in packed.values() for name in names]
-    served += sorted(SEVERAL_TOWERS)
+    served += sorted(TOWERS_IN_PLACE)
     runs = _runs_by_adapter(results)
     lines = [
         "# Coverage",
@@ -143,13 +143,14 @@ def render(results: dict[str, Any] | None) -> str:
     lines += ["", "### Classes served, by family", "", *listed]
     lines += [
         "",
-        "### Several towers in one model",
+        "### Towers served in place",
         "",
-        "Each tower is served in place by its own adapter's plan under one wrapper "
+        "Models no adapter recognises that hold towers adapters serve, one or several: each "
+        "tower is served in place by its own adapter's plan under one wrapper "
         "(`layergraph.multi_tower`), the graphs in one pool, each tower's stats of its own.",
         "",
     ]
-    for name, towers in sorted(SEVERAL_TOWERS.items()):
+    for name, towers in sorted(TOWERS_IN_PLACE.items()):
         parts = ", ".join(f"`{path}` (`{adapter}`)" for path, adapter in towers.items())
         lines.append(f"- `{name}`: {parts}.")
     lines += [

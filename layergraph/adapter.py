@@ -292,6 +292,11 @@ class Adapter:
     generic: ClassVar[bool] = False
     """Whether this adapter serves models by their shape rather than their family; with
     ``adapter="auto"`` generic adapters are asked only after every dedicated one."""
+    inside_any_model: ClassVar[bool] = True
+    """Whether a part this adapter recognises may be served in place inside a model no adapter
+    recognises, its forward routed to the graphs whatever calls it
+    (:mod:`layergraph.multi_tower`); an adapter whose plans rely on how known models call the
+    part says no."""
 
     def recognizes(self, model: nn.Module) -> bool:
         """Whether this adapter serves ``model`` (for ``adapter="auto"``).

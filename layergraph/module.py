@@ -124,8 +124,12 @@ def wrap(
         )
     registry = get_registry()
     if adapter == "auto" and SHARED_POOLS.get() is None:
-        towers = find_towers(model, registry.dedicated)
-        if len(towers) > 1:
+        towers = find_towers(
+            model,
+            registry.dedicated,
+            lambda name: getattr(registry.factory(name), "inside_any_model", True),
+        )
+        if len(towers) > 1 or (towers and registry.dedicated(model) is None):
             settings = dict(
                 batch_sizes=batch_sizes,
                 lazy=lazy,

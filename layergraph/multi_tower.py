@@ -1,14 +1,15 @@
-"""A model holding towers of several kinds: each served in place by its own adapter's plan,
-under one wrapper.
+"""Towers inside a model no adapter knows, or several towers in one model: each served in
+place by its own adapter's plan, under one wrapper.
 
-The Omni thinkers hold an audio tower and a vision encoder, Video-LLaVA an image tower and a
-video tower. ``wrap(model)`` (``adapter="auto"``) finds the parts of the model, three levels
-down at most, that dedicated adapters recognise (:func:`find_towers`); where there are two or
-more, each is wrapped in place (its forward routed to its graphs, as a tower inside a VLM is)
-and a :class:`GraphedTowers` is returned: calls run the model's own forward, which reaches
-every tower's graphs, and the towers' graphs share one memory pool. ``graphed.towers`` holds
-each tower's wrapper (its stats, keys, changes and speed options) by path; ``unwrap()`` undoes
-every tower's changes.
+Video-LLaVA holds an image tower and a video tower; a retrieval model (ColPali, ColQwen2) or
+a robot policy holds a VLM whose tower an adapter serves. ``wrap(model)`` (``adapter="auto"``)
+finds the parts of the model, four levels down at most, that dedicated adapters recognise
+(:func:`find_towers`); where there are two or more, or one in a model no dedicated adapter
+recognises itself, each is wrapped in place (its forward routed to its graphs, as a tower
+inside a VLM is) and a :class:`GraphedTowers` is returned: calls run the model's own
+forward, which reaches every tower's graphs, and the towers' graphs share one memory pool.
+``graphed.towers`` holds each tower's wrapper (its stats, keys, changes and speed options) by
+path; ``unwrap()`` undoes every tower's changes.
 
 What it does not do: know any model. A part is a tower when exactly one recognised part, itself
 or one below it, holds no recognised part of its own; the shallowest such part is taken, so
@@ -38,8 +39,8 @@ __all__ = [
     "wrap_towers",
 ]
 
-TOWER_DEPTH = 3
-"""How many levels below the model a tower is looked for (``thinker.model.visual``)."""
+TOWER_DEPTH = 4
+"""How many levels below the model a tower is looked for (``model.vlm.model.vision_tower``)."""
 
 
 class TowerWrapper(Protocol):
@@ -61,10 +62,18 @@ class TowerWrapper(Protocol):
     def unwrap(self) -> nn.Module: ...
 
 
-def find_towers(model: nn.Module, recognize: Callable[[nn.Module], str | None]) -> dict[str, str]:
+def find_towers(
+    model: nn.Module,
+    recognize: Callable[[nn.Module], str | None],
+    inside_any_model: Callable[[str], bool] = lambda adapter: True,
+) -> dict[str, str]:
     """The towers of ``model`` by path, each with the dedicated adapter ``recognize`` names for
     it: the shallowest parts (up to :data:`TOWER_DEPTH` levels down, not the model itself, not
-    inside a module list) under which exactly one recognised part holds no recognised part."""
+    inside a module list) under which exactly one recognised part holds no recognised part.
+    A tower whose adapter may not serve it inside a model it does not know
+    (``inside_any_model(adapter)`` false: a VLM it does not know may call the tower its own
+    way) is left out unless a part above or below it is recognised by the same adapter (the
+    adapter knows the model that holds the tower)."""
     recognised: dict[str, str] = {}
     for path, part in model.named_modules():
         names = path.split(".")
@@ -86,7 +95,16 @@ def find_towers(model: nn.Module, recognize: Callable[[nn.Module], str | None]) 
             continue
         if len(leaves & {path, *below(path)}) == 1:
             towers[path] = recognised[path]
-    return towers
+    return {
+        path: adapter
+        for path, adapter in towers.items()
+        if inside_any_model(adapter)
+        or any(
+            (path.startswith(other + ".") or other.startswith(path + "."))
+            and recognised[other] == adapter
+            for other in recognised
+        )
+    }
 
 
 def options_for(

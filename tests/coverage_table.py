@@ -45,15 +45,22 @@ PACKED_SERVED: dict[str, str] = {
 sequence per token budget), with its adapter; the coverage test builds each tiny with the
 adapter's own test builders and checks its image features against eager."""
 
-SEVERAL_TOWERS: dict[str, dict[str, str]] = {
+TOWERS_IN_PLACE: dict[str, dict[str, str]] = {
     "VideoLlavaForConditionalGeneration": {
         "model.video_tower": "clip",
         "model.image_tower": "clip",
     },
+    "DepthProModel": {
+        "encoder.patch_encoder.model": "dinov2",
+        "encoder.image_encoder.model": "dinov2",
+    },
+    "PI0ForConditionalGeneration": {"model.vlm": "siglip"},
+    "VisionEncoderDecoderModel": {"encoder": "vit"},
 }
-"""Every walked class whose towers are served each by its own plan under one wrapper
-(:mod:`layergraph.multi_tower`), with its towers' paths and adapters; the coverage test builds
-each on the meta device and checks the towers ``wrap`` finds."""
+"""Every walked class no adapter recognises whose towers are served in place, each by its own
+plan under one wrapper (:mod:`layergraph.multi_tower`), with its towers' paths and adapters;
+the coverage test builds each on the meta device and checks the towers ``wrap`` finds, and
+tests/test_multi_tower.py their answers."""
 
 AUDIO_SERVED: dict[str, str] = {
     "WhisperModel": "whisper",
@@ -163,7 +170,6 @@ UNSERVED: dict[str, str] = {
             "DetrModel",
             "TableTransformerModel",
             "DPTModel",
-            "DepthProModel",
             "YolosModel",
         ),
         DETECTOR,
@@ -222,12 +228,6 @@ UNSERVED: dict[str, str] = {
     "Granite4VisionForConditionalGeneration": (
         "reads several CLIP hidden states through window Q-Formers, chosen by settings of its "
         "own rather than vision_feature_layer: not checked yet"
-    ),
-    "VisionEncoderDecoderModel": (
-        "an encoder-decoder whose encoder is any vision model; wrap its encoder itself"
-    ),
-    "PI0ForConditionalGeneration": (
-        "a robot policy whose PaliGemma is at model.vlm; wrap its tower itself to graph it"
     ),
 }
 """Every walked class layergraph does not serve, with the reason."""

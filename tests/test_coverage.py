@@ -26,7 +26,7 @@ from coverage_table import (  # noqa: E402
     AUDIO_SERVED,
     PACKED_SERVED,
     SERVED,
-    SEVERAL_TOWERS,
+    TOWERS_IN_PLACE,
     UNSERVED,
     meta_model,
     walked_classes,
@@ -39,6 +39,16 @@ from layergraph.validation import relative_error  # noqa: E402
 
 TOLERANCE = 1e-4
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def towers_of(model: torch.nn.Module, registry: plugins.AdapterRegistry) -> dict[str, str]:
+    """The towers ``wrap`` finds in ``model`` with ``registry``'s adapters."""
+    from layergraph.multi_tower import find_towers
+
+    def inside_any_model(name: str) -> bool:
+        return getattr(registry.factory(name), "inside_any_model", True)
+
+    return find_towers(model, registry.dedicated, inside_any_model)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +67,7 @@ def test_every_walked_class_is_served_or_has_a_reason() -> None:
         for name, model_type in walked_classes().items()
         if name not in SERVED
         and name not in PACKED_SERVED
-        and name not in SEVERAL_TOWERS
+        and name not in TOWERS_IN_PLACE
         and name not in UNSERVED
     }
     assert not unlisted, (
@@ -69,15 +79,14 @@ def test_every_walked_class_is_served_or_has_a_reason() -> None:
     )
 
 
-@pytest.mark.parametrize("name", sorted(SEVERAL_TOWERS))
-def test_a_class_of_several_towers_has_each_found_with_its_adapter(
+@pytest.mark.parametrize("name", sorted(TOWERS_IN_PLACE))
+def test_a_class_of_towers_in_place_has_each_found_with_its_adapter(
     name: str, own_plugins: plugins.AdapterRegistry
 ) -> None:
-    from layergraph.multi_tower import find_towers
-
     model = meta_model(name)
     assert isinstance(model, torch.nn.Module), model
-    assert find_towers(model, own_plugins.dedicated) == SEVERAL_TOWERS[name]
+    assert own_plugins.dedicated(model) is None
+    assert towers_of(model, own_plugins) == TOWERS_IN_PLACE[name]
 
 
 @pytest.mark.parametrize("name", sorted(AUDIO_SERVED))
@@ -92,7 +101,7 @@ def test_an_audio_class_is_recognised_by_its_adapter(
 def test_a_class_is_served_or_unserved_not_both() -> None:
     assert not SERVED.keys() & UNSERVED.keys()
     assert not PACKED_SERVED.keys() & (SERVED.keys() | UNSERVED.keys())
-    assert not SEVERAL_TOWERS.keys() & (SERVED.keys() | PACKED_SERVED.keys() | UNSERVED.keys())
+    assert not TOWERS_IN_PLACE.keys() & (SERVED.keys() | PACKED_SERVED.keys() | UNSERVED.keys())
 
 
 def packed_tiny(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -196,6 +205,7 @@ def test_an_unserved_class_is_not_recognised(
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     if isinstance(model, Exception):
         pytest.skip(f"{name} does not build from its default configuration: {model}")
+    assert towers_of(model, own_plugins) == {}, "wrap serves its towers in place"
     with pytest.raises(layergraph.UnknownAdapterError):
         adapter = own_plugins.recognize(model)
         pytest.fail(

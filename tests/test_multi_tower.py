@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import IMAGE_TOKEN, images, text, vision
+from tiny_models import IMAGE_TOKEN, WIDTH, images, text, vision
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import layergraph
-from layergraph.multi_tower import GraphedTowers, find_towers, options_for
+from layergraph.multi_tower import TOWER_DEPTH, GraphedTowers, find_towers, options_for
 from layergraph.testing import SimulatedGraphs
 from layergraph.validation import relative_error
 
@@ -133,6 +133,7 @@ def recognise_towers(part: nn.Module) -> str | None:
 
 
 def test_towers_are_the_shallowest_parts_above_exactly_one_recognised_leaf() -> None:
+    assert TOWER_DEPTH == 4
     model = nn.Module()
     model.model = Holder("image", "video")
     model.single = Holder("audio")
@@ -142,7 +143,8 @@ def test_towers_are_the_shallowest_parts_above_exactly_one_recognised_leaf() -> 
     deep.a = nn.Module()
     deep.a.b = nn.Module()
     deep.a.b.c = nn.Module()
-    deep.a.b.c.tower = Tower()  # four levels down: not looked at
+    deep.a.b.c.d = nn.Module()
+    deep.a.b.c.d.tower = Tower()  # five levels down: not looked at
     assert find_towers(deep, lambda part: "tower" if isinstance(part, Tower) else None) == {}
 
 
@@ -157,3 +159,116 @@ def test_an_option_no_tower_takes_is_named() -> None:
     assert shares == {"a": {"fuse_qkv": False}, "b": {"attention": "sdpa"}}
     with pytest.raises(TypeError, match="'budget' is taken by none of the towers' adapters"):
         options_for({"a": Takes}, {"budget": 3})
+
+
+def vision_encoder_decoder() -> nn.Module:
+    """A tiny ViT encoder and GPT-2 decoder: the encoder is any vision model."""
+    encoder = transformers.ViTConfig(image_size=32, patch_size=8, **WIDTH)
+    decoder = transformers.GPT2Config(
+        n_embd=64, n_layer=1, n_head=4, vocab_size=100, add_cross_attention=True, is_decoder=True
+    )
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    torch.manual_seed(0)
+    return transformers.VisionEncoderDecoderModel(config).eval()
+
+
+def depth_pro() -> nn.Module:
+    """A tiny DepthPro: two DINOv2 encoders (patches at two scales, and the whole image)."""
+    dinov2 = dict(
+        model_type="dinov2",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+    )
+    config = transformers.DepthProConfig(
+        patch_model_config=dinov2,
+        image_model_config=dinov2,
+        fov_model_config=dinov2,
+        fusion_hidden_size=32,
+        intermediate_hook_ids=[0, 1],
+        intermediate_feature_dims=[16, 16],
+        scaled_images_ratios=[0.5, 1.0],
+        scaled_images_overlap_ratios=[0.0, 0.25],
+        scaled_images_feature_dims=[16, 16],
+        patch_size=32,
+        use_fov_model=False,
+    )
+    torch.manual_seed(0)
+    return transformers.DepthProModel(config).eval()
+
+
+def pi0() -> nn.Module:
+    """A tiny PI0 policy: a PaliGemma (SigLIP tower, Gemma) at ``model.vlm``, a Gemma DiT."""
+    paligemma = dict(
+        model_type="paligemma",
+        vision_config=vision("SiglipVisionConfig")(),
+        text_config=text("gemma", head_dim=16),
+        image_token_id=IMAGE_TOKEN,
+    )
+    dit = dict(
+        model_type="gemma",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=300,
+    )
+    torch.manual_seed(0)
+    return transformers.PI0ForConditionalGeneration(
+        transformers.PI0Config(vlm_config=paligemma, dit_config=dit)
+    ).eval()
+
+
+IN_PLACE = {
+    "VisionEncoderDecoderModel": (
+        vision_encoder_decoder,
+        lambda model: (
+            model(
+                pixel_values=images(2), decoder_input_ids=torch.tensor([[1, 2, 3], [1, 4, 5]])
+            ).logits
+        ),
+    ),
+    "DepthProModel": (depth_pro, lambda model: model(torch.randn(1, 3, 64, 64)).last_hidden_state),
+    "PI0ForConditionalGeneration": (
+        pi0,
+        lambda model: model.model.vlm.get_image_features(images(2)).pooler_output,
+    ),
+}
+"""Models no adapter recognises, whose towers are served in place, and what a caller reads."""
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_towers_inside_a_model_no_adapter_knows_are_served_in_place(name: str) -> None:
+    build, read = IN_PLACE[name]
+    model = build()
+    with torch.inference_mode():
+        torch.manual_seed(1)
+        want = read(model)
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+        torch.manual_seed(1)
+        got = read(graphed)
+    assert isinstance(graphed, GraphedTowers)
+    assert relative_error(got, want) <= TOLERANCE
+    assert all(s.replays >= 1 and s.eager_total == 0 for s in graphed.stats.values())
+    assert graphed.unwrap() is model
+
+
+def test_a_tower_an_adapter_serves_only_inside_models_it_knows_is_left_out() -> None:
+    model = nn.Module()
+    model.known = Holder("visual")  # a holder the tower's adapter recognises
+    model.unknown = nn.Module()
+    model.unknown.visual = Tower()  # a holder no adapter recognises
+
+    def recognise(part: nn.Module) -> str | None:
+        if isinstance(part, Tower) or (isinstance(part, Holder) and hasattr(part, "visual")):
+            return "packed"
+        return None
+
+    found = find_towers(model, recognise, inside_any_model=lambda adapter: adapter != "packed")
+    assert found == {"known": "packed"}

@@ -172,6 +172,7 @@ class PackedTowerAdapter(PackedExamples, Adapter):
 
     families: ClassVar[tuple[PackedFamily, ...]] = ()
     plan_class: ClassVar[type[PackedTowerPlan]]
+    inside_any_model = False  # a VLM not among a family's holders may call the tower its own way
     default_budget_step: ClassVar[int] = 16
     family_modules: ClassVar[tuple[str, ...]] = ()
     """The kit modules that hold the family's own code (no other family's), by name."""
