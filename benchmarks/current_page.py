@@ -48,6 +48,12 @@ RUNS = (
         "benchmarks/h200_house.sh fixed-rest largest",
     ),
     Run(
+        "2026-12-06-h100-audio-encoders.json",
+        "Audio encoders, 30 s of audio per clip",
+        "One H100 80GB, 2026-12-06",
+        "benchmarks/h200_audio.sh audio",
+    ),
+    Run(
         "2026-12-06-h100-house-packed-448x448.json",
         "Native-resolution towers, one 448x448 image",
         "One H100 80GB, 2026-12-06",
