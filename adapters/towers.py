@@ -23,6 +23,7 @@ from layergraph_adapters.kit.hf_vision import adapter_class
 from layergraph_adapters.kit.idefics import IdeficsPlan
 from layergraph_adapters.kit.mllama import MllamaVisionPlan, tiles_of_images
 from layergraph_adapters.kit.tower_specs import TOWER_PATHS, TowerSpec, images
+from layergraph_adapters.kit.video_tower import VideoTowerPlan, video_clips
 
 __all__ = [
     "AIMV2",
@@ -42,6 +43,7 @@ __all__ = [
     "SIGLIP",
     "TIPS",
     "TOWERS",
+    "VIDEO",
     "VIT",
     "VIT_MSN",
 ]
@@ -300,6 +302,22 @@ BLIP = TowerSpec(
 """The ViTs of BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video (their q, k and v one
 product already), inside their models as ``vision_model``; the Q-Former runs eagerly."""
 
+VIDEO = TowerSpec(
+    adapter="video",
+    classes=("VideoMAEModel", "VivitModel", "TimesformerModel"),
+    casts_pixels=True,
+    family="VideoMAE, ViViT and TimeSformer",
+    layers=("layers", "encoder.layer"),
+    attention="attention",
+    prefix_tokens=lambda config: 0 if config.model_type == "videomae" else 1,
+    paths=("videomae", "vivit", "timesformer", *TOWER_PATHS),
+    inputs=video_clips,
+    plan=VideoTowerPlan,
+)
+"""Video towers of fixed clips: VideoMAE's tubelets (no class token), ViViT's tubelets and
+TimeSformer's divided space-time attention (a class token each); inside their video
+classifiers."""
+
 TOWERS: tuple[TowerSpec, ...] = (
     SIGLIP,
     CLIP,
@@ -319,6 +337,7 @@ TOWERS: tuple[TowerSpec, ...] = (
     PIXIO,
     MLCD,
     BLIP,
+    VIDEO,
 )
 """Every family this plugin serves, in the order ``adapter="auto"`` asks them."""
 

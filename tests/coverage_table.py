@@ -176,9 +176,6 @@ UNSERVED: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
-            "TimesformerModel",
-            "VideoMAEModel",
-            "VivitModel",
             "VideoPrismVisionModel",
             "VideoPrismClipModel",
         ),

@@ -158,6 +158,11 @@ def tower_call(**extra: Callable[[int], torch.Tensor]) -> Callable[[nn.Module, i
     return call
 
 
+def clips_call(model: nn.Module, batch: int) -> torch.Tensor:
+    """A video tower on ``batch`` random clips of four frames."""
+    return model(pixel_values=images(batch, 4)).last_hidden_state
+
+
 def patch_mask(batch: int) -> torch.Tensor:
     """A ``patch_attention_mask`` whose first image is padded: its last row and column of
     patches are masked, as an Idefics VLM masks an image smaller than the largest in a batch."""
@@ -293,6 +298,26 @@ TOWERS: dict[str, Tiny] = by_name(
     ),
     Tiny("PixioModel", tower_config("PixioConfig", n_cls_tokens=2, **WIDTH), "pixio", tower_call()),
     Tiny("MLCDVisionModel", tower_config("MLCDVisionConfig", **WIDTH), "mlcd", tower_call()),
+    Tiny(
+        "VideoMAEModel",
+        tower_config("VideoMAEConfig", num_frames=4, **WIDTH),
+        "video",
+        clips_call,
+    ),
+    Tiny(
+        "TimesformerModel",
+        tower_config("TimesformerConfig", num_frames=4, **WIDTH),
+        "video",
+        clips_call,
+    ),
+    Tiny(
+        "VivitModel",
+        lambda: transformers_attr("VivitConfig")(
+            image_size=IMAGE, num_frames=4, tubelet_size=[2, PATCH, PATCH], **WIDTH
+        ),
+        "video",
+        clips_call,
+    ),
 )
 """A tiny tower of every family, by class name."""
 
