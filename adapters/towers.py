@@ -40,6 +40,7 @@ __all__ = [
     "MLCD",
     "MLLAMA",
     "PIXIO",
+    "SAM",
     "SIGLIP",
     "TIPS",
     "TOWERS",
@@ -302,6 +303,20 @@ BLIP = TowerSpec(
 """The ViTs of BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video (their q, k and v one
 product already), inside their models as ``vision_model``; the Q-Former runs eagerly."""
 
+SAM = TowerSpec(
+    adapter="sam",
+    classes=("SamVisionModel", "SamVisionEncoder", "SamHQVisionModel", "SamHQVisionEncoder"),
+    casts_pixels=True,
+    family="SAM and SAM-HQ",
+    layers=("vision_encoder.layers", "layers"),
+    embeddings=("vision_encoder.patch_embed", "patch_embed"),
+    attention="attn",
+    image_sizes="fixed",  # the relative positions of windowed and global attention
+    paths=("vision_encoder", "model.vision_encoder", *TOWER_PATHS),
+)
+"""SAM's and SAM-HQ's image encoders: windowed attention with global layers between, relative
+positions, a convolutional neck; inside their models as ``vision_encoder``."""
+
 VIDEO = TowerSpec(
     adapter="video",
     classes=("VideoMAEModel", "VivitModel", "TimesformerModel"),
@@ -338,6 +353,7 @@ TOWERS: tuple[TowerSpec, ...] = (
     MLCD,
     BLIP,
     VIDEO,
+    SAM,
 )
 """Every family this plugin serves, in the order ``adapter="auto"`` asks them."""
 

@@ -129,7 +129,7 @@ def wrap(
             registry.dedicated,
             lambda name: getattr(registry.factory(name), "inside_any_model", True),
         )
-        if len(towers) > 1 or (towers and registry.dedicated(model) is None):
+        if towers and registry.dedicated(model) is None:
             settings = dict(
                 batch_sizes=batch_sizes,
                 lazy=lazy,

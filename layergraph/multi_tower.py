@@ -4,8 +4,8 @@ place by its own adapter's plan, under one wrapper.
 Video-LLaVA holds an image tower and a video tower; a retrieval model (ColPali, ColQwen2) or
 a robot policy holds a VLM whose tower an adapter serves. ``wrap(model)`` (``adapter="auto"``)
 finds the parts of the model, four levels down at most, that dedicated adapters recognise
-(:func:`find_towers`); where there are two or more, or one in a model no dedicated adapter
-recognises itself, each is wrapped in place (its forward routed to its graphs, as a tower
+(:func:`find_towers`); in a model no dedicated adapter recognises itself, each of them is
+wrapped in place (its forward routed to its graphs, as a tower
 inside a VLM is) and a :class:`GraphedTowers` is returned: calls run the model's own
 forward, which reaches every tower's graphs, and the towers' graphs share one memory pool.
 ``graphed.towers`` holds each tower's wrapper (its stats, keys, changes and speed options) by

@@ -299,6 +299,21 @@ TOWERS: dict[str, Tiny] = by_name(
     Tiny("PixioModel", tower_config("PixioConfig", n_cls_tokens=2, **WIDTH), "pixio", tower_call()),
     Tiny("MLCDVisionModel", tower_config("MLCDVisionConfig", **WIDTH), "mlcd", tower_call()),
     Tiny(
+        "SamVisionModel",
+        tower_config(
+            "SamVisionConfig",
+            hidden_size=32,
+            output_channels=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            window_size=2,
+            global_attn_indexes=[1],
+            mlp_dim=64,
+        ),
+        "sam",
+        tower_call(),
+    ),
+    Tiny(
         "VideoMAEModel",
         tower_config("VideoMAEConfig", num_frames=4, **WIDTH),
         "video",
