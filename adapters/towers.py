@@ -17,6 +17,7 @@ import torch
 
 from layergraph import hookimpl
 from layergraph_adapters.kit.beit import BeitPlan
+from layergraph_adapters.kit.device_tensors import SamPlan
 from layergraph_adapters.kit.fused_norm import ENCODER_LAYER
 from layergraph_adapters.kit.fused_qkv import fused_attention_forward
 from layergraph_adapters.kit.hf_vision import adapter_class
@@ -313,9 +314,11 @@ SAM = TowerSpec(
     attention="attn",
     image_sizes="fixed",  # the relative positions of windowed and global attention
     paths=("vision_encoder", "model.vision_encoder", *TOWER_PATHS),
+    plan=SamPlan,
 )
 """SAM's and SAM-HQ's image encoders: windowed attention with global layers between, relative
-positions, a convolutional neck; inside their models as ``vision_encoder``."""
+positions (gathered on the device while wrapped, :mod:`layergraph_adapters.kit.device_tensors`),
+a convolutional neck; inside their models as ``vision_encoder``."""
 
 VIDEO = TowerSpec(
     adapter="video",

@@ -88,6 +88,7 @@ TRANSFORMER_TOWERS = Support(
         "layergraph_adapters.kit.idefics:patch_position_ids",
         "layergraph_adapters.kit.naflex:packed_forward",
         "layergraph_adapters.siglip2:Siglip2Plan.attend_packed",
+        "layergraph_adapters.kit.device_tensors:_relative_positions",
     ),
     probes=(
         "idefics: whether the embeddings round fractional coordinates to the pixels' dtype, "

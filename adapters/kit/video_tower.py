@@ -13,12 +13,14 @@ not interpolate; the plan refuses them with the sizes the tower takes).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import torch
 
 from layergraph.keys import CallInputs
+from layergraph.ledger import ChangeLedger
+from layergraph_adapters.kit.device_tensors import tensor_attributes
 from layergraph_adapters.kit.hf_vision import VisionTowerPlan
 from layergraph_adapters.kit.tower_specs import pair
 
@@ -47,7 +49,14 @@ def video_clips(
 
 
 class VideoTowerPlan(VisionTowerPlan):
-    """A video tower's whole forward, keyed by (clips, tokens per clip)."""
+    """A video tower's whole forward, keyed by (clips, tokens per clip); a position table kept
+    as a plain tensor attribute (VideoMAE's) is a buffer on the device while wrapped
+    (:func:`~layergraph_adapters.kit.device_tensors.tensor_attributes`)."""
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        super().change_model(changes, serve)
+        for change in tensor_attributes(self.owner):
+            changes.apply(change)
 
     def read_geometry(self, config: Any) -> None:
         self.prefix_tokens = self.spec.prefix_for(config)
