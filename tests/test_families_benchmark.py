@@ -85,7 +85,7 @@ def test_every_example_configuration_builds_and_gets_a_plan(spec: object, name: 
     adapter = get_registry().create(spec.adapter, {})
     assert adapter.recognizes(model)
     plan = adapter.plan(model, PlanContext(get_registry()))
-    assert plan.owner is model and len(plan.layers()) >= 8
+    assert plan.owner is model and len(plan.layers()) >= 6  # full size: Whisper base has 6
 
 
 def refused_capture(model: object, **inputs: object) -> object:
