@@ -117,26 +117,30 @@ def test_a_feature_layer_the_graphs_do_not_hold_is_named_with_the_fix() -> None:
 
 
 def test_a_refusal_names_the_part_that_is_served_and_advises_nothing_that_refuses() -> None:
-    config = transformers_attr("ViTConfig")(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE,
-        patch_size=8,
-    )
-    model = seeded(lambda: transformers_attr("ViTForImageClassification")(config))
+    """A packed tower inside a model its adapter does not know is not served in place (the
+    model may call it its own way): the refusal names the tower, which is served alone."""
+    from test_qwen2_vl_adapter import call, tower
+
+    class Retriever(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.visual = tower("qwen2_5_vl")
+
+    model = Retriever().eval()
     with pytest.raises(layergraph.UnknownAdapterError) as refused:
         layergraph.wrap(model, backend=SimulatedGraphs())
     message = str(refused.value)
-    assert "graphed = layergraph.wrap(model.vit)" in message
+    assert "graphed = layergraph.wrap(model.visual)" in message
     assert "sequential" not in message.split("Adapters installed")[0]
     assert "adapter=" not in message
-    reference = copy.deepcopy(model.vit)
-    part = layergraph.wrap(model.vit, backend=SimulatedGraphs())  # the advice is served
-    pixels = torch.randn(2, 3, IMAGE, IMAGE)
+    reference = copy.deepcopy(model.visual)
+    part = layergraph.wrap(model.visual, backend=SimulatedGraphs(), observe_calls=0)
+    pixels, grid = call([(1, 4, 6), (1, 2, 2)])
     with torch.inference_mode():
-        close(part(pixels).pooler_output, reference(pixels).pooler_output)
+        close(
+            part(pixels, grid_thw=grid).pooler_output,
+            reference(pixels, grid_thw=grid).pooler_output,
+        )
     assert part.stats.replays == 1
 
 
