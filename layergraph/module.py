@@ -122,6 +122,18 @@ def wrap(
             f"this {type(model).__name__} is wrapped already (by {by}); use that wrapper, or "
             f"unwrap() it before wrapping again"
         )
+    options = RunnerOptions(
+        batch_sizes=batch_sizes,
+        lazy=lazy,
+        max_graphs=max_graphs,
+        capture_after=capture_after,
+        static_output=static_output,
+        validate=validate,
+        tolerance=tolerance,
+        warmup_runs=warmup_runs,
+        debug=debug,
+        observe_calls=observe_calls,
+    )
     registry = get_registry()
     if adapter == "auto" and SHARED_POOLS.get() is None:
         towers = find_towers(
@@ -131,16 +143,7 @@ def wrap(
         )
         if towers and registry.dedicated(model) is None:
             settings = dict(
-                batch_sizes=batch_sizes,
-                lazy=lazy,
-                max_graphs=max_graphs,
-                capture_after=capture_after,
-                static_output=static_output,
-                validate=validate,
-                tolerance=tolerance,
-                warmup_runs=warmup_runs,
-                debug=debug,
-                observe_calls=observe_calls,
+                vars(options),
                 compile_layers=compile_layers,
                 compile_region=compile_region,
                 compile_budget=compile_budget,
@@ -183,18 +186,6 @@ def wrap(
             f"adapter must be a registered adapter's name or an Adapter instance, "
             f"got {type(adapter).__name__}"
         )
-    options = RunnerOptions(
-        batch_sizes=batch_sizes,
-        lazy=lazy,
-        max_graphs=max_graphs,
-        capture_after=capture_after,
-        static_output=static_output,
-        validate=validate,
-        tolerance=tolerance,
-        warmup_runs=warmup_runs,
-        debug=debug,
-        observe_calls=observe_calls,
-    )
     if compile_layers is not False and compile_region is not False:
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
     if compile_budget is not None and compile_layers is False and compile_region is False:
