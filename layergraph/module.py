@@ -135,13 +135,13 @@ def wrap(
         observe_calls=observe_calls,
     )
     registry = get_registry()
-    if adapter == "auto" and SHARED_POOLS.get() is None:
+    if adapter == "auto" and SHARED_POOLS.get() is None and registry.dedicated(model) is None:
         towers = find_towers(
             model,
             registry.dedicated,
             lambda name: getattr(registry.factory(name), "inside_any_model", True),
         )
-        if towers and registry.dedicated(model) is None:
+        if towers:
             settings = dict(
                 vars(options),
                 compile_layers=compile_layers,
