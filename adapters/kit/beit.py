@@ -42,7 +42,7 @@ def device_position_indices(tower: nn.Module) -> list[Change]:
 def _kept_on_device(module: nn.Module) -> Callable[[Any], torch.Tensor]:
     """``module``'s own index function, its answers copied to the table's device once per
     window size and device."""
-    own = type(module).generate_relative_position_index
+    own = module.generate_relative_position_index  # static from 5.17, a method before
     kept: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def index(window_size: Any) -> torch.Tensor:
