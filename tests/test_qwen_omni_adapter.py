@@ -163,4 +163,5 @@ def test_the_thinkers_image_and_video_features_go_through_the_graphs(name: str) 
         assert_equal_answers(got, want)
     assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
-    assert "forward" not in model.model.visual.__dict__
+    visual = getattr(model, "visual", None) or model.model.visual  # 5.17 holds it at the top
+    assert "forward" not in visual.__dict__
