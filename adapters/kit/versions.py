@@ -105,10 +105,14 @@ TRANSFORMER_TOWERS = Support(
         "tests/test_families_benchmark.py",
         "tests/test_siglip2_adapter.py",
         "tests/test_grid_positions.py",
+        "tests/test_audio_encoders.py",
+        "tests/test_video_towers.py",
+        "tests/test_beit.py",
+        "tests/test_multi_tower.py",
     ),
 )
-"""The fixed-resolution families of :data:`layergraph_adapters.towers.TOWERS`, InternVL's and
-SigLIP2 NaFlex's."""
+"""The fixed-resolution families of :data:`layergraph_adapters.towers.TOWERS`, InternVL's,
+SigLIP2 NaFlex's and the audio encoders' (:mod:`layergraph_adapters.audio`)."""
 
 
 def support_table() -> dict[str, Support]:
