@@ -17,6 +17,7 @@ from .hookspecs import hookimpl
 from .keys import ShapeKey
 from .ledger import Change, ChangeLedger
 from .module import GraphedModule, unwrap, wrap
+from .multi_tower import GraphedTowers
 from .plugins import AdapterInfo, PluginFailureWarning, UnknownAdapterError, list_adapters
 from .runner import DEFAULT_BATCH_SIZES, RunnerOptions
 from .sequential import SequentialAdapter
@@ -39,6 +40,7 @@ __all__ = [
     "GraphMismatchError",
     "GraphStats",
     "GraphedModule",
+    "GraphedTowers",
     "LayergraphDeprecationWarning",
     "PlanContext",
     "PluginFailureWarning",

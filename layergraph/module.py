@@ -61,7 +61,10 @@ def wrap(
 
     ``adapter`` is the name of a registered adapter (see :func:`layergraph.list_adapters`), an
     :class:`~layergraph.Adapter` instance, or ``"auto"`` (the default): the adapter that
-    recognises the model, through the ``recognize_model`` hook. Keyword options not listed
+    recognises the model, through the ``recognize_model`` hook; a model holding towers that
+    different adapters serve (an Omni thinker's audio and vision towers), or towers in a model
+    no adapter recognises, gets a :class:`~layergraph.multi_tower.GraphedTowers` instead, each
+    tower served in place by its own adapter. Keyword options not listed
     here go to the adapter's constructor (for example ``stack="encoder.layers"`` for
     ``"sequential"``, ``attention="triton"`` for ``"internvl"``). The runner options are
     described in :class:`~layergraph.runner.RunnerOptions`; ``backend`` replaces the CUDA
@@ -135,13 +138,17 @@ def wrap(
         observe_calls=observe_calls,
     )
     registry = get_registry()
-    if adapter == "auto" and SHARED_POOLS.get() is None and registry.dedicated(model) is None:
+    if adapter == "auto" and SHARED_POOLS.get() is None:
         towers = find_towers(
             model,
             registry.dedicated,
-            lambda name: getattr(registry.factory(name), "inside_any_model", True),
+            lambda name: (
+                getattr(registry.factory(name), "inside_any_model", True)
+                or registry.factory(name)().recognizes(model)
+            ),
         )
-        if towers:
+        several_kinds = len(set(towers.values())) > 1
+        if towers and (several_kinds or registry.dedicated(model) is None):
             settings = dict(
                 vars(options),
                 compile_layers=compile_layers,

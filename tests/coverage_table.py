@@ -17,6 +17,8 @@ import torch
 from tiny_models import BLIP_VLMS, DUALS, HEADS, TOWERS, VLMS, Tiny, transformers_kept
 from torch import nn
 
+import layergraph
+
 SERVED: dict[str, Tiny] = {**TOWERS, **VLMS, **BLIP_VLMS, **DUALS, **HEADS}
 """Every class layergraph serves at fixed shapes, with its tiny model: towers, VLMs, dual
 encoders and models with a head of their own on a served tower."""
@@ -61,6 +63,31 @@ TOWERS_IN_PLACE: dict[str, dict[str, str]] = {
 plan under one wrapper (:mod:`layergraph.multi_tower`), with its towers' paths and adapters;
 the coverage test builds each on the meta device and checks the towers ``wrap`` finds, and
 tests/test_multi_tower.py their answers."""
+
+SEVERAL_KINDS: dict[str, dict[str, str]] = {
+    "Qwen2_5OmniThinkerForConditionalGeneration": {
+        "audio_tower": "omni_audio",
+        "visual": "qwen2_vl",
+    },
+    "Qwen3OmniMoeThinkerForConditionalGeneration": {
+        "audio_tower": "omni_audio",
+        "visual": "qwen2_vl",
+    },
+}
+"""Served classes holding towers that different adapters serve, each tower in place by its own
+plan under one wrapper: each tower's attribute name with its adapter (the path above it
+changes between transformers releases). Their image features are checked with
+:data:`PACKED_SERVED`'s; tests/test_omni_audio.py checks the audio features."""
+
+
+def served_stats(graphed: Any, adapter: str) -> Any:
+    """The stats of ``graphed``, or, for a wrapper of several towers, of the one ``adapter``
+    serves."""
+    if not isinstance(graphed, layergraph.GraphedTowers):
+        return graphed.stats
+    [stats] = [tower.stats for tower in graphed.towers.values() if tower.adapter.name == adapter]
+    return stats
+
 
 AUDIO_SERVED: dict[str, str] = {
     "WhisperModel": "whisper",

@@ -263,14 +263,15 @@ def test_the_graph_cache_is_the_engines_alone() -> None:
     assert importers == ["layergraph.serving.engine"]
 
 
-PACKED_FAMILY_LINES = 1800
-"""The most lines the packed families' own files may have together."""
+PACKED_FAMILY_LINES = 600
+"""The most lines a packed family's own files may have, on average over the families: what
+the kit holds is written once."""
 
 
-def _packed_family_files() -> dict[str, int]:
-    """The packed families' own modules with their lines: the plugin module of every
-    first-party :class:`PackedTowerAdapter` subclass and the kit modules it names as its own
-    (``family_modules``)."""
+def _packed_family_files() -> tuple[dict[str, int], int]:
+    """The packed families' own modules with their lines (the plugin module of every
+    first-party :class:`PackedTowerAdapter` subclass and the kit modules it names as its own,
+    ``family_modules``), and how many such adapters there are."""
     import importlib
 
     from layergraph_adapters.kit.packed_tower import PackedTowerAdapter
@@ -279,16 +280,17 @@ def _packed_family_files() -> dict[str, int]:
     for name in modules:
         if name.count(".") == 1 and name.startswith("layergraph_adapters."):
             importlib.import_module(name)
-    found, todo = set(), [PackedTowerAdapter]
+    found, todo, adapters = set(), [PackedTowerAdapter], 0
     while todo:
         for cls in todo.pop().__subclasses__():
             todo.append(cls)
             if cls.__module__ in modules:
                 found.update((cls.__module__, *cls.family_modules))
-    return {name: len(modules[name].read_text().splitlines()) for name in found}
+                adapters += 1
+    return {name: len(modules[name].read_text().splitlines()) for name in found}, adapters
 
 
 def test_the_packed_families_own_files_are_within_their_line_budget() -> None:
-    files = _packed_family_files()
+    files, adapters = _packed_family_files()
     assert {"layergraph_adapters.qwen2_vl", "layergraph_adapters.kit.naflex"} <= set(files)
-    assert sum(files.values()) <= PACKED_FAMILY_LINES, files
+    assert sum(files.values()) <= PACKED_FAMILY_LINES * adapters, (files, adapters)

@@ -423,10 +423,12 @@ class PackedTowerPlan(CapturePlan, Packing):
         call: PackedCall[ImageParts],
         features: int,
         dtype: torch.dtype,
+        pixels: torch.Tensor | None = None,
         **fields: Any,
     ) -> BuffersT:
         """A budget's buffers of ``kind``: zero patches (``[budget, features]``, ``dtype``, on
-        the call's device), the backend chosen on the call's images and its metadata
+        the call's device; ``pixels`` instead, for a family whose inputs are not one row per
+        token), the backend chosen on the call's images and its metadata
         (:meth:`choose_attention`, recorded in :attr:`attention_by_budget`), the workspace,
         :attr:`staged_fields` (sized by the call's values) and the family's own ``fields``."""
         parts, device = call.parts, call.tensors[0].device
@@ -443,7 +445,11 @@ class PackedTowerPlan(CapturePlan, Packing):
             )
         return kind(
             budget=budget,
-            pixels=torch.zeros(budget, features, dtype=dtype, device=device),
+            pixels=(
+                torch.zeros(budget, features, dtype=dtype, device=device)
+                if pixels is None
+                else pixels
+            ),
             metadata=metadata,
             backend=backend,
             workspace=workspace(budget, self.heads, self.head_dim, computing, backend),
