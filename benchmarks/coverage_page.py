@@ -29,6 +29,7 @@ from coverage_table import (  # noqa: E402
     NOTES,
     PACKED_SERVED,
     SERVED,
+    SEVERAL_KINDS,
     TOWERS_IN_PLACE,
     UNSERVED,
     family_of,
@@ -155,11 +156,22 @@ def render(results: dict[str, Any] | None) -> str:
         lines.append(f"- `{name}`: {parts}.")
     lines += [
         "",
+        "Models holding towers that different adapters serve get the same wrapper, though an "
+        "adapter recognises the model:",
+        "",
+    ]
+    for name, towers in sorted(SEVERAL_KINDS.items()):
+        parts = ", ".join(f"`{attribute}` (`{adapter}`)" for attribute, adapter in towers.items())
+        lines.append(f"- `{name}`: {parts}.")
+    lines += [
+        "",
         "## Audio encoders",
         "",
         "Outside the walked mappings; each class, and its encoder alone (`WhisperEncoder`, "
-        "`Qwen2AudioEncoder`), is recognised by its adapter, and tests/test_audio_encoders.py "
-        "checks their answers.",
+        "`Qwen2AudioEncoder`, `Wav2Vec2Model`...; the Omni thinkers' `Qwen2_5OmniAudioEncoder` "
+        "and `Qwen3OmniMoeAudioEncoder` by `omni_audio`, per token budget), is recognised by "
+        "its adapter, and tests/test_audio_encoders.py, tests/test_waveform_encoders.py and "
+        "tests/test_omni_audio.py check their answers.",
         "",
     ]
     by_audio: dict[str, list[str]] = defaultdict(list)

@@ -6,7 +6,10 @@
 #   audio:  layergraph bench on Whisper large-v3's encoder (distil-whisper large-v3's is the
 #           same), Qwen2-Audio's and Whisper base's, batches 1, 4 and 16: eager, the
 #           hand-written graph, layergraph and torch.compile(mode="reduce-overhead"), each call
-#           waited for and in a loop, JSON per model.
+#           waited for and in a loop, JSON per model;
+#   omni:   the CUDA tests of the Omni audio towers and the padded wav2vec 2.0 calls, then
+#           benchmarks/audio_towers.py (Qwen2.5-Omni's and Qwen3-Omni's audio towers, wav2vec
+#           2.0 large), one JSON file.
 # Usage: benchmarks/h200_audio.sh PART...   (results under $OUT, or ./gpu-results)
 source "$(dirname "$0")/h200_setup.sh" none
 NEW_FAMILIES="Deit or Beit or Data2Vec or IJepa or ViTMSN or DINOv3 or Tipsv2 or Pixio or MLCD"
@@ -24,6 +27,10 @@ for part in "$@"; do
         step 280 layergraph bench --model "$model" --batch-sizes 1,4,16 --iters 50 --compile \
           --json "$out/$model.json"
       done ;;
+    omni)
+      step 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_audio.py \
+        -k "omni or wav2vec2" -o junit_family=legacy --junitxml "$out/cuda-omni.xml"
+      step 300 python3 benchmarks/audio_towers.py --iters 20 --json "$out/audio-towers.json" ;;
     *) echo "unknown part: $part" >>"$log" ;;
   esac
 done

@@ -65,6 +65,10 @@ the coverage test builds each on the meta device and checks the towers ``wrap`` 
 tests/test_multi_tower.py their answers."""
 
 SEVERAL_KINDS: dict[str, dict[str, str]] = {
+    "DeepseekVLHybridForConditionalGeneration": {
+        "high_res_vision_model": "sam",
+        "vision_model": "siglip",
+    },
     "Qwen2_5OmniThinkerForConditionalGeneration": {
         "audio_tower": "omni_audio",
         "visual": "qwen2_vl",
@@ -77,7 +81,8 @@ SEVERAL_KINDS: dict[str, dict[str, str]] = {
 """Served classes holding towers that different adapters serve, each tower in place by its own
 plan under one wrapper: each tower's attribute name with its adapter (the path above it
 changes between transformers releases). Their image features are checked with
-:data:`PACKED_SERVED`'s; tests/test_omni_audio.py checks the audio features."""
+:data:`SERVED`'s or :data:`PACKED_SERVED`'s (whose adapter names the tower whose stats are
+read); tests/test_omni_audio.py checks the thinkers' audio features."""
 
 
 def served_stats(graphed: Any, adapter: str) -> Any:
@@ -94,10 +99,17 @@ AUDIO_SERVED: dict[str, str] = {
     "WhisperForConditionalGeneration": "whisper",
     "WhisperForAudioClassification": "whisper",
     "Qwen2AudioForConditionalGeneration": "qwen2_audio",
+    "Wav2Vec2Model": "wav2vec2",
+    "Wav2Vec2ForCTC": "wav2vec2",
+    "Wav2Vec2ForSequenceClassification": "wav2vec2",
+    "HubertModel": "hubert",
+    "HubertForCTC": "hubert",
+    "WavLMModel": "wavlm",
+    "WavLMForCTC": "wavlm",
 }
 """The audio models layergraph serves, outside the walked mappings, with their adapters
-(tests/test_audio_encoders.py checks their answers, and the encoders alone; the coverage test
-their recognition)."""
+(tests/test_audio_encoders.py, tests/test_waveform_encoders.py and tests/test_omni_audio.py
+check their answers, and the encoders alone; the coverage test their recognition)."""
 
 MAPPINGS = (
     "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",

@@ -479,6 +479,10 @@ QUICK: dict[str, tuple[str, ...]] = {
     "test_audio_encoders.py": (
         "test_generate_runs_the_encoder_from_the_graphs_with_the_eager_scores",
     ),
+    "test_waveform_encoders.py": (
+        "test_a_batch_of_clips_padded_by_their_extractor_answers_as_eager",
+    ),
+    "test_omni_audio.py": ("test_the_thinkers_audio_and_vision_towers_share_one_wrapper_and_pool",),
     "test_multi_tower.py": (
         "test_towers_are_the_shallowest_parts_above_exactly_one_recognised_leaf",
         "test_each_tower_is_served_in_place_from_one_pool_with_stats_of_its_own",

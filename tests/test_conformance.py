@@ -328,7 +328,7 @@ def check_served_class(
             if data.draw(st.booleans(), label="refilled before the read"):
                 refill(inputs)
             assert_same(*read_alike(data, out, want), None, tolerance)
-        assert graphed.stats.failed_captures == 0
+        assert served_stats(graphed, SERVED[name].adapter).failed_captures == 0
         graphed.unwrap()
         after = dict(flat(recorded.entry(model)(**before)))
     assert_same(after, dict(flat(baseline)), None, tolerance)

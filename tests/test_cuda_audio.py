@@ -78,3 +78,37 @@ def test_two_towers_share_one_cuda_pool_and_answer_as_eager() -> None:
     sizes = {stat.pool_bytes for stat in stats.values()}
     assert len(sizes) == 1 and sizes.pop() > 0, "one pool, reported by each tower"
     graphed.unwrap()
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_omni", "qwen3_omni"])
+def test_omni_audio_towers_answer_as_eager_on_cuda_graphs(kind: str) -> None:
+    from test_omni_audio import clips, tower
+
+    model = tower(kind).cuda()
+    calls = [clips(frames, seed) for seed, frames in enumerate(([250, 40, 19], [5, 6], [420]))]
+    with torch.inference_mode():
+        want = [model(x.cuda(), feature_lens=lens.cuda()).last_hidden_state for x, lens in calls]
+        graphed = layergraph.wrap(model, observe_calls=0, budget_step=16)
+        for _ in range(2):
+            for (x, lens), expected in zip(calls, want, strict=True):
+                got = graphed(x.cuda(), feature_lens=lens.cuda()).last_hidden_state
+                assert relative_error(got, expected) <= TOLERANCE
+    assert graphed.stats.eager_total == 0 and graphed.stats.failed_captures == 0
+    graphed.unwrap()
+
+
+def test_padded_wav2vec2_calls_capture_and_answer_as_eager() -> None:
+    """The encoder's boolean-mask assignment, computed as a masked_fill, captures on CUDA."""
+    from test_waveform_encoders import PER_FRAME, audio, model
+
+    wrapped = model("Wav2Vec2ForCTC", **PER_FRAME).cuda()
+    calls = [audio(2, samples, seed).cuda() for seed, samples in enumerate((333, 390, 777))]
+    with torch.inference_mode():
+        want = [wrapped(x).logits for x in calls]
+        graphed = layergraph.wrap(wrapped, length_step=400)
+        for _ in range(2):
+            for x, expected in zip(calls, want, strict=True):
+                assert relative_error(wrapped(x).logits, expected) <= TOLERANCE
+    assert graphed.stats.failed_captures == 0 and graphed.stats.eager_total == 0
+    assert {key.sequence.samples for key in graphed.keys} == {400, 800}
+    graphed.unwrap()

@@ -34,6 +34,8 @@ COVERED = {
     "a third-party plugin (DINOv2)": "test_dinov2.py",
     "the embedding service": "test_serving.py",
     "audio encoders": "test_audio_encoders.py",
+    "waveform encoders": "test_waveform_encoders.py",
+    "omni audio towers": "test_omni_audio.py",
     "several towers in one model": "test_multi_tower.py",
     "the family records": "test_family_records.py",
 }

@@ -157,12 +157,15 @@ class VisionTowerAdapter(Adapter):
         return self.spec.example_model(name)
 
 
-def adapter_class(spec: TowerSpec) -> type[VisionTowerAdapter]:
-    """The adapter class of the family ``spec`` describes, named after it, to register."""
+def adapter_class(
+    spec: TowerSpec, base: type[VisionTowerAdapter] = VisionTowerAdapter
+) -> type[VisionTowerAdapter]:
+    """The adapter class of the family ``spec`` describes, named after it, to register: a
+    subclass of ``base`` (one that takes options of its own)."""
     title = "".join(part.title() for part in spec.adapter.replace("-", "_").split("_"))
     return type(
         f"{title}Adapter",
-        (VisionTowerAdapter,),
+        (base,),
         {
             "name": spec.adapter,
             "spec": spec,

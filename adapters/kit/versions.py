@@ -106,6 +106,7 @@ TRANSFORMER_TOWERS = Support(
         "tests/test_siglip2_adapter.py",
         "tests/test_grid_positions.py",
         "tests/test_audio_encoders.py",
+        "tests/test_waveform_encoders.py",
         "tests/test_video_towers.py",
         "tests/test_beit.py",
         "tests/test_multi_tower.py",
