@@ -58,6 +58,8 @@ TOWERS_IN_PLACE: dict[str, dict[str, str]] = {
     },
     "PI0ForConditionalGeneration": {"model.vlm": "siglip"},
     "VisionEncoderDecoderModel": {"encoder": "vit"},
+    "ColPaliForRetrieval": {"vlm": "siglip"},
+    "ColQwen2ForRetrieval": {"vlm": "qwen2_vl"},
 }
 """Every walked class no adapter recognises whose towers are served in place, each by its own
 plan under one wrapper (:mod:`layergraph.multi_tower`), with its towers' paths and adapters;

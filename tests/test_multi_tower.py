@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import IMAGE_TOKEN, WIDTH, images, text, vision
+from tiny_models import IMAGE_TOKEN, VLMS, WIDTH, images, text, vision
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -225,6 +225,22 @@ def pi0() -> nn.Module:
     ).eval()
 
 
+def colpali() -> nn.Module:
+    """A tiny ColPali retriever: a PaliGemma (SigLIP tower, Gemma) at ``vlm``."""
+    paligemma = VLMS["PaliGemmaForConditionalGeneration"].config()
+    torch.manual_seed(0)
+    config = transformers.ColPaliConfig(vlm_config=paligemma, embedding_dim=16)
+    return transformers.ColPaliForRetrieval(config).eval()
+
+
+def colpali_page_embeddings(model: nn.Module) -> torch.Tensor:
+    """Two pages' multi-vector embeddings: each page's image tokens, then a few words."""
+    vision_config = model.vlm.config.vision_config
+    tokens = (vision_config.image_size // vision_config.patch_size) ** 2
+    ids = torch.tensor([[IMAGE_TOKEN] * tokens + [1, 2, 3]] * 2)
+    return model(input_ids=ids, pixel_values=images(2)).embeddings
+
+
 IN_PLACE = {
     "VisionEncoderDecoderModel": (
         vision_encoder_decoder,
@@ -239,6 +255,7 @@ IN_PLACE = {
         pi0,
         lambda model: model.model.vlm.get_image_features(images(2)).pooler_output,
     ),
+    "ColPaliForRetrieval": (colpali, colpali_page_embeddings),
 }
 """Models no adapter recognises, whose towers are served in place, and what a caller reads."""
 

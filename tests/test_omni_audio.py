@@ -20,7 +20,7 @@ from layergraph.validation import relative_error
 
 transformers = pytest.importorskip("transformers")
 skip_unless_served("qwen omni audio")
-from test_qwen_omni_adapter import MOE_TEXT, QWEN2_5_OMNI, QWEN3_OMNI, TEXT, call  # noqa: E402
+from test_qwen_omni_adapter import THINKERS, call, thinker  # noqa: E402
 
 TOLERANCE = 1e-4
 MEL_BINS = 8
@@ -129,24 +129,16 @@ def test_a_call_over_the_largest_budget_is_split_between_clips(kind: str) -> Non
     assert graphed.stats.eager_total == 1
 
 
-def test_the_thinkers_audio_and_vision_towers_share_one_wrapper_and_pool() -> None:
-    config = transformers.Qwen2_5OmniThinkerConfig(
-        audio_config=QWEN2_5_AUDIO,
-        vision_config=QWEN2_5_OMNI,
-        text_config=TEXT,
-        image_token_index=150,
-        video_token_index=151,
-        audio_token_index=152,
-    )
-    torch.manual_seed(0)
-    model = sharpen(transformers.Qwen2_5OmniThinkerForConditionalGeneration(config).eval())
+@pytest.mark.parametrize("name", THINKERS)
+def test_the_thinkers_audio_and_vision_towers_share_one_wrapper_and_pool(name: str) -> None:
+    model = sharpen(thinker(name))
     backend = CountingPools()
     graphed = layergraph.wrap(model, backend=backend, observe_calls=0, budget_step=32)
     assert isinstance(graphed, layergraph.GraphedTowers)
     adapters = {path.rsplit(".", 1)[-1]: t.adapter.name for path, t in graphed.towers.items()}
     assert adapters == {"audio_tower": "omni_audio", "visual": "qwen2_vl"}
-    features = torch.randn(2, MEL_BINS, 130)
-    mask = torch.tensor([[1] * 130, [1] * 45 + [0] * 85])
+    features = torch.randn(2, MEL_BINS, 260)
+    mask = torch.tensor([[1] * 260, [1] * 77 + [0] * 183])
     pixels, grid = call([(1, 4, 6), (1, 2, 2)])
     with torch.inference_mode():
         got = model.get_audio_features(features, feature_attention_mask=mask)
@@ -160,29 +152,6 @@ def test_the_thinkers_audio_and_vision_towers_share_one_wrapper_and_pool() -> No
     assert backend.pools_made == 1, "the towers' graphs share one pool"
     assert all(stats.replays == 1 and not stats.eager_total for stats in graphed.stats.values())
     assert graphed.unwrap() is model
-
-
-def test_the_qwen3_thinker_routes_its_audio_tower_too() -> None:
-    config = transformers.Qwen3OmniMoeThinkerConfig(
-        audio_config=QWEN3_AUDIO,
-        vision_config=QWEN3_OMNI,
-        text_config=MOE_TEXT,
-        image_token_id=150,
-        video_token_id=151,
-        audio_token_id=152,
-    )
-    torch.manual_seed(0)
-    model = sharpen(transformers.Qwen3OmniMoeThinkerForConditionalGeneration(config).eval())
-    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0, budget_step=32)
-    features = torch.randn(2, MEL_BINS, 260)
-    mask = torch.tensor([[1] * 260, [1] * 77 + [0] * 183])
-    with torch.inference_mode():
-        got = model.get_audio_features(features, feature_attention_mask=mask)
-        with graphed.original():
-            want = model.get_audio_features(features, feature_attention_mask=mask)
-    assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
-    audio = next(t for path, t in graphed.towers.items() if path.endswith("audio_tower"))
-    assert audio.stats.replays == 1 and audio.stats.eager_total == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

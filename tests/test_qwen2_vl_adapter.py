@@ -497,3 +497,38 @@ def test_releases_without_precomputed_tower_arguments_are_refused_by_name(
     with pytest.raises(AdapterMismatch, match="qwen2_vl adapter was checked with transformers"):
         layergraph.wrap(model, observe_calls=0, adapter="qwen2_vl", backend=SimulatedGraphs())
     assert "forward" not in model.__dict__
+
+
+def test_colqwen2_reads_its_page_embeddings_from_the_vlms_graphs() -> None:
+    """ColQwen2 calls its VLM's tower itself (unpadding the processor's pixels first): the
+    tower is served in place inside the VLM, which no adapter knows the retriever of."""
+    text = dict(
+        TEXT, rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3])
+    )
+    vlm_config = transformers.Qwen2VLConfig(
+        vision_config=VISION_QWEN2,
+        text_config=text,
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+        vision_end_token_id=123,
+    )
+    torch.manual_seed(0)
+    config = transformers.ColQwen2Config(vlm_config=vlm_config, embedding_dim=16)
+    model = transformers.ColQwen2ForRetrieval(config).eval()
+    pixels, grid = call([(1, 4, 6), (1, 2, 2)])  # 6 and 1 merged tokens, a page each
+    ids = torch.full((2, 10), 5)
+    ids[0, 1:7], ids[1, 1] = 120, 120
+    padded = torch.zeros(2, 24, pixels.shape[1])  # as the processor pads each page's patches
+    padded[0], padded[1, :4] = pixels[:24], pixels[24:]
+    inputs = dict(input_ids=ids, pixel_values=padded, image_grid_thw=grid)
+    with torch.inference_mode():
+        want = model(**inputs).embeddings
+        graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0, budget_step=32)
+        got = model(**inputs).embeddings
+    assert relative_error(got, want) <= TOLERANCE
+    assert {path: tower.adapter.name for path, tower in graphed.towers.items()} == {
+        "vlm": "qwen2_vl"
+    }
+    assert graphed.stats["vlm"].replays == 1 and graphed.stats["vlm"].eager_total == 0
+    assert graphed.unwrap() is model
