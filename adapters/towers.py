@@ -23,6 +23,7 @@ from layergraph_adapters.kit.fused_qkv import fused_attention_forward
 from layergraph_adapters.kit.hf_vision import adapter_class
 from layergraph_adapters.kit.idefics import IdeficsPlan
 from layergraph_adapters.kit.mllama import MllamaVisionPlan, tiles_of_images
+from layergraph_adapters.kit.qformer import QFormerPlan, queries_and_image_tokens
 from layergraph_adapters.kit.tower_specs import TOWER_PATHS, TowerSpec, images
 from layergraph_adapters.kit.video_tower import VideoTowerPlan, video_clips
 
@@ -41,6 +42,7 @@ __all__ = [
     "MLCD",
     "MLLAMA",
     "PIXIO",
+    "QFORMER",
     "SAM",
     "SIGLIP",
     "TIPS",
@@ -302,7 +304,24 @@ BLIP = TowerSpec(
     prefix_tokens=1,
 )
 """The ViTs of BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video (their q, k and v one
-product already), inside their models as ``vision_model``; the Q-Former runs eagerly."""
+product already), inside their models as ``vision_model``."""
+
+QFORMER = TowerSpec(
+    adapter="qformer",
+    classes=("Blip2QFormerModel", "InstructBlipQFormerModel", "InstructBlipVideoQFormerModel"),
+    family="the Q-Former of BLIP-2 and InstructBLIP",
+    layers=("encoder.layer",),
+    embeddings=(),
+    attention="attention",
+    mlp="intermediate_query",
+    feature_settings=(),
+    paths=("qformer",),
+    inputs=queries_and_image_tokens,
+    plan=QFormerPlan,
+)
+"""BLIP-2's, InstructBLIP's and InstructBLIP-Video's Q-Former, inside their models as
+``qformer``: the second stack, beside the ``blip`` tower
+(:mod:`layergraph_adapters.kit.qformer`)."""
 
 SAM = TowerSpec(
     adapter="sam",
@@ -355,6 +374,7 @@ TOWERS: tuple[TowerSpec, ...] = (
     PIXIO,
     MLCD,
     BLIP,
+    QFORMER,
     VIDEO,
     SAM,
 )

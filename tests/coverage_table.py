@@ -66,7 +66,12 @@ plan under one wrapper (:mod:`layergraph.multi_tower`), with its towers' paths a
 the coverage test builds each on the meta device and checks the towers ``wrap`` finds, and
 tests/test_multi_tower.py their answers."""
 
+_BLIP_TWO_STACKS = {"vision_model": "blip", "qformer": "qformer"}
 SEVERAL_KINDS: dict[str, dict[str, str]] = {
+    "Blip2ForConditionalGeneration": _BLIP_TWO_STACKS,
+    "Blip2ForImageTextRetrieval": _BLIP_TWO_STACKS,
+    "InstructBlipForConditionalGeneration": _BLIP_TWO_STACKS,
+    "InstructBlipVideoForConditionalGeneration": _BLIP_TWO_STACKS,
     "DeepseekVLHybridForConditionalGeneration": {
         "high_res_vision_model": "sam",
         "vision_model": "siglip",

@@ -107,6 +107,7 @@ TRANSFORMER_TOWERS = Support(
         "tests/test_grid_positions.py",
         "tests/test_audio_encoders.py",
         "tests/test_waveform_encoders.py",
+        "tests/test_qformer.py",
         "tests/test_video_towers.py",
         "tests/test_beit.py",
         "tests/test_multi_tower.py",
