@@ -1,13 +1,18 @@
-"""Plugin for timm's ViTs: the VisionTransformer family and Eva / EVA02.
+"""Plugin for timm's models: every model timm builds, its ViTs with speed options.
 
-VisionTransformer covers vit_*, deit_*, register tokens, no class token and SigLIP-in-timm;
-Eva covers eva_* and eva02_* (rotary position embeddings). The whole forward is captured per
-(batch, image size): patch embedding, position embedding (interpolated for models built with
-``dynamic_img_size=True``), blocks, norm, pooling and head. A ``features_only=True`` model
-(timm's ``FeatureGetterNet`` around a ViT or Eva) is captured the same way: its forward, the
-feature maps of the layers asked for. The wrapper serves ``forward``; other methods called on
-it (``forward_features``) run eagerly, so for the normed tokens ``forward_features`` returns,
-reset the head first (``model.reset_classifier(0, "")``) and call the wrapper.
+The whole forward is captured per (batch, image size). VisionTransformer (vit_*, deit_*,
+register tokens, no class token, SigLIP-in-timm, the hybrid ViTs whose patch embedding runs a
+CNN first) and Eva (eva_*, eva02_*, rotary position embeddings) are keyed by their tokens and
+take the speed options below; any other timm model (convnets, Swin, MaxViT, Hiera, LeViT...) is
+captured whole, keyed by its image size, and a model whose forward a CUDA graph cannot capture
+(it reads a value on the host) runs eagerly with the operation named in ``graphed.stats``. A
+``features_only=True`` model (timm's feature wrappers) is captured the same way: its forward,
+the feature maps asked for. Images are checked against the channels of the model's first
+convolution, the image's, never an inner layer's.
+
+The wrapper serves ``forward``; other methods called on it (``forward_features``) run eagerly,
+so for the normed tokens ``forward_features`` returns, reset the head first
+(``model.reset_classifier(0, "")``) and call the wrapper.
 """
 
 from __future__ import annotations
@@ -30,13 +35,17 @@ from layergraph import (
 )
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
-from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
+from layergraph_adapters.kit.automatic import (
+    OptionDoesNotApply,
+    SpeedChoices,
+    build_with_automatic_options,
+)
 from layergraph_adapters.kit.family_record import FrameworkFamily
 from layergraph_adapters.kit.fused_norm import FusedAddNorm, LayerForm, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
 from layergraph_adapters.kit.patch_embedding import patch_matmul_for
-from layergraph_adapters.kit.tokens import ImageTokens, checked_images
+from layergraph_adapters.kit.tokens import ImageSize, ImageTokens, checked_images
 
 
 def _vit_classes() -> tuple[type, ...]:
@@ -57,6 +66,23 @@ def _vit_of(model: nn.Module) -> nn.Module | None:
     if isinstance(model, FeatureGetterNet) and isinstance(getattr(model, "model", None), classes):
         return model.model
     return None
+
+
+def _timm_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a model timm builds (it has a ``pretrained_cfg``), or one of
+    timm's ``features_only`` wrappers."""
+    module = type(model).__module__
+    if not module.startswith("timm.models"):
+        return False
+    return hasattr(model, "pretrained_cfg") or module == "timm.models._features"
+
+
+def image_channels(model: nn.Module) -> int | None:
+    """The channels of the images ``model`` takes: its first convolution's input channels
+    (a ViT's patch projection, a hybrid ViT's or a convnet's stem); ``None`` for a model
+    without convolutions."""
+    first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return None if first is None else first.in_channels
 
 
 def _timm_classes() -> tuple[type, type] | None:
@@ -126,21 +152,28 @@ class TimmVisionTransformerAdapter(Adapter):
     def recognizes(self, model: nn.Module) -> bool:
         if "timm" not in sys.modules:
             return False
-        return _vit_of(model) is not None
+        return _timm_model(model)
 
     def plan(self, model: nn.Module, context: PlanContext) -> CapturePlan:
-        try:
-            vit = _vit_of(model)
-        except ImportError as error:
-            raise ImportError(
-                "the timm adapter needs timm: pip install 'layergraph[timm]'"
-            ) from error
-        if vit is None:
+        if not _timm_model(model):
             raise AdapterMismatch(
-                f"the timm adapter serves timm VisionTransformer (vit_*, deit_*, ...) and Eva "
-                f"(eva_*, eva02_*) models, and their features_only form; got "
-                f"{type(model).__module__}.{type(model).__name__}"
+                f"the timm adapter serves models timm builds (timm.create_model) and their "
+                f"features_only form; got {type(model).__module__}.{type(model).__name__}"
             )
+        vit = _vit_of(model)
+        if vit is None:
+            options = {
+                "patch_matmul": self.patch_matmul,
+                "fuse_gelu": self.fuse_gelu,
+                "fuse_norm": self.fuse_norm,
+            }
+            asked = sorted(name for name, value in options.items() if value is True)
+            if asked:
+                raise OptionDoesNotApply(
+                    f"{', '.join(asked)} serve timm's VisionTransformer and Eva blocks; "
+                    f"{type(model).__name__} is captured whole, without them"
+                )
+            return TimmModelPlan(model)
         return build_with_automatic_options(
             vit,
             {
@@ -185,6 +218,10 @@ class _TimmViTPlan(WholeForward):
         row-major already. Then the ``patch_matmul``, ``fuse_gelu`` and ``fuse_norm``
         options."""
 
+        self.channels = image_channels(vit)
+        if self.channels is None:
+            raise AdapterMismatch(f"{type(vit).__name__} has no convolution to take images")
+
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         for rewrite in self._rewrites:
             changes.apply(rewrite)
@@ -199,7 +236,7 @@ class _TimmViTPlan(WholeForward):
 
     def check_inputs(self, call: CallInputs) -> None:
         patch_embed = self.vit.patch_embed
-        images = checked_images(call, patch_embed.proj.in_channels)
+        images = checked_images(call, self.channels)
         height, width = images.shape[-2:]
         fixed = patch_embed.img_size
         if fixed is not None and not self.vit.dynamic_img_size and (height, width) != fixed:
@@ -213,6 +250,32 @@ class _TimmViTPlan(WholeForward):
                 f"image size {height}x{width} is not a multiple of the patch size "
                 f"{patch_h}x{patch_w}"
             )
+
+
+class TimmModelPlan(WholeForward):
+    """The whole forward of any timm model, keyed by (batch, image size): a convnet, a model
+    of stages, a ``features_only`` wrapper around one. Its repeated layers, for
+    ``compile_layers``, are its ``blocks`` or ``stages`` where it has them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.channels = image_channels(model)
+
+    def layers(self) -> list[nn.Module]:
+        inner = getattr(self.owner, "model", self.owner)  # a features_only wrapper's model
+        for name in ("blocks", "stages", "layers"):
+            found = getattr(inner, name, None)
+            if isinstance(found, (nn.ModuleList, nn.Sequential)) and len(found):
+                return list(found)
+        return []
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        height, width = call.tensors[0].shape[-2:]
+        return ImageSize(height, width)
+
+    def check_inputs(self, call: CallInputs) -> None:
+        if self.channels is not None:
+            checked_images(call, self.channels)
 
 
 @hookimpl

@@ -9,7 +9,7 @@ import torch
 
 from layergraph.keys import CallInputs
 
-__all__ = ["ImageTokens", "TileTokens", "checked_images"]
+__all__ = ["ImageSize", "ImageTokens", "TileTokens", "checked_images"]
 
 
 class ImageTokens(NamedTuple):
@@ -25,6 +25,17 @@ class ImageTokens(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.tokens} tokens ({self.height}x{self.width})"
+
+
+class ImageSize(NamedTuple):
+    """The image size, the sequence of a model that has no tokens to count (a convnet, a model
+    of stages that pool as they go)."""
+
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.height}x{self.width} images"
 
 
 class TileTokens(NamedTuple):

@@ -247,7 +247,7 @@ def bench_command(console: Console, args: argparse.Namespace) -> int:
     if args.list_models:
         for name in example_model_names():
             console.print(name)
-        console.print("timm:NAME (any timm VisionTransformer or Eva)")
+        console.print("timm:NAME (any timm model)")
         console.print("open_clip:NAME (any open_clip architecture's image tower)")
         return 0
     if args.start is not None:
