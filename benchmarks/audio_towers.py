@@ -160,13 +160,16 @@ def main() -> None:
         "python": platform.python_version(),
         "timing": "CUDA events, each call waited for, median of --iters; bf16, random weights",
     }
-    for kind in ("qwen2.5-omni-7b", "qwen3-omni"):
-        results[kind] = omni(kind, args.iters)
-        print(kind, json.dumps(results[kind], indent=1), flush=True)
-    results["wav2vec2-large"] = wav2vec2(args.iters)
-    print(json.dumps(results["wav2vec2-large"], indent=1), flush=True)
-    with open(args.json, "w") as handle:
-        json.dump(results, handle, indent=2)
+    parts = {
+        "qwen2.5-omni-7b": lambda: omni("qwen2.5-omni-7b", args.iters),
+        "qwen3-omni": lambda: omni("qwen3-omni", args.iters),
+        "wav2vec2-large": lambda: wav2vec2(args.iters),
+    }
+    for name, run in parts.items():
+        results[name] = run()
+        print(name, json.dumps(results[name], indent=1), flush=True)
+        with open(args.json, "w") as handle:  # after each part: a run cut short keeps them
+            json.dump(results, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ PACKED_BENCHMARKS = {
 """The benchmark that measures each packed adapter's towers, in ``benchmarks``."""
 PAGE = ROOT / "docs" / "coverage.md"
 RESULTS = ROOT / "docs" / "results"
+TIMM_SWEEP = RESULTS / "timm-sweep.json"
 PACKED_RUNS = (
     "2026-12-01-h200-packed-towers.json",
     "2026-12-01-h200-packed-towers-fused-norm.json",
@@ -75,6 +76,34 @@ PACKED_TOWERS = {
 """The packed benchmarks' towers, by the adapter that serves them."""
 PACKED_SIZE = "448x448"
 """The image size of ``packed_towers.py``'s per-image table the page reports."""
+
+
+def _timm_section() -> list[str]:
+    """The timm sweep's last run (``tests/timm_sweep.py``): each family's smallest model and
+    whether the graphs serve it."""
+    if not TIMM_SWEEP.is_file():
+        return []
+    run = json.loads(TIMM_SWEEP.read_text())
+    families = run["families"]
+    served = sum(result["status"] == "served" for result in families.values())
+    lines = [
+        "",
+        "## timm families",
+        "",
+        f"The smallest model of each of timm {run['timm']}'s {len(families)} modeling modules, "
+        "built with random weights at its default input size and wrapped by "
+        '`adapter="auto"`, checked against eager at batch 1 and 2 on the faithful replay '
+        f"(`tests/timm_sweep.py`, the slow test `tests/test_timm_sweep.py`): {served} served "
+        "from graphs, equal to eager.",
+        "",
+        "| family (module) | model | served | why not |",
+        "| --- | --- | --- | --- |",
+    ]
+    for module, result in sorted(families.items()):
+        lines.append(
+            f"| `{module}` | `{result['model']}` | {result['status']} | {result['reason']} |"
+        )
+    return lines
 
 
 def latest_results() -> Path | None:
@@ -179,6 +208,7 @@ def render(results: dict[str, Any] | None) -> str:
         by_audio[adapter].append(name)
     for adapter, names in by_audio.items():
         lines.append(_classes_item(adapter, names, []))
+    lines += _timm_section()
     lines += ["", "## Not served", ""]
     by_reason: dict[str, list[str]] = defaultdict(list)
     for name in sorted(UNSERVED):

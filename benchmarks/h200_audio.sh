@@ -28,9 +28,9 @@ for part in "$@"; do
           --json "$out/$model.json"
       done ;;
     omni)
-      step 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_audio.py \
+      step 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_audio.py \
         -k "omni or wav2vec2" -o junit_family=legacy --junitxml "$out/cuda-omni.xml"
-      step 300 python3 benchmarks/audio_towers.py --iters 20 --json "$out/audio-towers.json" ;;
+      step 300 python3 benchmarks/audio_towers.py --iters 10 --json "$out/audio-towers.json" ;;
     *) echo "unknown part: $part" >>"$log" ;;
   esac
 done
