@@ -91,10 +91,11 @@ WAVEFORM_ENCODERS: tuple[TowerSpec, ...] = (WAV2VEC2, HUBERT, WAVLM)
 
 
 class WaveformAdapter(VisionTowerAdapter):
-    """A raw-waveform encoder family's adapter. ``length_step`` (samples; half a second by
-    default): calls of models whose answer padding keeps are padded to a multiple of it;
-    ``None``: every length its own graph (:mod:`layergraph_adapters.kit.waveform`). The
-    other options are :class:`~layergraph_adapters.kit.hf_vision.VisionTowerAdapter`'s."""
+    """A raw-waveform encoder family's adapter. ``length_step`` (samples; 8000 is half a
+    second): calls of models whose answer padding keeps are padded to a multiple of it;
+    ``None`` (the default): every length its own graph
+    (:mod:`layergraph_adapters.kit.waveform`). The other options are
+    :class:`~layergraph_adapters.kit.hf_vision.VisionTowerAdapter`'s."""
 
     def __init__(self, length_step: int | None = WaveformPlan.length_step, **options: Any) -> None:
         if length_step is not None and length_step < 1:

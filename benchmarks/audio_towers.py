@@ -151,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--only", nargs="*", help="the parts to run (all by default)")
     args = parser.parse_args()
     results: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
@@ -166,6 +167,8 @@ def main() -> None:
         "wav2vec2-large": lambda: wav2vec2(args.iters),
     }
     for name, run in parts.items():
+        if args.only and name not in args.only:
+            continue
         results[name] = run()
         print(name, json.dumps(results[name], indent=1), flush=True)
         with open(args.json, "w") as handle:  # after each part: a run cut short keeps them

@@ -105,9 +105,9 @@ def test_a_batch_of_clips_padded_by_their_extractor_answers_as_eager() -> None:
     assert graphed.stats.replays == 1 and graphed.stats.eager_total == 0
 
 
-def test_length_step_none_serves_exact_lengths() -> None:
+def test_exact_lengths_are_the_default() -> None:
     wrapped = model("WavLMModel", **PER_FRAME)
-    graphed = layergraph.wrap(wrapped, backend=SimulatedGraphs(), length_step=None)
+    graphed = layergraph.wrap(wrapped, backend=SimulatedGraphs())
     for seed, samples in enumerate((300, 301)):
         served_equal(graphed, wrapped, audio(1, samples, seed))
     assert {key.sequence.samples for key in graphed.keys} == {300, 301}

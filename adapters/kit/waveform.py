@@ -7,17 +7,19 @@ graphs are keyed by (clips, samples), as an image tower's by (images, image size
 
 A call's length is served two ways:
 
-- **padded**, for the models whose answer padding keeps (those that normalise each frame,
-  ``feat_extract_norm="layer"``, whose feature extractors give an attention mask): the samples
-  are padded with zeros to a multiple of ``length_step`` and masked, and each output cut back
-  to the call's frames, so that clips of many lengths share a few graphs, and the measured
-  policy serves eagerly the sizes whose graphs do not pay;
-- **exact**, for the others (``feat_extract_norm="group"`` normalises over the whole clip, so
-  padding changes every frame), and where ``length_step`` is ``None``: one graph per length.
+- **exact** (the default, ``length_step=None``): one graph per length, the measured policy
+  serving eagerly the lengths whose graphs do not pay;
+- **padded**, where ``length_step`` is given, for the models whose answer padding keeps
+  (those that normalise each frame, ``feat_extract_norm="layer"``, whose feature extractors
+  give an attention mask): the samples are padded with zeros to a multiple of
+  ``length_step`` and masked, and each output cut back to the call's frames, so that clips of
+  many lengths share a few graphs. The others (``feat_extract_norm="group"`` normalises over
+  the whole clip, so padding changes every frame) keep exact lengths.
 
-The encoders zero the masked frames with a boolean-mask assignment, which reads the mask on
-the host; while the graphs are captured it is computed as a ``masked_fill`` instead
-(:class:`MaskedAssignment`), the same values without the read.
+The encoders' masks are made with assignments a CUDA graph cannot capture as written (a
+boolean-mask assignment reads the mask on the host; a number assigned by index is copied from
+the host); while the graphs are captured they are computed otherwise
+(:class:`MaskedAssignment`), the same values.
 
 What this does not do: change any output's values past rounding, or pad a call that asks for
 attention weights (it runs as given).
@@ -63,9 +65,11 @@ def waveforms(
 
 
 class MaskedAssignment(TorchFunctionMode):
-    """Computes ``tensor[mask] = value`` (a boolean ``mask`` of the tensor's shape, a number or
-    a one-element ``value``) as ``tensor.masked_fill_(mask, value)``: the same values, with no
-    read of the mask on the host. Anything else runs as it is."""
+    """Computes the encoders' assignments the way a CUDA graph captures them: ``tensor[mask] =
+    value`` (a boolean ``mask`` of the tensor's shape) as ``tensor.masked_fill_(mask, value)``,
+    which reads nothing on the host; and a number assigned to a device tensor by any index
+    (``mask[(rows, lengths - 1)] = 1``) from a number made on the device, not copied from the
+    host. The same values; anything else runs as it is."""
 
     def __torch_function__(
         self,
@@ -74,23 +78,28 @@ class MaskedAssignment(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is torch.Tensor.__setitem__ and len(args) == 3:
-            target, index, value = args
-            if (
-                isinstance(index, torch.Tensor)
-                and index.dtype == torch.bool
-                and index.shape == target.shape
-                and (not isinstance(value, torch.Tensor) or value.numel() == 1)
-            ):
-                target.masked_fill_(index, value)
-                return None
-        return func(*args, **(kwargs or {}))
+        if func is not torch.Tensor.__setitem__ or len(args) != 3:
+            return func(*args, **(kwargs or {}))
+        target, index, value = args
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
+            value = value.item()
+        if isinstance(value, (bool, int, float)) and target.device.type != "cpu":
+            value = torch.full((), value, dtype=target.dtype, device=target.device)
+        if (
+            isinstance(index, torch.Tensor)
+            and index.dtype == torch.bool
+            and index.shape == target.shape
+            and (not isinstance(value, torch.Tensor) or value.numel() == 1)
+        ):
+            target.masked_fill_(index, value)
+            return None
+        return func(target, index, value)
 
 
 class WaveformPlan(VisionTowerPlan):
     """A raw-waveform speech encoder's whole forward, keyed by (clips, samples)."""
 
-    length_step: int | None = SAMPLE_RATE // 2
+    length_step: int | None = None
     """Padded calls' samples are a multiple of it (where :attr:`pads` allows); ``None``: exact
     lengths. The adapter's ``length_step`` sets it."""
 
