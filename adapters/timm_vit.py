@@ -7,8 +7,8 @@ take the speed options below; any other timm model (convnets, Swin, MaxViT, Hier
 captured whole, keyed by its image size, and a model whose forward a CUDA graph cannot capture
 (it reads a value on the host) runs eagerly with the operation named in ``graphed.stats``. A
 ``features_only=True`` model (timm's feature wrappers) is captured the same way: its forward,
-the feature maps asked for. Images are checked against the channels of the model's first
-convolution, the image's, never an inner layer's.
+the feature maps asked for. A ViT's images are checked against the channels of its first
+convolution (a hybrid's stem), never an inner layer's.
 
 The wrapper serves ``forward``; other methods called on it (``forward_features``) run eagerly,
 so for the normed tokens ``forward_features`` returns, reset the head first
@@ -45,7 +45,7 @@ from layergraph_adapters.kit.fused_norm import FusedAddNorm, LayerForm, fused_no
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
 from layergraph_adapters.kit.patch_embedding import patch_matmul_for
-from layergraph_adapters.kit.tokens import ImageSize, ImageTokens, checked_images
+from layergraph_adapters.kit.tokens import ImageSize, ImageTokens, check_floating, checked_images
 
 
 def _vit_classes() -> tuple[type, ...]:
@@ -255,11 +255,10 @@ class _TimmViTPlan(WholeForward):
 class TimmModelPlan(WholeForward):
     """The whole forward of any timm model, keyed by (batch, image size): a convnet, a model
     of stages, a ``features_only`` wrapper around one. Its repeated layers, for
-    ``compile_layers``, are its ``blocks`` or ``stages`` where it has them."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        self.channels = image_channels(model)
+    ``compile_layers``, are its ``blocks`` or ``stages`` where it has them. Images of another
+    channel count than the model takes are the model's to refuse (a stem that rearranges
+    pixels first, as TResNet's, takes other channels than its first convolution's): its own
+    error, raised by the eager call a failed capture falls back to."""
 
     def layers(self) -> list[nn.Module]:
         inner = getattr(self.owner, "model", self.owner)  # a features_only wrapper's model
@@ -274,8 +273,8 @@ class TimmModelPlan(WholeForward):
         return ImageSize(height, width)
 
     def check_inputs(self, call: CallInputs) -> None:
-        if self.channels is not None:
-            checked_images(call, self.channels)
+        if call.tensors:
+            check_floating(call.tensors[0])
 
 
 @hookimpl

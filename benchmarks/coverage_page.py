@@ -96,7 +96,7 @@ def _timm_section() -> list[str]:
         f"(`tests/timm_sweep.py`, the slow test `tests/test_timm_sweep.py`): {served} served "
         "from graphs, equal to eager.",
         "",
-        "| family (module) | model | served | why not |",
+        "| family (module) | model | result | why not served |",
         "| --- | --- | --- | --- |",
     ]
     for module, result in sorted(families.items()):

@@ -62,7 +62,8 @@ def sweep_one(name: str) -> dict[str, Any]:
 
     shape = tuple(timm.models.get_pretrained_cfg_value(name, "input_size") or (3, 224, 224))
     if shape[1] * shape[2] > LARGEST_PIXELS:
-        return {"model": name, "status": "not swept", "reason": f"{shape[1]}x{shape[2]} input"}
+        reason = f"its default input, {shape[1]}x{shape[2]}, is larger than the CPU sweep builds"
+        return {"model": name, "status": "not swept", "reason": reason}
     torch.manual_seed(0)
     calls = [torch.randn(batch, *shape) for batch in (1, 2)]
     with torch.inference_mode(), warnings.catch_warnings():

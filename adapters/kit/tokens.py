@@ -9,7 +9,7 @@ import torch
 
 from layergraph.keys import CallInputs
 
-__all__ = ["ImageSize", "ImageTokens", "TileTokens", "checked_images"]
+__all__ = ["ImageSize", "ImageTokens", "TileTokens", "check_floating", "checked_images"]
 
 
 class ImageTokens(NamedTuple):
@@ -71,10 +71,15 @@ def checked_images(call: CallInputs, channels: int) -> torch.Tensor:
         )
     if images.shape[1] != channels:
         raise ValueError(f"expected {channels} channels, got {images.shape[1]}")
+    check_floating(images)
+    return images
+
+
+def check_floating(images: torch.Tensor) -> None:
+    """``ValueError`` for images of an integer dtype, naming the conversion they need."""
     if not images.is_floating_point():
         raise ValueError(
             f"images are {images.dtype}: the model takes floating-point images, scaled and "
             f"normalised as its preprocessing does (for 8-bit pixels, images.float() / 255, "
             f"then its mean and std)"
         )
-    return images
