@@ -138,6 +138,9 @@ class TimmVisionTransformerAdapter(Adapter):
     """
 
     name = "timm"
+    inside_any_model = False
+    """A timm model inside a model timm does not build (transformers' ``TimmWrapperModel``) is
+    called its own way (``forward_features``, ``forward_intermediates``), not by ``forward``."""
 
     def __init__(
         self,

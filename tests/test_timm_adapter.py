@@ -155,15 +155,17 @@ def test_integer_images_get_an_error_naming_their_dtype(backend: type | None) ->
 
 def test_other_models_are_refused_by_name() -> None:
     with pytest.raises(
-        layergraph.AdapterMismatch, match=r"timm VisionTransformer.*Eva.*got .*Linear"
+        layergraph.AdapterMismatch, match=r"models timm builds.*got .*Linear"
     ):
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="timm")
 
 
-def test_recognizes_only_vision_transformers() -> None:
+def test_recognizes_the_models_timm_builds_and_nothing_else() -> None:
     adapter = TimmVisionTransformerAdapter()
     assert adapter.recognizes(build("vit_tiny_patch16_224"))
+    assert adapter.recognizes(timm.create_model("resnet18", pretrained=False))
     assert not adapter.recognizes(torch.nn.Linear(2, 2))
+    assert not adapter.recognizes(build("vit_tiny_patch16_224").blocks[0])  # a part, no model
 
 
 @pytest.mark.parametrize("variant", ["class token", "eva02 (rotary embeddings)"])
