@@ -154,9 +154,7 @@ def test_integer_images_get_an_error_naming_their_dtype(backend: type | None) ->
 
 
 def test_other_models_are_refused_by_name() -> None:
-    with pytest.raises(
-        layergraph.AdapterMismatch, match=r"models timm builds.*got .*Linear"
-    ):
+    with pytest.raises(layergraph.AdapterMismatch, match=r"models timm builds.*got .*Linear"):
         layergraph.wrap(torch.nn.Linear(2, 2), adapter="timm")
 
 
