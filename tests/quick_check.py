@@ -225,7 +225,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_eva_with_dynamic_image_size",
         "test_key_sequence_is_tokens_and_image_size",
         "test_other_models_are_refused_by_name",
-        "test_recognizes_only_vision_transformers",
+        "test_recognizes_the_models_timm_builds_and_nothing_else",
         "test_token_features_come_from_graphs_with_the_head_reset",
     ),
     "test_internvl_adapter.py": (
