@@ -348,10 +348,17 @@ class OmniAudioPlan(PackedTowerPlan):
         buffers.load_staged((tuple(clips.frames), clips.width), lambda: self.host_metadata(call))
         chunks, start, slot = buffers.pixels, 0, 0
         chunks.zero_()
-        for clip in clips.chunks:
-            for frames in clip:
-                chunks[slot, :, :frames] = clips.features[:, start : start + frames]
-                start, slot = start + frames, slot + 1
+        for clip in clips.chunks:  # a clip's whole chunks in one copy, then its rest
+            whole = sum(frames == self.window for frames in clip)
+            frames = clips.features[:, start : start + whole * self.window]
+            chunks[slot : slot + whole].copy_(
+                frames.view(self.mel_bins, whole, self.window).transpose(0, 1)
+            )
+            start, slot = start + whole * self.window, slot + whole
+            if whole < len(clip):
+                rest = clip[-1]
+                chunks[slot, :, :rest] = clips.features[:, start : start + rest]
+                start, slot = start + rest, slot + 1
 
     def cut(self, output: torch.Tensor, call: PackedCall[_Clips], budget: int) -> Any:
         clips = call.parts

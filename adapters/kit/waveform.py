@@ -147,6 +147,8 @@ class WaveformPlan(VisionTowerPlan):
         return samples
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attention_mask", args[1] if len(args) > 1 else None) is None:
+            return super().region(*args, **kwargs)  # no mask: no assignment to rewrite
         with MaskedAssignment():
             return super().region(*args, **kwargs)
 
