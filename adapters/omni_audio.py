@@ -43,6 +43,7 @@ from layergraph_adapters.kit.packed_tower import (
     image_slots,
     read_inputs,
 )
+from layergraph_adapters.kit.tower_specs import TEXT_ONLY_ARGUMENTS
 
 __all__ = ["OMNI_AUDIO_FAMILIES", "OmniAudioAdapter", "OmniAudioPlan"]
 
@@ -229,7 +230,9 @@ class OmniAudioPlan(PackedTowerPlan):
         return f"up to {call.parts.slots} chunks"
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PackedCall:
-        given, options = read_inputs(args, kwargs, self.inputs, self.options)
+        given, options = read_inputs(
+            args, kwargs, self.inputs, self.options, ignored=TEXT_ONLY_ARGUMENTS
+        )
         features, lens = given.get("input_features"), given.get("feature_lens")
         if not isinstance(features, torch.Tensor) or not isinstance(lens, torch.Tensor):
             raise UnsupportedCall("the graphs need input_features and feature_lens as tensors")

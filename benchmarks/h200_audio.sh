@@ -9,7 +9,10 @@
 #           waited for and in a loop, JSON per model;
 #   omni:   the CUDA tests of the Omni audio towers and the padded wav2vec 2.0 calls, then
 #           benchmarks/audio_towers.py (Qwen2.5-Omni's and Qwen3-Omni's audio towers, wav2vec
-#           2.0 large), one JSON file.
+#           2.0 large), one JSON file;
+#   wav2vec2: the CUDA test of padded wav2vec 2.0 calls, then wav2vec 2.0 large alone;
+#   serving: benchmarks/audio_serving.py's Omni thinker prefill and long video;
+#   asr:    benchmarks/audio_serving.py's ASR path of Whisper large-v3 and distil-whisper.
 # Usage: benchmarks/h200_audio.sh PART...   (results under $OUT, or ./gpu-results)
 source "$(dirname "$0")/h200_setup.sh" none
 NEW_FAMILIES="Deit or Beit or Data2Vec or IJepa or ViTMSN or DINOv3 or Tipsv2 or Pixio or MLCD"
@@ -31,6 +34,17 @@ for part in "$@"; do
       step 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_audio.py \
         -k "omni or wav2vec2" -o junit_family=legacy --junitxml "$out/cuda-omni.xml"
       step 300 python3 benchmarks/audio_towers.py --iters 10 --json "$out/audio-towers.json" ;;
+    wav2vec2)
+      step 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda_audio.py \
+        -k wav2vec2 -o junit_family=legacy --junitxml "$out/cuda-wav2vec2.xml"
+      step 200 python3 benchmarks/audio_towers.py --iters 10 --only wav2vec2-large \
+        --json "$out/wav2vec2.json" ;;
+    serving)
+      step 420 python3 benchmarks/audio_serving.py --json "$out/audio-serving.json" \
+        --only omni-thinker-prefill qwen2.5-vl-7b-long-video ;;
+    asr)
+      step 540 python3 benchmarks/audio_serving.py --json "$out/asr.json" \
+        --only distil-whisper-large-v3-asr whisper-large-v3-asr ;;
     *) echo "unknown part: $part" >>"$log" ;;
   esac
 done

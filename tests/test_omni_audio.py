@@ -154,6 +154,28 @@ def test_the_thinkers_audio_and_vision_towers_share_one_wrapper_and_pool(name: s
     assert graphed.unwrap() is model
 
 
+@pytest.mark.parametrize("name", THINKERS)
+def test_the_arguments_a_prefill_passes_on_reach_the_graphs(name: str) -> None:
+    """The thinker's forward passes its own keyword arguments on to both towers
+    (``generate`` adds ``logits_to_keep`` and ``use_cache``); no tower reads them."""
+    model = thinker(name)
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs(), observe_calls=0, budget_step=32)
+    features, mask = torch.randn(1, MEL_BINS, 150), torch.ones(1, 150, dtype=torch.long)
+    pixels, grid = call([(1, 4, 6)])
+    passed_on = dict(logits_to_keep=1, use_cache=True, return_dict=True)
+    with torch.inference_mode():
+        got = model.get_audio_features(features, feature_attention_mask=mask, **passed_on)
+        got_image = model.get_image_features(pixels, grid, **passed_on)
+        with graphed.original():
+            want = model.get_audio_features(features, feature_attention_mask=mask)
+            want_image = model.get_image_features(pixels, grid)
+    assert relative_error(got.last_hidden_state, want.last_hidden_state) <= TOLERANCE
+    assert relative_error(got_image.pooler_output[0], want_image.pooler_output[0]) <= TOLERANCE
+    eager = {path: dict(stats.eager_calls) for path, stats in graphed.stats.items()}
+    assert all(stats.replays == 1 for stats in graphed.stats.values()), eager
+    graphed.unwrap()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_clips_are_refused_by_name_before_any_capture(kind: str) -> None:
     graphed = layergraph.wrap(tower(kind), backend=SimulatedGraphs(), observe_calls=0)
