@@ -10,9 +10,10 @@ captured whole, keyed by its image size, and a model whose forward a CUDA graph 
 the feature maps asked for. A ViT's images are checked against the channels of its first
 convolution (a hybrid's stem), never an inner layer's.
 
-The wrapper serves ``forward``; other methods called on it (``forward_features``) run eagerly,
-so for the normed tokens ``forward_features`` returns, reset the head first
-(``model.reset_classifier(0, "")``) and call the wrapper.
+``forward``, ``forward_features`` and ``forward_head`` called through the wrapper are each
+served from graphs of their own, keyed by the method, and counted in ``graphed.stats``:
+``graphed.forward_features(x)`` replays a graph of the features, ``graphed(x)`` one of the
+whole forward. The model called directly runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Hashable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -44,6 +46,7 @@ from layergraph_adapters.kit.family_record import FrameworkFamily
 from layergraph_adapters.kit.fused_norm import FusedAddNorm, LayerForm, fused_norms
 from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
 from layergraph_adapters.kit.layout import RowMajorOutput
+from layergraph_adapters.kit.methods import RoutedMethods
 from layergraph_adapters.kit.patch_embedding import patch_matmul_for
 from layergraph_adapters.kit.tokens import ImageSize, ImageTokens, check_floating, checked_images
 
@@ -190,8 +193,68 @@ class TimmVisionTransformerAdapter(Adapter):
         )
 
 
-class _TimmViTPlan(WholeForward):
-    """The whole forward of ``model``: ``vit`` itself, or a ``features_only`` model around it
+TIMM_METHODS = ("forward_features", "forward_head")
+"""The methods of a timm model served from graphs besides ``forward``, each keyed by its name
+(a ``features_only`` wrapper has ``forward`` only)."""
+
+
+class MethodSequence(NamedTuple):
+    """The sequence of a call of a method other than ``forward``: the method, and the
+    sequence it is keyed by."""
+
+    method: str
+    sequence: Hashable
+
+    def __str__(self) -> str:
+        return f"{self.method}: {self.sequence}"
+
+
+class _TimmPlan(WholeForward):
+    """The whole forward of a timm model and its :data:`TIMM_METHODS` called through the
+    wrapper, each captured whole per batch and image size (``forward_head`` per batch and
+    feature shape)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.methods = RoutedMethods(model, TIMM_METHODS)
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        self.methods.route(changes, serve)
+
+    def forward_scope(self) -> AbstractContextManager[None]:
+        return self.methods.through_wrapper()
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], str):
+            return self.methods.run(*args, **kwargs)
+        with self.methods.running():
+            return self.owner(*args, **kwargs)
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        method = RoutedMethods.method_of(call)
+        if method == "forward_head":
+            features = "x".join(str(size) for size in call.tensors[0].shape[1:])
+            return MethodSequence(method, f"features of {features}")
+        sequence = self.image_sequence(call)
+        return sequence if method == "forward" else MethodSequence(method, sequence)
+
+    def check_inputs(self, call: CallInputs) -> None:
+        if RoutedMethods.method_of(call) == "forward_head":
+            check_floating(call.tensors[0], "features")
+        else:
+            self.check_images(call)
+
+    def image_sequence(self, call: CallInputs) -> Hashable:
+        """What fixes a graph of images besides the batch size."""
+        raise NotImplementedError
+
+    def check_images(self, call: CallInputs) -> None:
+        """``ValueError`` naming what is wrong with a call's images."""
+        raise NotImplementedError
+
+
+class _TimmViTPlan(_TimmPlan):
+    """The methods of ``model``: ``vit`` itself, or a ``features_only`` model around it
     (its intermediate feature maps, computed by ``vit.forward_intermediates``)."""
 
     def __init__(
@@ -226,18 +289,19 @@ class _TimmViTPlan(WholeForward):
             raise AdapterMismatch(f"{type(vit).__name__} has no convolution to take images")
 
     def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        super().change_model(changes, serve)
         for rewrite in self._rewrites:
             changes.apply(rewrite)
 
     def layers(self) -> list[nn.Module]:
         return list(self.vit.blocks)
 
-    def sequence_of(self, call: CallInputs) -> Hashable:
+    def image_sequence(self, call: CallInputs) -> Hashable:
         _, height, width = call.tensors[0].shape[1:]
         grid_h, grid_w = self.vit.patch_embed.dynamic_feat_size((height, width))
         return ImageTokens(grid_h * grid_w + self.vit.num_prefix_tokens, height, width)
 
-    def check_inputs(self, call: CallInputs) -> None:
+    def check_images(self, call: CallInputs) -> None:
         patch_embed = self.vit.patch_embed
         images = checked_images(call, self.channels)
         height, width = images.shape[-2:]
@@ -255,8 +319,8 @@ class _TimmViTPlan(WholeForward):
             )
 
 
-class TimmModelPlan(WholeForward):
-    """The whole forward of any timm model, keyed by (batch, image size): a convnet, a model
+class TimmModelPlan(_TimmPlan):
+    """The methods of any timm model, keyed by (batch, image size): a convnet, a model
     of stages, a ``features_only`` wrapper around one. Its repeated layers, for
     ``compile_layers``, are its ``blocks`` or ``stages`` where it has them. Images of another
     channel count than the model takes are the model's to refuse (a stem that rearranges
@@ -271,13 +335,12 @@ class TimmModelPlan(WholeForward):
                 return list(found)
         return []
 
-    def sequence_of(self, call: CallInputs) -> Hashable:
+    def image_sequence(self, call: CallInputs) -> Hashable:
         height, width = call.tensors[0].shape[-2:]
         return ImageSize(height, width)
 
-    def check_inputs(self, call: CallInputs) -> None:
-        if call.tensors:
-            check_floating(call.tensors[0])
+    def check_images(self, call: CallInputs) -> None:
+        check_floating(call.tensors[0])
 
 
 @hookimpl

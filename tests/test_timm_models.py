@@ -111,3 +111,54 @@ def test_images_are_checked_against_the_models_own_channels() -> None:
 def test_vit_speed_options_are_refused_for_a_model_captured_whole() -> None:
     with pytest.raises(layergraph.AdapterMismatch, match="fuse_norm serve timm's"):
         layergraph.wrap(build("resnet18"), fuse_norm=True)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["vit_small_patch16_224", "resnet18", "swin_tiny_patch4_window7_224", "eva02_tiny_patch14_224"],
+)
+def test_forward_features_and_forward_head_are_served_and_counted(name: str) -> None:
+    """Each method called through the wrapper replays a graph of its own, keyed by the method;
+    the model called directly runs eagerly and reaches no graph."""
+    model = build(name)
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    with torch.inference_mode():
+        for batch, seed in ((1, 6), (2, 7)):
+            x = images(model, batch, seed)
+            with graphed.original():
+                features = model.forward_features(x)
+                want = (features, model.forward_head(features), model.forward_head(features, True))
+            got = (
+                graphed.forward_features(x),
+                graphed.forward_head(features),
+                graphed.forward_head(features, pre_logits=True),
+            )
+            for mine, theirs in zip(got, want, strict=True):
+                assert relative_error(mine, theirs) == 0.0
+            direct = model.forward_features(x)  # the model itself, not through the wrapper
+            assert relative_error(direct, features) == 0.0
+    stats = graphed.stats
+    assert stats.replays == 6 and stats.eager_total == 0, dict(stats.eager_calls)
+    methods = {str(key.sequence).split(":")[0] for key in graphed.keys}
+    assert methods == {"forward_features", "forward_head"}
+    assert len(graphed.keys) == 6, "one graph per method, fixed argument and batch size"
+    graphed.unwrap()
+    assert "forward_features" not in vars(model) and "forward_head" not in vars(model)
+
+
+def test_a_wrapped_forward_reaches_forward_features_inside_one_graph() -> None:
+    """``forward`` calls ``forward_features`` inside: one graph of the whole forward, not a
+    graph of the features and an eager head."""
+    model = build("resnet18")
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    served_equal(graphed, model, [images(model, 2, 8)])
+    assert graphed.stats.replays == 1 and [str(k.sequence) for k in graphed.keys] == [
+        "224x224 images"
+    ]
+
+
+def test_bad_features_for_the_head_are_refused_by_name() -> None:
+    graphed = layergraph.wrap(build("resnet18"), backend=SimulatedGraphs())
+    with torch.inference_mode(), pytest.raises(ValueError, match="features are torch.int64"):
+        graphed.forward_head(torch.ones(2, 512, 7, 7, dtype=torch.long))
+    assert graphed.stats.graphs == 0

@@ -75,9 +75,12 @@ def checked_images(call: CallInputs, channels: int) -> torch.Tensor:
     return images
 
 
-def check_floating(images: torch.Tensor) -> None:
-    """``ValueError`` for images of an integer dtype, naming the conversion they need."""
+def check_floating(images: torch.Tensor, what: str = "images") -> None:
+    """``ValueError`` for images (or another input, ``what``) of an integer dtype, naming the
+    conversion images need."""
     if not images.is_floating_point():
+        if what != "images":
+            raise ValueError(f"{what} are {images.dtype}: the model takes floating-point {what}")
         raise ValueError(
             f"images are {images.dtype}: the model takes floating-point images, scaled and "
             f"normalised as its preprocessing does (for 8-bit pixels, images.float() / 255, "
