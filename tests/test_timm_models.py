@@ -159,6 +159,6 @@ def test_a_wrapped_forward_reaches_forward_features_inside_one_graph() -> None:
 
 def test_bad_features_for_the_head_are_refused_by_name() -> None:
     graphed = layergraph.wrap(build("resnet18"), backend=SimulatedGraphs())
-    with torch.inference_mode(), pytest.raises(ValueError, match="features are torch.int64"):
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"features are torch\.int64"):
         graphed.forward_head(torch.ones(2, 512, 7, 7, dtype=torch.long))
     assert graphed.stats.graphs == 0

@@ -70,9 +70,9 @@ call of a tower on ``batch`` random images of that size."""
 TEXT_ONLY_ARGUMENTS = frozenset({"use_cache", "logits_to_keep", "output_router_logits"})
 """Keyword arguments a VLM passes on to its vision tower with the rest of its own that no
 tower's computation reads (``generate()`` passes ``use_cache`` and ``logits_to_keep``, a
-mixture-of-experts VLM ``output_router_logits``): a packed adapter leaves them out of a call's signature and its
-graph's arguments, so that ``generate()`` replays the graphs ``get_image_features()``
-captured."""
+mixture-of-experts VLM ``output_router_logits``): a packed adapter leaves them out of a call's
+signature and its graph's arguments, so that ``generate()`` replays the graphs
+``get_image_features()`` captured."""
 
 
 def pair(value: int | Any) -> tuple[int, int]:
