@@ -38,16 +38,19 @@ from layergraph import (
 from layergraph.keys import CallInputs
 from layergraph.ledger import Change, ChangeLedger
 from layergraph_adapters.kit.automatic import (
-    OptionDoesNotApply,
     SpeedChoices,
     build_with_automatic_options,
 )
 from layergraph_adapters.kit.family_record import FrameworkFamily
 from layergraph_adapters.kit.fused_norm import FusedAddNorm, LayerForm, fused_norms
-from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues
+from layergraph_adapters.kit.gelu_epilogue import gelu_epilogues, gelu_kind, mlp_parts
 from layergraph_adapters.kit.layout import RowMajorOutput
 from layergraph_adapters.kit.methods import RoutedMethods
-from layergraph_adapters.kit.patch_embedding import patch_matmul_for
+from layergraph_adapters.kit.patch_embedding import (
+    PatchMatmul,
+    is_patch_convolution,
+    patch_matmul_for,
+)
 from layergraph_adapters.kit.tokens import ImageSize, ImageTokens, check_floating, checked_images
 
 
@@ -166,27 +169,26 @@ class TimmVisionTransformerAdapter(Adapter):
                 f"the timm adapter serves models timm builds (timm.create_model) and their "
                 f"features_only form; got {type(model).__module__}.{type(model).__name__}"
             )
+        options = {
+            "patch_matmul": self.patch_matmul,
+            "fuse_gelu": self.fuse_gelu,
+            "fuse_norm": self.fuse_norm,
+        }
         vit = _vit_of(model)
         if vit is None:
-            options = {
-                "patch_matmul": self.patch_matmul,
-                "fuse_gelu": self.fuse_gelu,
-                "fuse_norm": self.fuse_norm,
-            }
-            asked = sorted(name for name, value in options.items() if value is True)
-            if asked:
-                raise OptionDoesNotApply(
-                    f"{', '.join(asked)} serve timm's VisionTransformer and Eva blocks; "
-                    f"{type(model).__name__} is captured whole, without them"
-                )
-            return TimmModelPlan(model)
+            return build_with_automatic_options(
+                model,
+                options,
+                functools.partial(TimmModelPlan, model),
+                context,
+                ruled_out={
+                    "fuse_norm": f"fuse_norm serves timm's VisionTransformer blocks; the blocks of "
+                    f"{type(model).__name__} are of another form"
+                },
+            )
         return build_with_automatic_options(
             vit,
-            {
-                "patch_matmul": self.patch_matmul,
-                "fuse_gelu": self.fuse_gelu,
-                "fuse_norm": self.fuse_norm,
-            },
+            options,
             functools.partial(_TimmViTPlan, model, vit),
             context,
             ruled_out=TIMM_VIT.ruled_out(),
@@ -325,7 +327,26 @@ class TimmModelPlan(_TimmPlan):
     ``compile_layers``, are its ``blocks`` or ``stages`` where it has them. Images of another
     channel count than the model takes are the model's to refuse (a stem that rearranges
     pixels first, as TResNet's, takes other channels than its first convolution's): its own
-    error, raised by the eager call a failed capture falls back to."""
+    error, raised by the eager call a failed capture falls back to.
+
+    Speed options where the model's layout allows: ``patch_matmul`` for a ``patch_embed``
+    whose first convolution cuts patches, ``fuse_gelu`` for every MLP of the form
+    ``fc2(gelu(fc1(x)))`` (Swin, BEiT, CaiT, SAM ViT, Hiera, XCiT...). ``fuse_norm`` is
+    refused: its kernel knows the residual form of timm's ViT ``Block`` only."""
+
+    def __init__(self, model: nn.Module, *, choices: SpeedChoices) -> None:
+        super().__init__(model)
+        inner = getattr(model, "model", model)  # a features_only wrapper's model
+        patch = choices.take("patch_matmul", lambda on: _patch_matmul(inner, on), [])
+        mlps = [m for m in model.modules() if (parts := mlp_parts(m)) and gelu_kind(parts[1])]
+        gelu = choices.take("fuse_gelu", lambda setting: _gelu_epilogues(model, mlps, setting), [])
+        choices.take("fuse_norm", lambda on: [], [])  # ruled out: refused with the reason
+        self._rewrites: list[Change] = [*patch, *gelu]
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        super().change_model(changes, serve)
+        for rewrite in self._rewrites:
+            changes.apply(rewrite)
 
     def layers(self) -> list[nn.Module]:
         inner = getattr(self.owner, "model", self.owner)  # a features_only wrapper's model
@@ -341,6 +362,27 @@ class TimmModelPlan(_TimmPlan):
 
     def check_images(self, call: CallInputs) -> None:
         check_floating(call.tensors[0])
+
+
+def _patch_matmul(model: nn.Module, setting: bool) -> list[PatchMatmul]:
+    convolution = next(
+        (m for m in getattr(model, "patch_embed", nn.Identity()).modules() if type(m) is nn.Conv2d),
+        None,
+    )
+    if setting and (convolution is None or not is_patch_convolution(convolution)):
+        raise ValueError(
+            f"patch_matmul needs a patch embedding whose first convolution cuts patches (kernel "
+            f"equal to stride); {type(model).__name__} has none"
+        )
+    return patch_matmul_for(convolution, setting)
+
+
+def _gelu_epilogues(model: nn.Module, mlps: list[nn.Module], setting: bool | str) -> list[Any]:
+    if setting is not False and not mlps:
+        raise ValueError(
+            f"fuse_gelu needs MLPs of the form fc2(gelu(fc1(x))); {type(model).__name__} has none"
+        )
+    return gelu_epilogues(mlps, setting)
 
 
 @hookimpl

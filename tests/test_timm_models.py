@@ -108,9 +108,51 @@ def test_images_are_checked_against_the_models_own_channels() -> None:
     assert graphed.stats.replays == 1
 
 
-def test_vit_speed_options_are_refused_for_a_model_captured_whole() -> None:
-    with pytest.raises(layergraph.AdapterMismatch, match="fuse_norm serve timm's"):
-        layergraph.wrap(build("resnet18"), fuse_norm=True)
+def test_speed_options_that_do_not_fit_a_model_are_refused_with_the_reason() -> None:
+    with pytest.raises(layergraph.AdapterMismatch, match="fuse_norm serves timm's"):
+        layergraph.wrap(build("swin_tiny_patch4_window7_224"), fuse_norm=True)
+    with pytest.raises(ValueError, match="patch_matmul needs a patch embedding"):
+        layergraph.wrap(build("resnet18"), patch_matmul=True)
+    with pytest.raises(ValueError, match=r"fuse_gelu needs MLPs of the form"):
+        layergraph.wrap(build("resnet18"), fuse_gelu=True)
+    graphed = layergraph.wrap(build("resnet18"), backend=SimulatedGraphs())  # "auto"
+    assert all(value.startswith("off") for value in graphed.plan.speed_options.values())
+
+
+SPEED_MODELS = {
+    "swin_tiny_patch4_window7_224": {},
+    "beit_base_patch16_224": {},
+    "cait_xxs24_224": {},
+    "samvit_base_patch16": {"img_size": 256},
+    "vit_relpos_small_patch16_224": {},
+}
+"""Transformers captured whole whose patch embedding and GELU MLPs take the speed options
+(Hiera's overlapping patch convolution is no patch matrix product: its GELU MLPs only)."""
+
+
+@pytest.mark.parametrize("name", [*sorted(SPEED_MODELS), "hiera_tiny_224"])
+def test_patch_matmul_and_fuse_gelu_serve_the_transformers_captured_whole(name: str) -> None:
+    model = build(name, **SPEED_MODELS.get(name, {}))
+    patches = name in SPEED_MODELS
+    graphed = layergraph.wrap(
+        model, backend=SimulatedGraphs(), patch_matmul=patches, fuse_gelu="approximate"
+    )
+    assert graphed.plan.speed_options == {
+        "patch_matmul": "on" if patches else "off",
+        "fuse_gelu": "on",
+        "fuse_norm": f"off: fuse_norm serves timm's VisionTransformer blocks; the blocks of "
+        f"{type(model).__name__} are of another form",
+    }
+    assert any("patch_matmul" in what for what in graphed.changes) == patches
+    assert any("fuse_gelu" in what for what in graphed.changes)
+    with torch.inference_mode():
+        for batch, seed in ((1, 9), (2, 10)):
+            x = images(model, batch, seed)
+            got = graphed(x)
+            with graphed.original():
+                want = model(x)
+            assert relative_error(got, want) <= 5e-3  # the tanh GELU for the exact one
+    assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
 
 
 @pytest.mark.parametrize(
