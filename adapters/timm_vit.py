@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
@@ -179,7 +180,7 @@ class TimmVisionTransformerAdapter(Adapter):
             return build_with_automatic_options(
                 model,
                 options,
-                functools.partial(TimmModelPlan, model),
+                functools.partial(TimmNaFlexPlan if _is_naflex(model) else TimmModelPlan, model),
                 context,
                 ruled_out={
                     "fuse_norm": f"fuse_norm serves timm's VisionTransformer blocks; the blocks of "
@@ -362,6 +363,82 @@ class TimmModelPlan(_TimmPlan):
 
     def check_images(self, call: CallInputs) -> None:
         check_floating(call.tensors[0])
+
+
+def _is_naflex(model: nn.Module) -> bool:
+    naflexvit = sys.modules.get("timm.models.naflexvit")
+    return naflexvit is not None and isinstance(model, naflexvit.NaFlexVit)
+
+
+class TimmNaFlexPlan(TimmModelPlan):
+    """timm's ``NaFlexVit``: images captured whole per image size, as any timm model; a NaFlex
+    call (patches with their coordinates and validity, as timm's NaFlex collator pads them;
+    a dict of them, or ``patch_coord=`` and ``patch_valid=``) runs the patch and position
+    embeddings eagerly (they read each image's patch grid on the host), then replays a graph
+    of the blocks, norm and head keyed by (batch, patches per row), whatever sizes the
+    images in it are. A model whose rotary embeddings differ per layer runs NaFlex calls
+    eagerly."""
+
+    serves_forward = False
+
+    def change_model(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
+        super().change_model(changes, serve)
+        changes.set_attribute(
+            self.owner,
+            "forward",
+            types.MethodType(functools.partial(self._forward, serve=serve), self.owner),
+            "forward routed: NaFlex calls' embeddings eagerly, their blocks and head to graphs",
+        )
+
+    def _forward(
+        self,
+        owner: nn.Module,
+        x: Any,
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        serve: Callable[..., Any],
+    ) -> Any:
+        if isinstance(x, dict):
+            patch_coord = x.get("patch_coord", patch_coord)
+            patch_valid = x.get("patch_valid", patch_valid)
+            attn_mask = x.get("attn_mask", attn_mask)
+            x = x["patches"]
+        original = functools.partial(type(owner).forward, owner)
+        if not self.methods.routing():
+            return original(x, patch_coord, patch_valid, attn_mask)
+        if patch_coord is None:
+            return serve(x) if patch_valid is None and attn_mask is None else original(x)
+        with self.methods.running():
+            embeds = type(owner)._forward_embeds(owner, x, patch_coord, patch_valid, attn_mask)
+        rope = embeds.get("rope_embeds")
+        if rope is not None and not isinstance(rope, torch.Tensor):
+            with self.methods.running():
+                return original(x, patch_coord, patch_valid, attn_mask)
+        tokens, mask, valid = embeds["patches"], embeds["attn_mask"], embeds["patch_valid"]
+        return serve("naflex", tokens, mask, valid, *([] if rope is None else [rope]))
+
+    def region(self, *args: Any, **kwargs: Any) -> Any:
+        if not (args and args[0] == "naflex"):
+            return super().region(*args, **kwargs)
+        _, x, attn_mask, patch_valid, *rope = args
+        owner = self.owner
+        extra = {"rope": rope[0]} if rope else {}
+        for block in owner.blocks:
+            x = block(x, attn_mask=attn_mask, **extra)
+        with self.methods.running():
+            return type(owner).forward_head(owner, owner.norm(x), patch_valid=patch_valid)
+
+    def sequence_of(self, call: CallInputs) -> Hashable:
+        if RoutedMethods.method_of(call) == "naflex":
+            patches = call.tensors[0].shape[1] - self.owner.num_prefix_tokens
+            return MethodSequence("naflex", f"{patches} patches a row")
+        return super().sequence_of(call)
+
+    def check_inputs(self, call: CallInputs) -> None:
+        if RoutedMethods.method_of(call) != "naflex":  # else the model's embeddings made them
+            super().check_inputs(call)
 
 
 def _patch_matmul(model: nn.Module, setting: bool) -> list[PatchMatmul]:

@@ -204,3 +204,56 @@ def test_bad_features_for_the_head_are_refused_by_name() -> None:
     with torch.inference_mode(), pytest.raises(ValueError, match=r"features are torch\.int64"):
         graphed.forward_head(torch.ones(2, 512, 7, 7, dtype=torch.long))
     assert graphed.stats.graphs == 0
+
+
+def naflex_batch(
+    grids: list[tuple[int, int]], tokens: int, seed: int, patch: int = 16
+) -> dict[str, torch.Tensor]:
+    """Images of ``grids`` patches as timm's NaFlex collator pads them: ``tokens`` patches a
+    row, coordinates (y, x), and which patches are real."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(grids)
+    patches = torch.zeros(rows, tokens, patch * patch * 3)
+    coords = torch.zeros(rows, tokens, 2, dtype=torch.long)
+    valid = torch.zeros(rows, tokens, dtype=torch.bool)
+    for row, (height, width) in enumerate(grids):
+        count = height * width
+        patches[row, :count] = torch.randn(count, patch * patch * 3, generator=generator)
+        ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+        coords[row, :count] = torch.stack([ys.flatten(), xs.flatten()], dim=-1)
+        valid[row, :count] = True
+    return {"patches": patches, "patch_coord": coords, "patch_valid": valid}
+
+
+@pytest.mark.parametrize("name", ["naflexvit_base_patch16_gap", "naflexvit_base_patch16_map"])
+def test_naflex_batches_of_any_image_sizes_replay_one_graph_per_row_length(name: str) -> None:
+    """The embeddings read each image's grid on the host and run eagerly; the blocks and head
+    replay a graph keyed by (rows, patches a row), whatever the images' sizes."""
+    model = build(name)
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    calls = [
+        naflex_batch([(8, 8), (6, 10)], 64, seed=11),
+        naflex_batch([(4, 12), (7, 7)], 64, seed=12),  # other sizes, the same row length
+        naflex_batch([(10, 10)], 100, seed=13),
+    ]
+    with torch.inference_mode():
+        for batch in calls:
+            got = (graphed(batch), graphed(batch["patches"], **_coords(batch)))
+            with graphed.original():
+                want = model(batch)
+            for answer in got:
+                assert relative_error(answer, want) <= 1e-5
+        image = images(model, 2, 14)  # images: the whole forward, per image size
+        assert relative_error(graphed(image), model(image)) == 0.0  # the model itself: eager
+    stats = graphed.stats
+    assert stats.replays == 7 and stats.eager_total == 0, dict(stats.eager_calls)
+    side = image.shape[-1]
+    assert sorted(str(key.sequence) for key in graphed.keys) == [
+        f"{side}x{side} images",
+        "naflex: 100 patches a row",
+        "naflex: 64 patches a row",
+    ]
+
+
+def _coords(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"patch_coord": batch["patch_coord"], "patch_valid": batch["patch_valid"]}

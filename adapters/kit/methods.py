@@ -47,15 +47,20 @@ class RoutedMethods:
 
     def _routed(self, name: str, serve: Callable[..., Any]) -> Callable[..., Any]:
         original = getattr(type(self.owner), name)
-        state = self._state
 
         def routed(owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if getattr(state, "through", False) and not getattr(state, "inside", False):
+            if self.routing():
                 return serve(name, *args, **kwargs)
             return original(owner, *args, **kwargs)
 
         routed.__name__, routed.__doc__ = name, original.__doc__
         return routed
+
+    def routing(self) -> bool:
+        """Whether a routed method called now goes to the graphs: called through the wrapper,
+        not from inside a running region."""
+        state = self._state
+        return getattr(state, "through", False) and not getattr(state, "inside", False)
 
     @contextmanager
     def through_wrapper(self) -> Iterator[None]:
