@@ -93,10 +93,10 @@ def _timm_section() -> list[str]:
         f"The smallest model of each of timm {run['timm']}'s {len(families)} modeling modules, "
         "built with random weights at its default input size and wrapped by "
         '`adapter="auto"`, checked against eager at batch 1 and 2 on the faithful replay '
-        f"(`tests/timm_sweep.py`, the slow test `tests/test_timm_sweep.py`): {served} served "
-        "from graphs, equal to eager.",
+        f"(`tests/timm_sweep.py`, the slow test `tests/test_timm_sweep.py`; a default input "
+        f"above 384x384 pixels at 224x224): {served} served from graphs, equal to eager.",
         "",
-        "| family (module) | model | result | why not served |",
+        "| family (module) | model | result | note |",
         "| --- | --- | --- | --- |",
     ]
     for module, result in sorted(families.items()):
