@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import socket
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,7 @@ timm = pytest.importorskip("timm")
 
 from ray import serve  # noqa: E402
 
-from layergraph.service import EmbedBatches  # noqa: E402
+from layergraph.service import EmbedBatches, RequestError  # noqa: E402
 from layergraph.service.ray import EncoderDeployment  # noqa: E402
 from layergraph.testing import SimulatedGraphs  # noqa: E402
 
@@ -111,3 +112,67 @@ def test_a_ray_data_job_embeds_every_row(local_ray: int, build: Any) -> None:
     torch.testing.assert_close(
         got, eager(build, torch.from_numpy(images)), rtol=TOLERANCE, atol=TOLERANCE
     )
+
+
+def post(port: int, body: bytes) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of an HTTP POST of ``body`` to the deployment."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/embed", data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def npy(array: np.ndarray) -> bytes:
+    body = io.BytesIO()
+    np.save(body, array)
+    return body.getvalue()
+
+
+def test_bad_requests_fail_alone_with_errors_a_client_can_read(local_ray: int, build: Any) -> None:
+    """Bad requests sent with good ones, through a handle and over HTTP: every good one is
+    answered with its own embedding; every bad one fails with its reason (a 4xx and a strict
+    JSON body over HTTP), never a good one."""
+    app = EncoderDeployment.bind(
+        build,
+        max_batch_size=8,
+        batch_wait_timeout_s=0.2,
+        image_shape=SHAPE,
+        max_body_bytes=2**20,
+        backend=SimulatedGraphs(),
+    )
+    handle = serve.run(app, name="checked", route_prefix="/embed")
+    good = torch.randn(12, *SHAPE)
+    bad = [torch.randn(3, 64, 64), torch.full(SHAPE, float("nan")), torch.ones(*SHAPE).int()]
+    answers = [handle.embed.remote(image) for image in [*good[:6], *bad, *good[6:]]]
+    outcomes = []
+    for answer in answers:
+        try:
+            outcomes.append(answer.result())
+        except RequestError as error:
+            outcomes.append(error)
+    got = [o for o in outcomes if isinstance(o, torch.Tensor)]
+    refused = [o for o in outcomes if isinstance(o, RequestError)]
+    assert len(got) == len(good) and len(refused) == len(bad)
+    torch.testing.assert_close(torch.stack(got), eager(build, good), rtol=TOLERANCE, atol=TOLERANCE)
+    assert "differs from the encoder's 32x32" in str(refused[0]) and refused[0].status == 422
+
+    cases = [
+        (npy(np.zeros((3, 64, 64), np.float32)), 422, "image size 64x64"),
+        (npy(np.full(SHAPE, np.nan, np.float32)), 422, "NaN or infinite"),
+        (npy(np.zeros(SHAPE, np.int64)), 422, "images are torch.int64"),
+        (npy(np.zeros(SHAPE, np.complex64)), 422, "torch.complex64"),
+        (b"", 400, "no body"),
+        (b"not an array", 400, "not a .npy array"),
+        (npy(np.zeros((3, 400, 400), np.float32)), 413, "more than the"),
+    ]
+    for body, status, reason in cases:
+        code, answer = post(local_ray, body)
+        assert code == status and reason in answer["error"]["message"], (code, answer)
+    code, answer = post(local_ray, npy(good[0].numpy()))
+    assert code == 200
+    torch.testing.assert_close(
+        torch.tensor(answer["embedding"]), eager(build, good[:1])[0], rtol=TOLERANCE, atol=TOLERANCE
+    )
+    serve.delete("checked")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from layergraph.service import EmbedBatches, ImageEncoder, MicroBatcher
+from layergraph.service import EmbedBatches, ImageCheck, ImageEncoder, MicroBatcher, RequestError
 from layergraph.testing import SimulatedGraphs
 
 timm = pytest.importorskip("timm")
@@ -130,8 +130,13 @@ def test_micro_batcher_closes_a_partial_batch_after_the_timeout() -> None:
     assert seen == [1, 2]
 
 
-def test_micro_batcher_gives_a_failure_to_every_caller_of_its_batch() -> None:
+def test_micro_batcher_fails_only_the_callers_whose_items_fail_alone() -> None:
+    """A batch that fails is handled again one item at a time: the good items of a batch
+    with a bad one are answered."""
+    calls: list[list[int]] = []
+
     def handle(items: list[int]) -> list[int]:
+        calls.append(items)
         if 3 in items:
             raise RuntimeError("bad image 3")
         return items
@@ -145,18 +150,50 @@ def test_micro_batcher_gives_a_failure_to_every_caller_of_its_batch() -> None:
         return list(results)
 
     results = asyncio.run(main())
-    assert results[:2] == [0, 1]
-    assert all(isinstance(r, RuntimeError) and "bad image 3" in str(r) for r in results[2:])
+    assert results[:3] == [0, 1, 2]
+    assert isinstance(results[3], RuntimeError) and "bad image 3" in str(results[3])
+    assert calls == [[0, 1], [2, 3], [2], [3]]
 
 
 def test_micro_batcher_refuses_a_wrong_number_of_results() -> None:
     async def main() -> None:
-        batcher = MicroBatcher(lambda items: items[:1], max_batch_size=2, batch_wait_timeout_s=0.05)
-        with pytest.raises(ValueError, match="returned 1 results for 2 items"):
-            await asyncio.gather(batcher.submit(1), batcher.submit(2))
+        batcher = MicroBatcher(
+            lambda items: [*items, 0], max_batch_size=2, batch_wait_timeout_s=0.05
+        )
+        for outcome in await asyncio.gather(
+            batcher.submit(1), batcher.submit(2), return_exceptions=True
+        ):
+            assert isinstance(outcome, ValueError)
+            assert "returned 2 results for 1 items" in str(outcome)
         await batcher.close()
 
     asyncio.run(main())
+
+
+def test_micro_batcher_checks_each_item_before_it_joins_a_batch() -> None:
+    batched: list[list[int]] = []
+
+    def check(item: int) -> int:
+        if item < 0:
+            raise RequestError(f"item {item} is negative")
+        return item * 2
+
+    def handle(items: list[int]) -> list[int]:
+        batched.append(items)
+        return items
+
+    async def main() -> list[Any]:
+        batcher = MicroBatcher(handle, max_batch_size=8, batch_wait_timeout_s=0.05, check=check)
+        results = await asyncio.gather(
+            *(batcher.submit(i) for i in (1, -1, 2)), return_exceptions=True
+        )
+        await batcher.close()
+        return list(results)
+
+    results = asyncio.run(main())
+    assert results[0] == 2 and results[2] == 4
+    assert isinstance(results[1], RequestError) and "item -1 is negative" in str(results[1])
+    assert batched == [[2, 4]], "the bad item never joined the batch"
 
 
 def test_micro_batcher_settings_are_checked() -> None:
@@ -180,3 +217,89 @@ def test_embed_batches_adds_embeddings_and_keeps_other_columns(build: Any) -> No
     )
     with pytest.raises(KeyError, match="no column 'pixels'"):
         EmbedBatches(build, column="pixels", backend=SimulatedGraphs())({"image": images})
+
+
+BAD_IMAGES: list[tuple[Any, int, str]] = [
+    (torch.randn(3, 64, 64), 422, "image size 64x64 differs from the encoder's 32x32"),
+    (torch.randn(3, 32, 33), 422, "image size 32x33 differs"),
+    (torch.randn(1, 32, 32), 422, "the image has 1 channels; the encoder takes 3"),
+    (torch.randn(32, 32), 422, "expected one image of shape [channels, height, width]"),
+    (torch.randn(1, 3, 32, 32), 422, "expected one image of shape"),
+    (torch.empty(3, 0, 32), 422, "the image is empty"),
+    (torch.full((3, 32, 32), float("nan")), 422, "NaN or infinite values"),
+    (torch.full((3, 32, 32), float("inf")), 422, "NaN or infinite values"),
+    (torch.randint(0, 255, (3, 32, 32)), 422, "images are torch.int64"),
+    (torch.zeros(3, 32, 32, dtype=torch.bool), 422, "images are torch.bool"),
+    (torch.zeros(3, 32, 32, dtype=torch.complex64), 422, "images are torch.complex64"),
+    (np.array(["a"] * 4), 415, "a numeric image array"),
+    ("garbage", 415, "expected an image tensor or array"),
+    (torch.randn(3, 4096, 4096), 413, "more than the"),
+]
+"""Requests the encoder refuses: the item, the HTTP status, and words of the reason."""
+
+
+@pytest.mark.parametrize("item, status, reason", BAD_IMAGES, ids=[r for _, _, r in BAD_IMAGES])
+def test_a_bad_image_is_refused_by_name_with_its_status(
+    build: Any, item: Any, status: int, reason: str
+) -> None:
+    encoder = ImageEncoder(
+        build,
+        backend=SimulatedGraphs(),
+        image_shape=SHAPE,
+        check=ImageCheck(shape=SHAPE, max_pixels=1024 * 1024),
+    )
+    with pytest.raises(RequestError) as refused:
+        encoder.prepare(item)
+    assert reason in str(refused.value) and refused.value.status == status
+    assert refused.value.to_json() == {"error": {"status": status, "message": str(refused.value)}}
+    with pytest.raises(RequestError, match="image 1: "):
+        encoder([torch.randn(*SHAPE), item])
+    assert encoder.report()["batch_sizes"] == {}, "nothing reached the model"
+
+
+def test_eight_bit_images_are_scaled_where_the_service_says_so(build: Any) -> None:
+    encoder = ImageEncoder(
+        build, backend=SimulatedGraphs(), check=ImageCheck(shape=SHAPE, integer_images="scale")
+    )
+    pixels = torch.randint(0, 256, (2, *SHAPE), dtype=torch.uint8)
+    want = eager(build, pixels.float() / 255)
+    torch.testing.assert_close(encoder(pixels), want, rtol=TOLERANCE, atol=TOLERANCE)
+    with pytest.raises(RequestError, match="scales uint8 pixels only"):
+        encoder.prepare(pixels[0].to(torch.int32))
+    with pytest.raises(ValueError, match="integer_images must be"):
+        ImageCheck(integer_images="round")  # type: ignore[arg-type]
+
+
+def test_bad_requests_mixed_into_concurrent_traffic_fail_alone(build: Any) -> None:
+    """Good and bad requests sent together through a MicroBatcher fed by an encoder: every
+    good one is answered with its own embedding, every bad one refused with its reason."""
+    encoder = ImageEncoder(build, backend=SimulatedGraphs(), image_shape=SHAPE)
+    generator = torch.Generator().manual_seed(5)
+    good = [torch.randn(*SHAPE, generator=generator) for _ in range(20)]
+    bad = [item for item, _, _ in BAD_IMAGES[:8]]
+    requests = [*good[:10], *bad, *good[10:]]
+
+    async def main() -> list[Any]:
+        batcher = MicroBatcher(encoder.embed_prepared_list, max_batch_size=8, check=encoder.prepare)
+        results = await asyncio.gather(
+            *(batcher.submit(item) for item in requests), return_exceptions=True
+        )
+        await batcher.close()
+        return list(results)
+
+    results = asyncio.run(main())
+    answers = [r for r in results if isinstance(r, torch.Tensor)]
+    refusals = [r for r in results if isinstance(r, Exception)]
+    assert len(answers) == len(good) and all(isinstance(r, RequestError) for r in refusals)
+    torch.testing.assert_close(
+        torch.stack(answers), eager(build, torch.stack(good)), rtol=TOLERANCE, atol=TOLERANCE
+    )
+    assert sum(encoder.report()["batch_sizes"].values()) < len(good), "batches formed"
+
+
+def test_a_ray_data_batch_with_a_bad_row_names_it(build: Any) -> None:
+    job = EmbedBatches(build, backend=SimulatedGraphs(), image_shape=SHAPE)
+    images = np.random.rand(3, *SHAPE).astype(np.float32)
+    images[2, 0, 0, 0] = np.nan
+    with pytest.raises(RequestError, match="image 2: the image has NaN"):
+        job({"image": images})

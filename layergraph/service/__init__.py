@@ -8,6 +8,12 @@ timeout after its first request), for services without Ray. :class:`EmbedBatches
 class-based callable of a Ray Data ``map_batches`` job. None of them imports Ray;
 :mod:`layergraph.service.ray` holds the Ray Serve deployment.
 
+Every item is checked as it arrives (:meth:`ImageEncoder.prepare`, by
+:class:`~layergraph.service.requests.ImageCheck`), before it joins a batch: a bad request fails
+alone with a :class:`~layergraph.service.requests.RequestError` naming what is wrong and the
+HTTP status a client gets. A batch that fails all the same is handled again one item at a
+time, so that only the items that fail alone fail.
+
 What this module does not do: decode or resize images (give ``preprocess``, or send tensors),
 spread one encoder over several GPUs, or batch across processes.
 """
@@ -25,8 +31,16 @@ import torch
 from torch import nn
 
 from ..module import GraphedModule, wrap
+from .requests import ImageCheck, RequestError
 
-__all__ = ["EmbedBatches", "ImageEncoder", "MicroBatcher", "default_embed"]
+__all__ = [
+    "EmbedBatches",
+    "ImageCheck",
+    "ImageEncoder",
+    "MicroBatcher",
+    "RequestError",
+    "default_embed",
+]
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -67,7 +81,10 @@ class ImageEncoder:
     measurements and compiled kernels); ``capture`` lists batch sizes to capture now, from a
     random example of ``image_shape``, so that the first requests replay graphs (for a model
     off the GPU, and no ``backend`` given, nothing is captured: its calls run eagerly, as
-    :meth:`report` says). Other keyword arguments go to :func:`layergraph.wrap`.
+    :meth:`report` says). ``check`` is what every image tensor or array must pass
+    (:class:`~layergraph.service.requests.ImageCheck`; by default one of ``image_shape``
+    where given, finite values, no integer pixels). Other keyword arguments go to
+    :func:`layergraph.wrap`.
     """
 
     def __init__(
@@ -80,12 +97,20 @@ class ImageEncoder:
         warm_start: str | os.PathLike[str] | None = None,
         capture: Sequence[int] = (),
         image_shape: Sequence[int] | None = None,
+        check: ImageCheck | None = None,
         **wrap_options: Any,
     ) -> None:
         if capture and image_shape is None:
             raise ValueError("capture needs image_shape, the [C, H, W] of one image")
+        self.check = check or ImageCheck(shape=tuple(image_shape) if image_shape else None)
+        """What every image tensor or array is checked against, as it arrives."""
         self.model = build().eval()
         self._embed = embed
+        self._takes_other_items = (
+            embed is not default_embed or type(self.model).__name__ == "SentenceTransformer"
+        )
+        """Whether items that are no tensor or array go to ``embed`` as they are (a
+        ``SentenceTransformer`` reads PIL images; a custom ``embed`` what it takes)."""
         self._preprocess = preprocess
         parameter = next(self.model.parameters(), None)
         self.device = parameter.device if parameter is not None else torch.device("cpu")
@@ -108,16 +133,50 @@ class ImageEncoder:
         """What calls go to: the wrapper, or the model itself with ``graphed=False``."""
         return self.graphed if self.graphed is not None else self.model
 
+    def prepare(self, item: Any) -> Any:
+        """One request's item, preprocessed and checked: an image tensor ``[C, H, W]``, or,
+        for a ``SentenceTransformer`` or a custom ``embed``, what ``preprocess`` made of it
+        where that is no tensor or array (a PIL image), as it is. Raises
+        :class:`~layergraph.service.requests.RequestError` naming what is wrong."""
+        if self._preprocess is not None:
+            try:
+                item = self._preprocess(item)
+            except RequestError:
+                raise
+            except Exception as error:
+                raise RequestError(f"preprocess could not read the item: {error}") from error
+        if self._takes_other_items and not (
+            isinstance(item, torch.Tensor) or type(item).__module__ == "numpy"
+        ):
+            return item
+        return self.check(item)
+
     def __call__(self, images: torch.Tensor | Sequence[Any]) -> torch.Tensor:
         """The embeddings of a batch (a tensor ``[N, C, H, W]`` or a list of items), as one
-        float32 CPU tensor of ``N`` rows."""
-        items = list(images) if not isinstance(images, torch.Tensor) else None
-        if items is not None and self._preprocess is not None:
-            items = [self._preprocess(item) for item in items]
-        if items is not None and items and all(isinstance(item, torch.Tensor) for item in items):
-            batch: Any = torch.stack(items)
+        float32 CPU tensor of ``N`` rows; each item goes through :meth:`prepare` first (a
+        :class:`~layergraph.service.requests.RequestError` names the first bad one)."""
+        if isinstance(images, torch.Tensor):
+            rows = list(images) if images.dim() == 4 else [images]
+            if images.dim() != 4:
+                raise RequestError(
+                    f"expected a batch of images [N, C, H, W], got shape {tuple(images.shape)}"
+                )
         else:
-            batch = images if items is None else items
+            rows = list(images)
+        items = []
+        for index, item in enumerate(rows):
+            try:
+                items.append(self.prepare(item))
+            except RequestError as error:
+                raise RequestError(f"image {index}: {error}", error.status) from error
+        return self.embed_prepared(items)
+
+    def embed_prepared(self, items: Sequence[Any]) -> torch.Tensor:
+        """The embeddings of items :meth:`prepare` returned, as one float32 CPU tensor."""
+        if items and all(isinstance(item, torch.Tensor) for item in items):
+            batch: Any = torch.stack(list(items))
+        else:
+            batch = list(items)
         if isinstance(batch, torch.Tensor):
             batch = batch.to(self.device, self.dtype, non_blocking=True)
         self.batch_sizes[len(batch)] += 1
@@ -139,6 +198,28 @@ class ImageEncoder:
     def embed_list(self, items: Sequence[Any]) -> list[torch.Tensor]:
         """The embedding of each item, in order: the body of a batching method."""
         return list(self(items).unbind(0))
+
+    def embed_prepared_list(self, items: Sequence[Any]) -> list[torch.Tensor]:
+        """The embedding of each item :meth:`prepare` returned, in order: the ``handle`` of a
+        :class:`MicroBatcher` whose ``check`` is :meth:`prepare`."""
+        return list(self.embed_prepared(items).unbind(0))
+
+    def embed_each(self, items: Sequence[Any]) -> list[torch.Tensor | Exception]:
+        """The embedding of each prepared item, in order, or the exception that item alone
+        raises: the batch at once, and where that fails, each item alone (the body of a
+        batching method whose callers should fail alone)."""
+        try:
+            return list(self.embed_prepared(items).unbind(0))
+        except Exception as error:
+            if len(items) == 1:
+                return [error]
+        results: list[torch.Tensor | Exception] = []
+        for item in items:
+            try:
+                results.append(self.embed_prepared([item])[0])
+            except Exception as error:
+                results.append(error)
+        return results
 
     def save_warm_start(self, path: str | os.PathLike[str]) -> int:
         """Write this encoder's measurements and compiled kernels to ``path``, for the
@@ -162,13 +243,18 @@ class MicroBatcher(Generic[Item, Result]):
     requests meanwhile.
 
     A batch closes when it holds ``max_batch_size`` items or ``batch_wait_timeout_s`` after its
-    first item arrived, as with Ray Serve's ``@serve.batch``. ``handle`` returns one result per
-    item; an exception it raises is given to every caller of that batch.
+    first item arrived, as with Ray Serve's ``@serve.batch``. ``check`` (an encoder's
+    :meth:`ImageEncoder.prepare`, say) runs on each item in :meth:`submit`, before it joins a
+    batch: what it raises reaches that caller only, and what it returns is the item batched.
+    ``handle`` returns one result per item; where it raises for a batch of several, each item
+    is handled again alone, so that its exception reaches only the callers whose items fail
+    alone (``handle`` must be safe to call again on the same items, as embedding is).
     """
 
     handle: Callable[[list[Item]], list[Result]]
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.005
+    check: Callable[[Any], Item] | None = None
     batch_sizes: Counter[int] = field(default_factory=Counter)
     """How many batches of each size were handled."""
     _queue: asyncio.Queue[_Pending[Item, Result]] | None = field(default=None, repr=False)
@@ -182,8 +268,10 @@ class MicroBatcher(Generic[Item, Result]):
                 f"batch_wait_timeout_s must be 0 or more, got {self.batch_wait_timeout_s}"
             )
 
-    async def submit(self, item: Item) -> Result:
+    async def submit(self, item: Any) -> Result:
         """The result of ``item``, once the batch it joined was handled."""
+        if self.check is not None:
+            item = self.check(item)
         if self._queue is None or self._worker is None or self._worker.done():
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._serve(self._queue))
@@ -213,19 +301,38 @@ class MicroBatcher(Generic[Item, Result]):
                     break
             self.batch_sizes[len(batch)] += 1
             try:
-                results = await asyncio.to_thread(self.handle, [p.item for p in batch])
-                if len(results) != len(batch):
-                    raise ValueError(
-                        f"the batch handler returned {len(results)} results for {len(batch)} items"
-                    )
+                results = await self._handled(batch)
             except Exception as error:
-                for pending in batch:
-                    if not pending.done.done():
-                        pending.done.set_exception(error)
+                if len(batch) == 1:
+                    _settle(batch[0], error=error)
+                    continue
+                for pending in batch:  # each alone: only the items that fail alone fail
+                    try:
+                        _settle(pending, result=(await self._handled([pending]))[0])
+                    except Exception as alone:
+                        _settle(pending, error=alone)
                 continue
             for pending, result in zip(batch, results):
-                if not pending.done.done():
-                    pending.done.set_result(result)
+                _settle(pending, result=result)
+
+    async def _handled(self, batch: list[_Pending[Item, Result]]) -> list[Result]:
+        results = await asyncio.to_thread(self.handle, [p.item for p in batch])
+        if len(results) != len(batch):
+            raise ValueError(
+                f"the batch handler returned {len(results)} results for {len(batch)} items"
+            )
+        return results
+
+
+def _settle(
+    pending: _Pending[Any, Any], result: Any = None, error: Exception | None = None
+) -> None:
+    if pending.done.done():
+        return
+    if error is not None:
+        pending.done.set_exception(error)
+    else:
+        pending.done.set_result(result)
 
 
 class EmbedBatches:
@@ -256,6 +363,6 @@ class EmbedBatches:
                 f"the batch has no column {self.column!r} (it has {', '.join(map(repr, batch))})"
             )
         images = batch[self.column]
-        if type(images).__module__ == "numpy" and images.dtype.kind in "fiub":
+        if type(images).__module__ == "numpy" and images.dtype.kind in "fiucb":
             images = torch.from_numpy(images)
         return {**batch, self.output_column: self.encoder(images).numpy()}

@@ -8,6 +8,14 @@ graphs ready; Ray Serve's dynamic batching hands the encoder lists of any size u
 ``decode`` reads) and get ``{"embedding": [...]}``. The Ray Data callable is
 :class:`layergraph.service.EmbedBatches`, which needs no Ray import.
 
+Each image is checked before it joins a batch (:meth:`ImageEncoder.prepare
+<layergraph.service.ImageEncoder.prepare>`), so a bad request fails alone: through a handle
+with a :class:`~layergraph.service.requests.RequestError`, over HTTP with its status (400 for
+a body that cannot be read, 413 for one above ``max_body_bytes``, 415 or 422 for an image that
+is not what the encoder takes) and a JSON body ``{"error": {"status": ..., "message": ...}}``.
+Any other failure is a 500 with the same JSON form. Responses are strict JSON: an embedding
+with a non-finite value is a 500.
+
 Needs Ray Serve: ``pip install 'layergraph[ray]'``.
 """
 
@@ -15,6 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +33,7 @@ import torch
 from torch import nn
 
 from . import EmbedBatches, ImageEncoder
+from .requests import RequestError
 
 try:
     from ray import serve
@@ -32,12 +44,31 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 __all__ = ["EmbedBatches", "EncoderDeployment", "decode_npy"]
 
+_log = logging.getLogger(__name__)
+
 
 def decode_npy(body: bytes) -> torch.Tensor:
-    """One image from the bytes of a ``.npy`` file (no pickled objects)."""
+    """One image from the bytes of a ``.npy`` file (no pickled objects);
+    :class:`~layergraph.service.requests.RequestError` (400) for bytes that are not one."""
     import numpy as np
 
-    return torch.from_numpy(np.load(io.BytesIO(body), allow_pickle=False))
+    if not body:
+        raise RequestError("the request has no body: post one image as a .npy array", 400)
+    try:
+        array = np.load(io.BytesIO(body), allow_pickle=False)
+    except Exception as error:
+        raise RequestError(f"the body is not a .npy array: {error}", 400) from error
+    if array.dtype.kind not in "fiucb":
+        raise RequestError(f"expected a numeric image array, got dtype {array.dtype}", 415)
+    return torch.from_numpy(array)
+
+
+def _response(body: dict[str, Any], status: int) -> Any:
+    from starlette.responses import Response
+
+    return Response(
+        json.dumps(body, allow_nan=False), status_code=status, media_type="application/json"
+    )
 
 
 @serve.deployment(max_ongoing_requests=128)
@@ -47,9 +78,11 @@ class EncoderDeployment:
     ``build`` makes the model in the replica (a module-level function, so Ray can send it);
     ``max_batch_size`` and ``batch_wait_timeout_s`` set ``@serve.batch`` (keep the
     deployment's ``max_ongoing_requests`` at least ``max_batch_size``); ``decode`` reads an
-    HTTP request's body; the other keyword arguments go to
-    :class:`~layergraph.service.ImageEncoder` (``warm_start``, ``capture``, ``image_shape``,
-    ``preprocess``, ``embed`` and :func:`layergraph.wrap`'s options).
+    HTTP request's body (raising :class:`~layergraph.service.requests.RequestError` for one
+    it cannot read); ``max_body_bytes`` bounds a body's size; the other keyword arguments go
+    to :class:`~layergraph.service.ImageEncoder` (``warm_start``, ``capture``,
+    ``image_shape``, ``check``, ``preprocess``, ``embed`` and :func:`layergraph.wrap`'s
+    options).
     """
 
     def __init__(
@@ -59,23 +92,51 @@ class EncoderDeployment:
         max_batch_size: int = 32,
         batch_wait_timeout_s: float = 0.005,
         decode: Callable[[bytes], Any] = decode_npy,
+        max_body_bytes: int = 64 * 2**20,
         **encoder_options: Any,
     ) -> None:
         self.encoder = ImageEncoder(build, **encoder_options)
         self.decode = decode
-        self.embed.set_max_batch_size(max_batch_size)
-        self.embed.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.max_body_bytes = max_body_bytes
+        self.embed_batch.set_max_batch_size(max_batch_size)
+        self.embed_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+
+    async def embed(self, image: Any) -> torch.Tensor:
+        """The embedding of one image, checked before it joins a batch; raises
+        :class:`~layergraph.service.requests.RequestError` for a bad one."""
+        prepared = self.encoder.prepare(image)
+        result = await self.embed_batch(prepared)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def embed(self, images: list[Any]) -> list[torch.Tensor]:
-        """The embedding of one image; Ray Serve calls this with the batch it formed."""
-        return await asyncio.to_thread(self.encoder.embed_list, images)
+    async def embed_batch(self, images: list[Any]) -> list[torch.Tensor | Exception]:
+        """The embeddings of a batch Ray Serve formed of checked images; a batch that fails
+        is embedded again one image at a time, so only the images that fail alone fail."""
+        return await asyncio.to_thread(self.encoder.embed_each, images)
 
     def report(self) -> dict[str, Any]:
         """What this replica served (:meth:`~layergraph.service.ImageEncoder.report`)."""
         return self.encoder.report()
 
-    async def __call__(self, request: Any) -> dict[str, list[float]]:
-        image = self.decode(await request.body())
-        embedding = await self.embed(image)
-        return {"embedding": embedding.tolist()}
+    async def __call__(self, request: Any) -> Any:
+        try:
+            length = int(request.headers.get("content-length") or 0)
+            if length > self.max_body_bytes:
+                raise RequestError(
+                    f"the body has {length} bytes, more than the {self.max_body_bytes} this "
+                    f"service takes",
+                    413,
+                )
+            embedding = await self.embed(self.decode(await request.body()))
+            values = embedding.tolist()
+            if not all(math.isfinite(value) for value in values):
+                raise ValueError("the embedding has non-finite values")
+        except RequestError as error:
+            return _response(error.to_json(), error.status)
+        except Exception as error:
+            _log.exception("an embedding request failed")
+            message = f"the server failed: {type(error).__name__}: {error}"
+            return _response({"error": {"status": 500, "message": message}}, 500)
+        return _response({"embedding": values}, 200)
