@@ -10,6 +10,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ timm = pytest.importorskip("timm")
 from ray import serve  # noqa: E402
 
 from layergraph.service import EmbedBatches, RequestError  # noqa: E402
+from layergraph.service.client import EmbeddingClient, ServiceUnavailable  # noqa: E402
 from layergraph.service.ray import EncoderDeployment  # noqa: E402
 from layergraph.testing import SimulatedGraphs  # noqa: E402
 
@@ -176,3 +178,63 @@ def test_bad_requests_fail_alone_with_errors_a_client_can_read(local_ray: int, b
         torch.tensor(answer["embedding"]), eager(build, good[:1])[0], rtol=TOLERANCE, atol=TOLERANCE
     )
     serve.delete("checked")
+
+
+def test_load_with_bad_requests_and_a_replica_killed(local_ray: int, build: Any) -> None:
+    """Concurrent clients through the retrying client, bad requests mixed in, one of two
+    replicas killed while requests are in flight: every good request is answered with its
+    own embedding or fails as retryable (never with a client error), every bad one gets a 4xx
+    with its reason, and batches of several images form."""
+    app = EncoderDeployment.options(num_replicas=2).bind(
+        build, max_batch_size=8, batch_wait_timeout_s=0.01, image_shape=SHAPE,
+        backend=SimulatedGraphs(),
+    )  # fmt: skip
+    handle = serve.run(app, name="loaded", route_prefix="/embed")
+    client = EmbeddingClient(f"http://127.0.0.1:{local_ray}/embed", retries=2, backoff_s=0.5)
+    generator = torch.Generator().manual_seed(7)
+    good = torch.randn(160, *SHAPE, generator=generator)
+    bad = [np.zeros((3, 16, 16), np.float32), np.full(SHAPE, np.inf, np.float32)] * 6
+    requests: list[Any] = [image.numpy() for image in good]
+    for index, item in enumerate(bad):
+        requests.insert(index * 13 + 5, item)
+    replicas = [
+        name
+        for name in ray.util.list_named_actors(all_namespaces=True)
+        if "SERVE_REPLICA" in str(name) and "loaded" in str(name)
+    ]
+    assert len(replicas) == 2
+
+    def send(item: Any) -> Any:
+        try:
+            return client.embed(item)
+        except (RequestError, ServiceUnavailable) as error:
+            return error
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(send, item) for item in requests]
+        for _ in as_completed(futures[:40], timeout=120):
+            pass  # a third of the traffic answered: the rest queued or in flight
+        victim = replicas[0]
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+        outcomes = [future.result(timeout=120) for future in futures]
+
+    want = eager(build, good)
+    answered = 0
+    for item, outcome in zip(requests, outcomes, strict=True):
+        is_bad = any(item is b for b in bad)
+        if is_bad:
+            assert isinstance(outcome, RequestError) and 400 <= outcome.status < 500, outcome
+            continue
+        assert not isinstance(outcome, RequestError), outcome  # a good request never fails as bad
+        if isinstance(outcome, ServiceUnavailable):
+            continue  # retryable: the replica died with it in flight, on every try
+        row = next(i for i, image in enumerate(requests) if image is item)
+        index = row - sum(1 for b_item in requests[:row] if any(b_item is b for b in bad))
+        torch.testing.assert_close(
+            torch.tensor(outcome), want[index], rtol=TOLERANCE, atol=TOLERANCE
+        )
+        answered += 1
+    assert answered >= len(good) - 2, f"{len(good) - answered} good requests failed"
+    sizes = handle.report.remote().result()["batch_sizes"]
+    assert max(sizes) > 1, f"no batch of several images formed: {sizes}"
+    serve.delete("loaded")
