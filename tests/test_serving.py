@@ -6,6 +6,7 @@ requests, and the Ray Data callable on numpy batches."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,46 @@ def test_micro_batcher_closes_a_partial_batch_after_the_timeout() -> None:
 
     asyncio.run(main())
     assert seen == [1, 2]
+
+
+def test_micro_batcher_batches_what_arrived_while_the_handler_was_busy() -> None:
+    """Requests arriving while a batch is handled form the next batch together, however far
+    apart within that time (a batch formed while one is handled would close one window
+    after its first)."""
+    seen: list[int] = []
+
+    def handle(items: list[int]) -> list[int]:
+        seen.append(len(items))
+        time.sleep(0.1)
+        return items
+
+    async def main() -> None:
+        batcher = MicroBatcher(handle, max_batch_size=16, batch_wait_timeout_s=0.005)
+        first = asyncio.ensure_future(batcher.submit(0))
+        later = []
+        for item in range(1, 9):
+            await asyncio.sleep(0.008)  # further apart than the window, within the handling
+            later.append(asyncio.ensure_future(batcher.submit(item)))
+        assert await first == 0 and await asyncio.gather(*later) == list(range(1, 9))
+        await batcher.close()
+
+    asyncio.run(main())
+    assert seen == [1, 8]
+
+
+def test_micro_batcher_does_not_hold_a_lone_request_in_sparse_traffic() -> None:
+    async def main() -> list[float]:
+        batcher = MicroBatcher(lambda items: items, max_batch_size=8, batch_wait_timeout_s=0.2)
+        waits = []
+        for item in range(3):
+            start = time.perf_counter()
+            await batcher.submit(item)
+            waits.append(time.perf_counter() - start)
+            await asyncio.sleep(0.25)  # arrivals further apart than the window
+        await batcher.close()
+        return waits
+
+    assert max(asyncio.run(main())) < 0.1, "a lone request was held for the 0.2 s window"
 
 
 def test_micro_batcher_fails_only_the_callers_whose_items_fail_alone() -> None:

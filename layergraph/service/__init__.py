@@ -3,8 +3,8 @@
 :class:`ImageEncoder` builds a model, wraps it, starts from a warm-start file and captures the
 batch sizes asked for before it takes traffic; each call embeds a list of images in one batch
 and returns one CPU tensor per image. :class:`MicroBatcher` forms those lists from concurrent
-requests by the rule Ray Serve's ``@serve.batch`` follows (a batch closes when full or a
-timeout after its first request), for services without Ray. :class:`EmbedBatches` is the
+requests (a batch forms when the encoder is free, and closes when full or a window after its
+first request); the Ray deployment batches with it too. :class:`EmbedBatches` is the
 class-based callable of a Ray Data ``map_batches`` job. None of them imports Ray;
 :mod:`layergraph.service.ray` holds the Ray Serve deployment.
 
@@ -204,23 +204,6 @@ class ImageEncoder:
         :class:`MicroBatcher` whose ``check`` is :meth:`prepare`."""
         return list(self.embed_prepared(items).unbind(0))
 
-    def embed_each(self, items: Sequence[Any]) -> list[torch.Tensor | Exception]:
-        """The embedding of each prepared item, in order, or the exception that item alone
-        raises: the batch at once, and where that fails, each item alone (the body of a
-        batching method whose callers should fail alone)."""
-        try:
-            return list(self.embed_prepared(items).unbind(0))
-        except Exception as error:
-            if len(items) == 1:
-                return [error]
-        results: list[torch.Tensor | Exception] = []
-        for item in items:
-            try:
-                results.append(self.embed_prepared([item])[0])
-            except Exception as error:
-                results.append(error)
-        return results
-
     def save_warm_start(self, path: str | os.PathLike[str]) -> int:
         """Write this encoder's measurements and compiled kernels to ``path``, for the
         ``warm_start`` of other replicas (:meth:`layergraph.GraphedModule.save_warm_start`);
@@ -234,6 +217,8 @@ class ImageEncoder:
 class _Pending(Generic[Item, Result]):
     item: Item
     done: asyncio.Future[Result]
+    arrived: float
+    """When the item was submitted, by the event loop's clock."""
 
 
 @dataclass
@@ -242,10 +227,15 @@ class MicroBatcher(Generic[Item, Result]):
     lists for ``handle``, one batch at a time, run in a worker thread so the loop keeps taking
     requests meanwhile.
 
-    A batch closes when it holds ``max_batch_size`` items or ``batch_wait_timeout_s`` after its
-    first item arrived, as with Ray Serve's ``@serve.batch``. ``check`` (an encoder's
-    :meth:`ImageEncoder.prepare`, say) runs on each item in :meth:`submit`, before it joins a
-    batch: what it raises reaches that caller only, and what it returns is the item batched.
+    A batch forms only when ``handle`` is free: the items that arrived while the last batch
+    was handled join the next at once (Ray Serve's ``@serve.batch`` forms the next batch while
+    one is handled, so under load its batches hold what arrived within one window). A batch
+    closes when it holds ``max_batch_size`` items or ``batch_wait_timeout_s`` after its first
+    item arrived; where requests arrive further apart than that window (traffic too sparse
+    to batch), a lone request is handled at once rather than held for the window. ``check``
+    (an encoder's :meth:`ImageEncoder.prepare`, say) runs on each item in :meth:`submit`,
+    before it joins a batch: what it raises reaches that caller only, and what it returns is
+    the item batched.
     ``handle`` returns one result per item; where it raises for a batch of several, each item
     is handled again alone, so that its exception reaches only the callers whose items fail
     alone (``handle`` must be safe to call again on the same items, as embedding is).
@@ -259,6 +249,9 @@ class MicroBatcher(Generic[Item, Result]):
     """How many batches of each size were handled."""
     _queue: asyncio.Queue[_Pending[Item, Result]] | None = field(default=None, repr=False)
     _worker: asyncio.Task[None] | None = field(default=None, repr=False)
+    _last_arrival: float | None = field(default=None, repr=False)
+    _gap: float | None = field(default=None, repr=False)
+    """The moving average of the time between arrivals (seconds)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -275,8 +268,14 @@ class MicroBatcher(Generic[Item, Result]):
         if self._queue is None or self._worker is None or self._worker.done():
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._serve(self._queue))
-        done: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(item, done))
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._last_arrival is not None:
+            gap = now - self._last_arrival
+            self._gap = gap if self._gap is None else (self._gap + gap) / 2
+        self._last_arrival = now
+        done: asyncio.Future[Result] = loop.create_future()
+        await self._queue.put(_Pending(item, done, now))
         return await done
 
     async def close(self) -> None:
@@ -290,13 +289,17 @@ class MicroBatcher(Generic[Item, Result]):
         loop = asyncio.get_running_loop()
         while True:
             batch = [await queue.get()]
-            deadline = loop.time() + self.batch_wait_timeout_s
+            sparse = self._gap is None or self._gap >= self.batch_wait_timeout_s
+            deadline = batch[0].arrived + (0.0 if sparse else self.batch_wait_timeout_s)
             while len(batch) < self.max_batch_size:
+                if not queue.empty():
+                    batch.append(queue.get_nowait())
+                    continue
                 left = deadline - loop.time()
-                if left <= 0 and queue.empty():
+                if left <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(queue.get(), max(left, 0)))
+                    batch.append(await asyncio.wait_for(queue.get(), left))
                 except asyncio.TimeoutError:
                     break
             self.batch_sizes[len(batch)] += 1

@@ -1,9 +1,11 @@
-"""Ray Serve: a deployment whose ``@serve.batch`` method feeds a wrapped image encoder.
+"""Ray Serve: a deployment whose replicas batch requests for a wrapped image encoder.
 
 Each replica builds one :class:`~layergraph.service.ImageEncoder` in its constructor (from a
 warm-start file and with the batch sizes to capture, when given), so it takes traffic with its
-graphs ready; Ray Serve's dynamic batching hands the encoder lists of any size up to
-``max_batch_size``, which the wrapper's measured shape policy serves. Python callers use
+graphs ready; a :class:`~layergraph.service.MicroBatcher` hands the encoder lists of any size
+up to ``max_batch_size``, which the wrapper's measured shape policy serves. It batches rather
+than Ray Serve's ``@serve.batch``, which forms the next batch while one is embedded, so that
+under load its batches held only the requests of one window. Python callers use
 ``handle.embed.remote(image)``; HTTP callers post one image as a ``.npy`` array (or what
 ``decode`` reads) and get ``{"embedding": [...]}``. The Ray Data callable is
 :class:`layergraph.service.EmbedBatches`, which needs no Ray import.
@@ -21,7 +23,6 @@ Needs Ray Serve: ``pip install 'layergraph[ray]'``.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import EmbedBatches, ImageEncoder
+from . import EmbedBatches, ImageEncoder, MicroBatcher
 from .requests import RequestError
 
 try:
@@ -76,8 +77,9 @@ class EncoderDeployment:
     """A replica serving one wrapped image encoder.
 
     ``build`` makes the model in the replica (a module-level function, so Ray can send it);
-    ``max_batch_size`` and ``batch_wait_timeout_s`` set ``@serve.batch`` (keep the
-    deployment's ``max_ongoing_requests`` at least ``max_batch_size``); ``decode`` reads an
+    ``max_batch_size`` and ``batch_wait_timeout_s`` set the replica's
+    :class:`~layergraph.service.MicroBatcher` (keep the deployment's ``max_ongoing_requests``
+    at least ``max_batch_size``); ``decode`` reads an
     HTTP request's body (raising :class:`~layergraph.service.requests.RequestError` for one
     it cannot read); ``max_body_bytes`` bounds a body's size; the other keyword arguments go
     to :class:`~layergraph.service.ImageEncoder` (``warm_start``, ``capture``,
@@ -98,23 +100,18 @@ class EncoderDeployment:
         self.encoder = ImageEncoder(build, **encoder_options)
         self.decode = decode
         self.max_body_bytes = max_body_bytes
-        self.embed_batch.set_max_batch_size(max_batch_size)
-        self.embed_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.batcher = MicroBatcher(
+            self.encoder.embed_prepared_list,
+            max_batch_size=max_batch_size,
+            batch_wait_timeout_s=batch_wait_timeout_s,
+            check=self.encoder.prepare,
+        )
+        """The replica's batching: a batch forms when the encoder is free."""
 
     async def embed(self, image: Any) -> torch.Tensor:
         """The embedding of one image, checked before it joins a batch; raises
         :class:`~layergraph.service.requests.RequestError` for a bad one."""
-        prepared = self.encoder.prepare(image)
-        result = await self.embed_batch(prepared)
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def embed_batch(self, images: list[Any]) -> list[torch.Tensor | Exception]:
-        """The embeddings of a batch Ray Serve formed of checked images; a batch that fails
-        is embedded again one image at a time, so only the images that fail alone fail."""
-        return await asyncio.to_thread(self.encoder.embed_each, images)
+        return await self.batcher.submit(image)
 
     def report(self) -> dict[str, Any]:
         """What this replica served (:meth:`~layergraph.service.ImageEncoder.report`)."""
