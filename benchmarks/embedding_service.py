@@ -6,8 +6,8 @@ and sentence-transformers' ``encode`` of images, eager against wrapped.
 
 The service is what :class:`layergraph.service.ray.EncoderDeployment` runs in each replica, called
 directly (Ray is not needed): an :class:`~layergraph.service.ImageEncoder` whose
-``embed_list`` is fed by dynamic batching (:class:`~layergraph.service.MicroBatcher`, the rule
-of Ray Serve's ``@serve.batch``: a batch closes when it holds ``--max-batch-size`` requests or
+``embed_list`` is fed by dynamic batching (:class:`~layergraph.service.MicroBatcher`: a batch
+forms when the encoder is free and closes when it holds ``--max-batch-size`` requests or
 ``--batch-wait-ms`` after its first). Each client sends one image (a float32 CPU tensor), waits
 for its embedding and sends the next. Eager is the same encoder with ``graphed=False``; the
 wrapped one uses ``layergraph.wrap``'s defaults (the measured shape policy decides how each
