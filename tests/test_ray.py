@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import socket
+import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ timm = pytest.importorskip("timm")
 
 from ray import serve  # noqa: E402
 
-from layergraph.service import EmbedBatches, RequestError  # noqa: E402
+from layergraph.service import EmbedBatches, RequestError, default_embed  # noqa: E402
 from layergraph.service.client import EmbeddingClient, ServiceUnavailable  # noqa: E402
 from layergraph.service.ray import EncoderDeployment  # noqa: E402
 from layergraph.testing import SimulatedGraphs  # noqa: E402
@@ -238,3 +240,35 @@ def test_load_with_bad_requests_and_a_replica_killed(local_ray: int, build: Any)
     sizes = handle.report.remote().result()["batch_sizes"]
     assert max(sizes) > 1, f"no batch of several images formed: {sizes}"
     serve.delete("loaded")
+
+
+def slow_embed(model: torch.nn.Module, images: Any) -> torch.Tensor:
+    """The default embedding after 0.3 s: an encoder busy long enough for requests to queue."""
+    time.sleep(0.3)
+    return default_embed(model, images)
+
+
+def test_a_batch_takes_the_requests_that_arrived_while_one_was_embedded(
+    local_ray: int, build: Any
+) -> None:
+    """Requests that arrive while the encoder is busy, further apart than the window, form
+    one batch (Ray Serve's ``@serve.batch`` would close a batch of one after each)."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # slow_embed, by value
+    app = EncoderDeployment.bind(
+        build,
+        max_batch_size=16,
+        batch_wait_timeout_s=0.005,
+        embed=slow_embed,
+        backend=SimulatedGraphs(),
+    )
+    handle = serve.run(app, name="busy", route_prefix="/busy")
+    images = torch.randn(7, *SHAPE)
+    answers = [handle.embed.remote(images[0])]
+    time.sleep(0.1)  # the first image's batch is being embedded
+    for image in images[1:]:
+        answers.append(handle.embed.remote(image))
+        time.sleep(0.02)  # four windows apart
+    got = torch.stack([answer.result() for answer in answers])
+    torch.testing.assert_close(got, eager(build, images), rtol=TOLERANCE, atol=TOLERANCE)
+    assert handle.report.remote().result()["batch_sizes"] == {1: 1, 6: 1}
+    serve.delete("busy")
