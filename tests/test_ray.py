@@ -272,3 +272,35 @@ def test_a_batch_takes_the_requests_that_arrived_while_one_was_embedded(
     torch.testing.assert_close(got, eager(build, images), rtol=TOLERANCE, atol=TOLERANCE)
     assert handle.report.remote().result()["batch_sizes"] == {1: 1, 6: 1}
     serve.delete("busy")
+
+
+def test_an_overloaded_replica_answers_503_with_retry_after(local_ray: int, build: Any) -> None:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # slow_embed, by value
+    app = EncoderDeployment.bind(
+        build, max_batch_size=1, max_queued=1, embed=slow_embed, backend=SimulatedGraphs()
+    )
+    serve.run(app, name="full", route_prefix="/full")
+    body = npy(np.random.rand(*SHAPE).astype(np.float32))
+    url = f"http://127.0.0.1:{local_ray}/full"
+
+    def raw(_: int) -> tuple[int, str | None, dict[str, Any]]:
+        request = urllib.request.Request(url, data=body, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, None, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers.get("Retry-After"), json.loads(error.read())
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(raw, range(6)))
+    turned_away = [answer for answer in answers if answer[0] == 503]
+    assert turned_away and all(code in (200, 503) for code, _, _ in answers), answers
+    assert all(after == "1" and "requests are waiting" in body["error"]["message"]
+               for _, after, body in turned_away)  # fmt: skip
+    client = EmbeddingClient(url, retries=8, backoff_s=0.1)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        embedded = list(
+            pool.map(lambda _: client.embed(np.random.rand(*SHAPE).astype(np.float32)), range(3))
+        )
+    assert len(embedded) == 3 and client.retried > 0, "the client retried the 503s"
+    serve.delete("full")

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from layergraph.service import EmbedBatches, ImageCheck, ImageEncoder, MicroBatcher, RequestError
+from layergraph.service import (
+    EmbedBatches,
+    ImageCheck,
+    ImageEncoder,
+    MicroBatcher,
+    RequestError,
+    ServiceOverloaded,
+)
 from layergraph.testing import SimulatedGraphs
 
 timm = pytest.importorskip("timm")
@@ -237,11 +244,35 @@ def test_micro_batcher_checks_each_item_before_it_joins_a_batch() -> None:
     assert batched == [[2, 4]], "the bad item never joined the batch"
 
 
+def test_micro_batcher_turns_requests_away_beyond_max_queued() -> None:
+    def handle(items: list[int]) -> list[int]:
+        time.sleep(0.1)
+        return items
+
+    async def main() -> list[Any]:
+        batcher = MicroBatcher(handle, max_batch_size=4, batch_wait_timeout_s=0, max_queued=2)
+        first = asyncio.ensure_future(batcher.submit(0))
+        await asyncio.sleep(0.02)  # the first is being handled: the others wait
+        results = await asyncio.gather(
+            *(batcher.submit(i) for i in range(1, 5)), return_exceptions=True
+        )
+        await first
+        await batcher.close()
+        return list(results)
+
+    results = asyncio.run(main())
+    assert results[:2] == [1, 2]
+    assert all(isinstance(r, ServiceOverloaded) and "2 requests are waiting" in str(r)
+               for r in results[2:])  # fmt: skip
+
+
 def test_micro_batcher_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="max_batch_size"):
         MicroBatcher(lambda items: items, max_batch_size=0)
     with pytest.raises(ValueError, match="batch_wait_timeout_s"):
         MicroBatcher(lambda items: items, batch_wait_timeout_s=-1)
+    with pytest.raises(ValueError, match="max_queued must be at least 1"):
+        MicroBatcher(lambda items: items, max_queued=0)
 
 
 def test_embed_batches_adds_embeddings_and_keeps_other_columns(build: Any) -> None:

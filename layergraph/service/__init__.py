@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..module import GraphedModule, wrap
-from .requests import ImageCheck, RequestError
+from .requests import ImageCheck, RequestError, ServiceOverloaded
 
 __all__ = [
     "EmbedBatches",
@@ -39,6 +39,7 @@ __all__ = [
     "ImageEncoder",
     "MicroBatcher",
     "RequestError",
+    "ServiceOverloaded",
     "default_embed",
 ]
 
@@ -245,6 +246,9 @@ class MicroBatcher(Generic[Item, Result]):
     max_batch_size: int = 32
     batch_wait_timeout_s: float = 0.005
     check: Callable[[Any], Item] | None = None
+    max_queued: int | None = None
+    """At most this many items wait for a batch; :meth:`submit` raises
+    :class:`~layergraph.service.requests.ServiceOverloaded` beyond (``None``: no bound)."""
     batch_sizes: Counter[int] = field(default_factory=Counter)
     """How many batches of each size were handled."""
     _queue: asyncio.Queue[_Pending[Item, Result]] | None = field(default=None, repr=False)
@@ -256,6 +260,8 @@ class MicroBatcher(Generic[Item, Result]):
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
+        if self.max_queued is not None and self.max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, got {self.max_queued}")
         if self.batch_wait_timeout_s < 0:
             raise ValueError(
                 f"batch_wait_timeout_s must be 0 or more, got {self.batch_wait_timeout_s}"
@@ -265,6 +271,12 @@ class MicroBatcher(Generic[Item, Result]):
         """The result of ``item``, once the batch it joined was handled."""
         if self.check is not None:
             item = self.check(item)
+        waiting = self._queue.qsize() if self._queue is not None else 0
+        if self.max_queued is not None and waiting >= self.max_queued:
+            raise ServiceOverloaded(
+                f"{waiting} requests are waiting, as many as this replica takes; retry in "
+                f"{ServiceOverloaded.retry_after_s} s"
+            )
         if self._queue is None or self._worker is None or self._worker.done():
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._serve(self._queue))

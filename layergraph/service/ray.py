@@ -15,8 +15,9 @@ Each image is checked before it joins a batch (:meth:`ImageEncoder.prepare
 with a :class:`~layergraph.service.requests.RequestError`, over HTTP with its status (400 for
 a body that cannot be read, 413 for one above ``max_body_bytes``, 415 or 422 for an image that
 is not what the encoder takes) and a JSON body ``{"error": {"status": ..., "message": ...}}``.
-Any other failure is a 500 with the same JSON form. Responses are strict JSON: an embedding
-with a non-finite value is a 500.
+A replica holding ``max_queued`` waiting requests turns more away with a 503 and
+``Retry-After`` (the client's to retry); any other failure is a 500 with the same JSON form.
+Responses are strict JSON: an embedding with a non-finite value is a 500.
 
 Needs Ray Serve: ``pip install 'layergraph[ray]'``.
 """
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from . import EmbedBatches, ImageEncoder, MicroBatcher
-from .requests import RequestError
+from .requests import RequestError, ServiceOverloaded
 
 try:
     from ray import serve
@@ -64,11 +65,14 @@ def decode_npy(body: bytes) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _response(body: dict[str, Any], status: int) -> Any:
+def _response(body: dict[str, Any], status: int, headers: dict[str, str] | None = None) -> Any:
     from starlette.responses import Response
 
     return Response(
-        json.dumps(body, allow_nan=False), status_code=status, media_type="application/json"
+        json.dumps(body, allow_nan=False),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
     )
 
 
@@ -81,7 +85,8 @@ class EncoderDeployment:
     :class:`~layergraph.service.MicroBatcher` (keep the deployment's ``max_ongoing_requests``
     at least ``max_batch_size``); ``decode`` reads an
     HTTP request's body (raising :class:`~layergraph.service.requests.RequestError` for one
-    it cannot read); ``max_body_bytes`` bounds a body's size; the other keyword arguments go
+    it cannot read); ``max_body_bytes`` bounds a body's size, ``max_queued`` the requests
+    waiting for a batch (beyond: 503); the other keyword arguments go
     to :class:`~layergraph.service.ImageEncoder` (``warm_start``, ``capture``,
     ``image_shape``, ``check``, ``preprocess``, ``embed`` and :func:`layergraph.wrap`'s
     options).
@@ -95,6 +100,7 @@ class EncoderDeployment:
         batch_wait_timeout_s: float = 0.005,
         decode: Callable[[bytes], Any] = decode_npy,
         max_body_bytes: int = 64 * 2**20,
+        max_queued: int | None = None,
         **encoder_options: Any,
     ) -> None:
         self.encoder = ImageEncoder(build, **encoder_options)
@@ -105,6 +111,7 @@ class EncoderDeployment:
             max_batch_size=max_batch_size,
             batch_wait_timeout_s=batch_wait_timeout_s,
             check=self.encoder.prepare,
+            max_queued=max_queued,
         )
         """The replica's batching: a batch forms when the encoder is free."""
 
@@ -132,6 +139,9 @@ class EncoderDeployment:
                 raise ValueError("the embedding has non-finite values")
         except RequestError as error:
             return _response(error.to_json(), error.status)
+        except ServiceOverloaded as error:
+            body = {"error": {"status": 503, "message": str(error)}}
+            return _response(body, 503, {"Retry-After": str(error.retry_after_s)})
         except Exception as error:
             _log.exception("an embedding request failed")
             message = f"the server failed: {type(error).__name__}: {error}"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["ImageCheck", "RequestError"]
+__all__ = ["ImageCheck", "RequestError", "ServiceOverloaded"]
 
 
 class RequestError(ValueError):
@@ -34,6 +34,15 @@ class RequestError(ValueError):
     def to_json(self) -> dict[str, Any]:
         """The body of the error response: ``{"error": {"status": ..., "message": ...}}``."""
         return {"error": {"status": self.status, "message": str(self)}}
+
+
+class ServiceOverloaded(RuntimeError):
+    """A request turned away because the replica holds as many waiting requests as it takes
+    (``max_queued``): the server's state, not the request's, so a client retries it
+    (HTTP 503, with ``Retry-After``)."""
+
+    status = 503
+    retry_after_s = 1
 
 
 IntegerImages = Literal["refuse", "scale"]
