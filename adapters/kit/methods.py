@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from torch import nn
@@ -62,18 +61,14 @@ class RoutedMethods:
         state = self._state
         return getattr(state, "through", False) and not getattr(state, "inside", False)
 
-    @contextmanager
-    def through_wrapper(self) -> Iterator[None]:
+    def through_wrapper(self) -> _Flag:
         """The scope of a call through the wrapper: the routed methods reach the graphs."""
-        with self._flag("through"):
-            yield
+        return _Flag(self._state, "through")
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> _Flag:
         """The scope of a region running (eagerly, or being captured): the routed methods
         run the class's own."""
-        with self._flag("inside"):
-            yield
+        return _Flag(self._state, "inside")
 
     def run(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The class's own method ``name`` on the call's arguments: what a graph captures."""
@@ -87,11 +82,20 @@ class RoutedMethods:
         first: Hashable = call.argument("method", position=0)
         return first if isinstance(first, str) else default
 
-    @contextmanager
-    def _flag(self, name: str) -> Iterator[None]:
-        outer = getattr(self._state, name, False)
-        setattr(self._state, name, True)
-        try:
-            yield
-        finally:
-            setattr(self._state, name, outer)
+
+class _Flag:
+    """Sets a thread's flag ``name`` for the duration of a ``with`` block (a class rather than
+    a generator: it is entered around every call through the wrapper)."""
+
+    __slots__ = ("_name", "_outer", "_state")
+
+    def __init__(self, state: threading.local, name: str) -> None:
+        self._state, self._name = state, name
+        self._outer = False
+
+    def __enter__(self) -> None:
+        self._outer = getattr(self._state, self._name, False)
+        setattr(self._state, self._name, True)
+
+    def __exit__(self, *_: object) -> None:
+        setattr(self._state, self._name, self._outer)
