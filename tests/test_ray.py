@@ -243,8 +243,8 @@ def test_load_with_bad_requests_and_a_replica_killed(local_ray: int, build: Any)
 
 
 def slow_embed(model: torch.nn.Module, images: Any) -> torch.Tensor:
-    """The default embedding after 0.3 s: an encoder busy long enough for requests to queue."""
-    time.sleep(0.3)
+    """The default embedding after 0.6 s: an encoder busy long enough for requests to queue."""
+    time.sleep(0.6)
     return default_embed(model, images)
 
 
