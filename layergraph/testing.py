@@ -68,8 +68,9 @@ _UNSAFE = {
 
 def _refuse_unsafe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise :class:`CaptureUnsafeOperation` for an operator a CUDA stream capture refuses:
-    :data:`_UNSAFE`, indexing by a boolean mask (``x[mask]``, ``x[mask] = y``), and
-    ``repeat_interleave`` with tensor repeats and no ``output_size``."""
+    :data:`_UNSAFE`, indexing by a boolean mask (``x[mask]``, ``x[mask] = y``), a masked fill
+    with a tensor's value (pass a number), and ``repeat_interleave`` with tensor repeats and no
+    ``output_size``."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return
@@ -82,6 +83,12 @@ def _refuse_unsafe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             for index in indices
         ):
             why = "indexes by a boolean mask, whose selected count depends on values"
+    if (
+        why is None
+        and name in ("aten::masked_fill", "aten::masked_fill_")
+        and func._overloadname == "Tensor"
+    ):
+        why = "fills with a tensor's value, which CUDA's kernel reads on the host (.item())"
     if (
         why is None
         and name == "aten::repeat_interleave"

@@ -573,3 +573,28 @@ def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
             backend.fail_next = False
     failed = "capture of (batch=8, sequence=float32[8]) failed: RuntimeError: layer failed"
     assert all(reason.startswith(failed) for reason in graphed.stats.eager_calls)
+
+
+class FillsWith(nn.Module):
+    """Zeroes the negative values with ``x.masked_fill(mask, value)``, ``value`` a number or a
+    one-value tensor (CUDA's kernel reads a tensor value on the host)."""
+
+    def __init__(self, tensor_value: bool) -> None:
+        super().__init__()
+        self.tensor_value = tensor_value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value = torch.zeros((), dtype=x.dtype) if self.tensor_value else 0.0
+        return x.masked_fill(x < 0, value)
+
+
+@pytest.mark.parametrize("tensor_value", [True, False], ids=["tensor value", "number"])
+def test_a_masked_fill_with_a_tensor_value_is_what_a_capture_refuses(tensor_value: bool) -> None:
+    model = nn.Sequential(*stack(), FillsWith(tensor_value)).eval()
+    graphed = wrap(model, backend=SimulatedGraphs(), batch_sizes=[2])
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        check(graphed, model, 2)
+    assert graphed.stats.failed_captures == int(tensor_value)
+    if tensor_value:
+        assert "fills with a tensor's value" in str(warned[0].message)

@@ -83,16 +83,16 @@ class MaskedAssignment(TorchFunctionMode):
         target, index, value = args
         if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
             value = value.item()
-        if isinstance(value, (bool, int, float)) and target.device.type != "cpu":
-            value = torch.full((), value, dtype=target.dtype, device=target.device)
         if (
             isinstance(index, torch.Tensor)
             and index.dtype == torch.bool
             and index.shape == target.shape
             and (not isinstance(value, torch.Tensor) or value.numel() == 1)
         ):
-            target.masked_fill_(index, value)
+            target.masked_fill_(index, value)  # a number: a kernel argument, no copy
             return None
+        if isinstance(value, (bool, int, float)) and target.device.type != "cpu":
+            value = torch.full((), value, dtype=target.dtype, device=target.device)
         return func(target, index, value)
 
 
