@@ -34,6 +34,7 @@ import transformers
 
 import layergraph
 from layergraph.testing import SimulatedGraphs
+from layergraph.timing import timed_call
 from layergraph.validation import relative_error
 
 SAMPLE_RATE = 16000
@@ -65,16 +66,7 @@ class Setting:
 
     def time_ms(self, call: Callable[[], Any]) -> float:
         """One call of ``call``, waited for, in milliseconds."""
-        if self.device.type != "cuda":
-            start = time.perf_counter()
-            call()
-            return (time.perf_counter() - start) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return timed_call(call, device=self.device)[1]
 
     def peak_reset(self) -> None:
         if self.device.type == "cuda":

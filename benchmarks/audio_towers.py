@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import platform
-import statistics
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,6 +25,7 @@ import transformers
 
 import layergraph
 from layergraph.reference import plain_graph
+from layergraph.timing import waited_ms
 from layergraph.validation import relative_error
 
 MEL_BINS = 128
@@ -34,18 +34,7 @@ FRAMES_PER_SECOND = 100
 
 def median_ms(call: Callable[[], Any], iters: int) -> float:
     """The median time of ``call`` in milliseconds, each call waited for."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return waited_ms(call, device=torch.device("cuda"), warmup=3, iters=iters)
 
 
 def omni_tower(kind: str) -> torch.nn.Module:

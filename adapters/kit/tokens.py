@@ -75,14 +75,15 @@ def checked_images(call: CallInputs, channels: int) -> torch.Tensor:
     return images
 
 
+_IMAGE_CONVERSION = (
+    ", scaled and normalised as its preprocessing does (for 8-bit pixels, images.float() / "
+    "255, then its mean and std)"
+)
+
+
 def check_floating(images: torch.Tensor, what: str = "images") -> None:
     """``ValueError`` for images (or another input, ``what``) of an integer dtype, naming the
     conversion images need."""
     if not images.is_floating_point():
-        if what != "images":
-            raise ValueError(f"{what} are {images.dtype}: the model takes floating-point {what}")
-        raise ValueError(
-            f"images are {images.dtype}: the model takes floating-point images, scaled and "
-            f"normalised as its preprocessing does (for 8-bit pixels, images.float() / 255, "
-            f"then its mean and std)"
-        )
+        how = _IMAGE_CONVERSION if what == "images" else ""
+        raise ValueError(f"{what} are {images.dtype}: the model takes floating-point {what}{how}")

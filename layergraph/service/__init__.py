@@ -156,14 +156,11 @@ class ImageEncoder:
         """The embeddings of a batch (a tensor ``[N, C, H, W]`` or a list of items), as one
         float32 CPU tensor of ``N`` rows; each item goes through :meth:`prepare` first (a
         :class:`~layergraph.service.requests.RequestError` names the first bad one)."""
-        if isinstance(images, torch.Tensor):
-            rows = list(images) if images.dim() == 4 else [images]
-            if images.dim() != 4:
-                raise RequestError(
-                    f"expected a batch of images [N, C, H, W], got shape {tuple(images.shape)}"
-                )
-        else:
-            rows = list(images)
+        if isinstance(images, torch.Tensor) and images.dim() != 4:
+            raise RequestError(
+                f"expected a batch of images [N, C, H, W], got shape {tuple(images.shape)}"
+            )
+        rows = list(images)
         items = []
         for index, item in enumerate(rows):
             try:
