@@ -7,7 +7,7 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 COLUMNS=160
 log="$out/log.txt"
-step() { local limit=$1; shift; echo "\$ $*" >>"$log"; timeout -k 5 "$limit" "$@" >>"$log" 2>&1; echo "rc=$?" >>"$log"; }
+step() { local limit=$1; shift; echo "\$ $*  # $(date -u +%T)" >>"$log"; timeout -k 5 "$limit" "$@" >>"$log" 2>&1; echo "rc=$? at $(date -u +%T)" >>"$log"; }
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1
 { date -u +"date: %Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -7,12 +7,13 @@
 #   transformers: Swin-T, SwinV2-S, BEiT-B, Hiera-S;
 #   sam:          SAM ViT-B at 1024x1024 (batches 1 and 8);
 #   fp16:         the convnets and transformers again in float16, without torch.compile;
-#   tests:        the CUDA-marked timm tests.
-# Usage: benchmarks/h200_timm.sh PART...   (results under $OUT, or ./gpu-results)
+#   naflex:       NaFlexVit-B on batches of mixed image sizes (benchmarks/naflex_mixed.py);
+#   tests:        the CUDA-marked timm tests and those of failed captures.
+# Usage: benchmarks/h200_timm.sh PART...   (results under $OUT, or ./gpu-results); CONVNETS and
+# TRANSFORMERS, given, name the models of those parts instead.
 source "$(dirname "$0")/h200_setup.sh" none
-CONVNETS="convnext_tiny convnext_base resnet50 efficientvit_b2 maxvit_tiny_tf_224"
-TRANSFORMERS="swin_tiny_patch4_window7_224 swinv2_small_window8_256 beit_base_patch16_224"
-TRANSFORMERS="$TRANSFORMERS hiera_small_224"
+CONVNETS="${CONVNETS:-convnext_tiny convnext_base resnet50 efficientvit_b2 maxvit_tiny_tf_224}"
+TRANSFORMERS="${TRANSFORMERS:-swin_tiny_patch4_window7_224 swinv2_small_window8_256 beit_base_patch16_224 hiera_small_224}"
 bench() {  # bench LIMIT MODEL BATCHES DTYPE [FLAGS...]
   local limit=$1 model=$2 batches=$3 dtype=$4
   shift 4
@@ -23,11 +24,12 @@ for part in "$@"; do
   case $part in
     convnets) for m in $CONVNETS; do bench 110 "$m" 1,8,32 bf16 --compile; done ;;
     transformers) for m in $TRANSFORMERS; do bench 140 "$m" 1,8,32 bf16 --compile; done ;;
-    sam) bench 300 samvit_base_patch16 1,8 bf16 --compile ;;
+    sam) bench 220 samvit_base_patch16 1,8 bf16 --compile ;;
     fp16) for m in $CONVNETS $TRANSFORMERS; do bench 60 "$m" 1,8,32 fp16; done ;;
+    naflex) step 240 python3 benchmarks/naflex_mixed.py --compile --json "$out/naflex-bf16.json" ;;
     tests)
       step 300 python3 -m pytest -q -p no:cacheprovider --timeout 120 -m cuda tests \
-        -k "timm" -o junit_family=legacy --junitxml "$out/cuda-timm.xml" ;;
+        -k "timm or capture_failures" -o junit_family=legacy --junitxml "$out/cuda-timm.xml" ;;
     *) echo "unknown part: $part" >>"$log" ;;
   esac
 done

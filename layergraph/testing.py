@@ -16,9 +16,13 @@ one of the pool's graphs lives. Its captures refuse what a CUDA stream capture r
 CPU run would not notice: reading a tensor's value on the host (``.item()``, ``bool(t)``) and
 operators whose output size depends on values (``nonzero``, boolean-mask indexing,
 ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``), each of which
-waits for the GPU. Its pools model the memory a CUDA caching allocator reserves for graphs
-(:class:`_SimulatedPool`), so that tests can check how captures share a pool; it does not
-simulate kernels' timing or streams.
+waits for the GPU, and a tensor made on the host during the capture (``torch.arange(n)``
+without ``device=``) that reaches the device: an index of a device's tensor, ``.to(device)``,
+an operand beside the device's tensors (a copy from pageable host memory, which a capture
+refuses). Which tensors are the host's is tracked as :class:`_CaptureRules` says; values of
+the host's tensors may be read, as a GPU's host reads them. Its pools model the memory a
+CUDA caching allocator reserves for graphs (:class:`_SimulatedPool`), so that tests can check
+how captures share a pool; it does not simulate kernels' timing or streams.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .device_factories import COMPUTED_FACTORIES, HOST_COPY_MESSAGE
 from .graphs import GraphCaptureError
 from .tape import Recorder, Tape
 
@@ -66,11 +71,16 @@ _UNSAFE = {
 """Operators a CUDA stream capture refuses, by name, with why."""
 
 
-def _refuse_unsafe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _refuse_unsafe(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    on_host: Callable[[Any], bool] = lambda value: False,
+) -> None:
     """Raise :class:`CaptureUnsafeOperation` for an operator a CUDA stream capture refuses:
     :data:`_UNSAFE`, indexing by a boolean mask (``x[mask]``, ``x[mask] = y``), a masked fill
-    with a tensor's value (pass a number), and ``repeat_interleave`` with tensor repeats and no
-    ``output_size``."""
+    with the value of a device's tensor (pass a number), and ``repeat_interleave`` with tensor
+    repeats and no ``output_size``. ``on_host(value)`` says whether a tensor is the host's."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return
@@ -87,8 +97,9 @@ def _refuse_unsafe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         why is None
         and name in ("aten::masked_fill", "aten::masked_fill_")
         and func._overloadname == "Tensor"
+        and not on_host(args[2] if len(args) > 2 else kwargs.get("value"))
     ):
-        why = "fills with a tensor's value, which CUDA's kernel reads on the host (.item())"
+        why = "fills with a device tensor's value, which CUDA's kernel reads on the host"
     if (
         why is None
         and name == "aten::repeat_interleave"
@@ -105,11 +116,56 @@ def _refuse_unsafe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 _HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
 """Tensor methods that read values on the host: under inference mode the CPU serves some of
-them without reaching :func:`_refuse_unsafe`, so :class:`_HostReadRules` sees them first."""
+them without reaching :func:`_refuse_unsafe`, so :class:`_CaptureRules` sees them first."""
+
+_HOST_FACTORIES = COMPUTED_FACTORIES | {
+    torch.as_tensor,
+    torch.rand,
+    torch.randint,
+    torch.randn,
+    torch.randperm,
+    torch.scalar_tensor,
+    torch.tensor,
+}
+"""Factories that make their tensor on the host unless given ``device=``."""
+
+_INDEXING = frozenset(
+    {
+        torch.Tensor.__getitem__,
+        torch.Tensor.__setitem__,
+        torch.Tensor.index_put,
+        torch.Tensor.index_put_,
+        torch.index_put,
+    }
+)
+"""Functions that copy index tensors of the host to the device, whatever their size."""
+
+_MOVES = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_})
+"""Methods that copy a host tensor to the device when given a device or a device's tensor."""
 
 
-class _HostReadRules(TorchFunctionMode):
-    """Raises :class:`CaptureUnsafeOperation` for a tensor's value read on the host."""
+class _CaptureRules(TorchFunctionMode):
+    """Raises :class:`CaptureUnsafeOperation` for what a CUDA capture refuses at the level of
+    PyTorch's functions: a device tensor's value read on the host, and a tensor made on the
+    host during the capture copied to the device.
+
+    A tensor is the host's if the capture made it with a factory of :data:`_HOST_FACTORIES`
+    given no ``device=`` (or ``device="cpu"``), or from the host's tensors alone; every other
+    tensor (parameters, inputs, what derives from them) is the device's. A function of the
+    host's tensors alone runs as the CPU would run it on a GPU's host: its values may be read,
+    and :meth:`check` lets its operators through. Tensors made on the host before the capture
+    (in a warm-up run, kept in a cache) count as the device's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._on_host = False
+
+    def check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """:func:`_refuse_unsafe`, except within a function of the host's tensors alone."""
+        if not self._on_host:
+            _refuse_unsafe(func, args, kwargs, self._is_host)
 
     def __torch_function__(
         self,
@@ -118,15 +174,84 @@ class _HostReadRules(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if getattr(func, "__name__", None) in _HOST_READS and "Tensor" in getattr(
-            func, "__qualname__", ""
-        ):
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        host = [tensor for tensor in tensors if self._is_host(tensor)]
+        on_device = len(host) < len(tensors)
+        if host:
+            copied = _copied_to_device(func, args, kwargs, host, on_device)
+            if copied:
+                raise CaptureUnsafeOperation(
+                    f"{_name(func)} copies {copied} made on the host during the capture (made "
+                    f"without device=) to the device: {HOST_COPY_MESSAGE}; make it with "
+                    f"device=, or before the captured region"
+                )
+        elif _reads_host(func):
             raise CaptureUnsafeOperation(
                 f"Tensor.{func.__name__} reads a tensor's value on the host (.item(), bool(t), "
                 f"int(t)): a CUDA graph cannot capture it (it waits for the GPU); compute it "
                 f"before the captured region, or pass the result in as an input"
             )
-        return func(*args, **(kwargs or {}))
+        made_on_host = (func in _HOST_FACTORIES and _no_device(kwargs)) or (
+            host and not on_device and func not in _MOVES
+        )
+        was_on_host, self._on_host = self._on_host, bool(made_on_host)
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            self._on_host = was_on_host
+        if made_on_host:
+            for leaf in pytree.tree_leaves(result):
+                if isinstance(leaf, torch.Tensor):
+                    self._host[id(leaf)] = weakref.ref(leaf)
+        return result
+
+    def _is_host(self, value: Any) -> bool:
+        held = self._host.get(id(value))
+        return held is not None and held() is value
+
+
+def _copied_to_device(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: list[Any], on_device: bool
+) -> str | None:
+    """What of ``host``, tensors made on the host that ``func`` took, it would copy to the
+    device (``None`` for nothing): indices, a tensor moved, or a tensor beside the device's
+    (a tensor of no dimensions stands for a number there, as CUDA's kernels take it)."""
+    if func in _MOVES:
+        targets = [*args[1:], kwargs.get("device")]
+        moved = (
+            func is torch.Tensor.cuda
+            or on_device
+            or any(
+                isinstance(target, torch.device) or (isinstance(target, str) and target != "cpu")
+                for target in targets
+            )
+        )
+        return "a tensor" if moved else None
+    if not on_device:
+        return None
+    if func in _INDEXING:
+        return "an index tensor"
+    if any(tensor.dim() > 0 for tensor in host):
+        return "a tensor"
+    return None
+
+
+def _no_device(kwargs: dict[str, Any]) -> bool:
+    device = kwargs.get("device")
+    return device is None or device == "cpu"
+
+
+def _reads_host(func: Any) -> bool:
+    return getattr(func, "__name__", None) in _HOST_READS and "Tensor" in getattr(
+        func, "__qualname__", ""
+    )
+
+
+def _name(func: Any) -> str:
+    owner = "Tensor." if "Tensor" in getattr(func, "__qualname__", "") else "torch."
+    return owner + getattr(func, "__name__", str(func))
 
 
 @contextlib.contextmanager
@@ -284,11 +409,12 @@ class SimulatedGraphs:
             fn()
         if pool.used and not pool.graphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
-        recorder = Recorder(_refuse_unsafe if self.strict else None)
+        capture_rules = _CaptureRules() if self.strict else None
+        recorder = Recorder(capture_rules.check if capture_rules is not None else None)
         try:
             with contextlib.ExitStack() as rules:
-                if self.strict:
-                    rules.enter_context(_HostReadRules())
+                if capture_rules is not None:
+                    rules.enter_context(capture_rules)
                 rules.enter_context(_stream_capturing())
                 rules.enter_context(recorder)
                 output = fn()

@@ -172,3 +172,50 @@ def test_a_failed_capture_leaves_no_memory_behind(
     record_property("memory_after_rounds_bytes", levels)
     (allocated, reserved), (allocated_after, reserved_after) = levels
     assert allocated_after <= allocated + KEPT_BYTES and reserved_after <= reserved, levels
+
+
+class IndexedOnHost(nn.Module):
+    """Scales each row by a weight's row, picked with an index that the forward makes on the
+    host: by ``torch.arange`` without ``device=`` (as SAM ViT's relative positions are), or by
+    ``torch.tensor`` of Python's numbers. Eagerly PyTorch copies the index to the GPU; a
+    capture refuses the copy from pageable host memory."""
+
+    def __init__(self, made_with: str) -> None:
+        super().__init__()
+        self.made_with = made_with
+        self.weight = nn.Parameter(torch.randn(16, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.made_with == "arange":
+            index = torch.arange(rows)
+        else:
+            index = torch.tensor(list(range(rows)))
+        return x * self.weight[index]
+
+
+def test_an_index_made_on_the_host_is_made_on_the_device_for_the_capture() -> None:
+    """The first capture fails at the copy; the second, with ``torch.arange`` made on the GPU,
+    succeeds: every batch replays, equal to eager, and no failure is reported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("arange")).cuda().eval()
+    graphed = wrap(model, batch_sizes=[2, 4])
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureFailedWarning)
+        for batch in (2, 4, 2, 3):
+            x = rows(batch)
+            assert relative_error(graphed(x), model(x)) <= TOLERANCE
+    stats = graphed.stats
+    assert stats.failed_captures == 0 and stats.eager_total == 0 and stats.replays == 4
+
+
+def test_an_index_of_python_numbers_made_on_the_host_is_served_eagerly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("tensor")).cuda().eval()
+    graphed = wrap(model, batch_sizes=[2])
+    x = rows(2)
+    with torch.inference_mode():
+        with pytest.warns(CaptureFailedWarning, match="Cannot copy between CPU and CUDA"):
+            assert relative_error(graphed(x), model(x)) <= TOLERANCE
+        assert relative_error(graphed(x), model(x)) <= TOLERANCE
+    assert graphed.stats.failed_captures == 1 and graphed.stats.eager_total == 2

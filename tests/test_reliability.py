@@ -23,6 +23,7 @@ import layergraph
 import layergraph.guards
 from layergraph import GraphMismatchError
 from layergraph.graphs import GraphCaptureError
+from layergraph.runner import CaptureFailedWarning
 from layergraph.testing import SimulatedGraphs
 
 ATOL = 1e-5
@@ -576,25 +577,98 @@ def test_any_sequence_of_calls_changes_and_faults_keeps_serving(
 
 
 class FillsWith(nn.Module):
-    """Zeroes the negative values with ``x.masked_fill(mask, value)``, ``value`` a number or a
-    one-value tensor (CUDA's kernel reads a tensor value on the host)."""
+    """Zeroes the negative values with ``x.masked_fill(mask, value)``, ``value`` a number, a
+    one-value tensor of the device (CUDA's kernel reads it on the host: a wait) or one made on
+    the host (read there without a wait)."""
 
-    def __init__(self, tensor_value: bool) -> None:
+    def __init__(self, value: str) -> None:
         super().__init__()
-        self.tensor_value = tensor_value
+        self.value = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value = torch.zeros((), dtype=x.dtype) if self.tensor_value else 0.0
-        return x.masked_fill(x < 0, value)
+        values = {
+            "device tensor": lambda: x.new_zeros(()),
+            "host tensor": lambda: torch.zeros((), dtype=x.dtype),
+            "number": lambda: 0.0,
+        }
+        return x.masked_fill(x < 0, values[self.value]())
 
 
-@pytest.mark.parametrize("tensor_value", [True, False], ids=["tensor value", "number"])
-def test_a_masked_fill_with_a_tensor_value_is_what_a_capture_refuses(tensor_value: bool) -> None:
-    model = nn.Sequential(*stack(), FillsWith(tensor_value)).eval()
+@pytest.mark.parametrize("value", ["device tensor", "host tensor", "number"])
+def test_a_masked_fill_with_a_device_tensor_value_is_what_a_capture_refuses(value: str) -> None:
+    model = nn.Sequential(*stack(), FillsWith(value)).eval()
     graphed = wrap(model, backend=SimulatedGraphs(), batch_sizes=[2])
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         check(graphed, model, 2)
-    assert graphed.stats.failed_captures == int(tensor_value)
-    if tensor_value:
-        assert "fills with a tensor's value" in str(warned[0].message)
+    refused = value == "device tensor"
+    assert graphed.stats.failed_captures == int(refused)
+    if refused:
+        assert "fills with a device tensor's value" in str(warned[0].message)
+
+
+class MadeOnHost(nn.Module):
+    """Scales the rows of ``x`` by a weight's rows picked with an index made on the host during
+    the forward (as SAM ViT's relative positions are, with ``torch.arange`` and no device), or
+    made with ``torch.tensor`` (values from Python, which a capture cannot make on the device)."""
+
+    def __init__(self, made_with: str) -> None:
+        super().__init__()
+        self.made_with = made_with
+        self.weight = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.made_with == "arange":
+            index = torch.arange(rows)
+        else:
+            index = torch.tensor(list(range(rows)))
+        return x * self.weight[index]
+
+
+def test_a_capture_refused_at_a_copy_from_the_host_is_made_again_on_the_device() -> None:
+    model = nn.Sequential(*stack(), MadeOnHost("arange")).eval()
+    graphed = wrap(model, batch_sizes=[4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no capture failure is reported
+        for batch in (4, 3, 4):
+            check(graphed, model, batch)
+    stats = graphed.stats
+    assert stats.failed_captures == 0 and stats.eager_total == 0 and stats.replays == 3
+
+
+def test_a_copy_from_the_host_that_cannot_be_made_on_the_device_is_served_eagerly() -> None:
+    model = nn.Sequential(*stack(), MadeOnHost("tensor")).eval()
+    graphed = wrap(model, batch_sizes=[4])
+    with pytest.warns(CaptureFailedWarning, match="index tensor made on the host"):
+        check(graphed, model, 4)
+    check(graphed, model, 4)
+    assert graphed.stats.failed_captures == 1 and graphed.stats.eager_total == 2
+
+
+def test_the_faithful_replay_refuses_what_reaches_the_device_from_the_host() -> None:
+    weight = nn.Parameter(torch.randn(10, 4))
+    backend = SimulatedGraphs()
+
+    def indexes() -> torch.Tensor:
+        return weight[torch.arange(5)]
+
+    def moves() -> torch.Tensor:
+        return weight[:5] * torch.arange(5).to(weight.device)[:, None]
+
+    def beside() -> torch.Tensor:
+        return weight[:5] + torch.ones(5, 4)
+
+    def made_on_device_or_read_on_host() -> torch.Tensor:
+        count = int(torch.arange(3).sum().item())  # the host's values, read on the host
+        scale = torch.tensor(2.0)  # a number beside the device's tensors
+        return weight[torch.arange(5, device=weight.device)] * scale + count
+
+    for refused, what in ((indexes, "an index tensor"), (moves, "a tensor"), (beside, "a tensor")):
+        with pytest.raises(GraphCaptureError, match=f"copies {what} made on the host"):
+            backend.capture(refused, backend.new_pool(), 1)
+    graph, output = backend.capture(made_on_device_or_read_on_host, backend.new_pool(), 1)
+    with torch.no_grad():
+        weight.add_(1.0)
+    backend.replay(graph)
+    torch.testing.assert_close(output, weight[:5] * 2.0 + 3, atol=ATOL, rtol=0)

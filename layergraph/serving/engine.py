@@ -24,6 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..adapter import CapturePlan
+from ..device_factories import MadeOnDevice, copies_from_host
 from ..graphs import GraphBackend, GraphCaptureError
 from ..guards import HookFingerprint, HookWatch, ParameterWatch, addresses
 from ..keys import ShapeKey
@@ -149,6 +150,10 @@ class GraphEngine:
         """Call signatures captured since the model last changed: the lazy initialisation of
         their kernels has run, so a packing whose budgets share kernels warms them up once."""
         self.eager_stand_in: Callable[[Call], float | None] = lambda call: None
+        self._made_on_device = False
+        """Whether captures make the tensors the model makes without a device on the device
+        (:class:`~layergraph.device_factories.MadeOnDevice`): set once a capture failed at a
+        copy from the host and its second try, so made, succeeded."""
 
     @property
     def held(self) -> HeldGraphs:
@@ -407,8 +412,12 @@ class GraphEngine:
         if packing.later_warmup_runs is not None and call.signature in self._warmed:
             warmup_runs = packing.later_warmup_runs
 
+        device = next((tensor.device for tensor in buffer_tensors(buffers)), None)
+
         def region() -> Any:
-            with self.plan.bound(state):
+            with self.plan.bound(state), contextlib.ExitStack() as made:
+                if self._made_on_device and device is not None:
+                    made.enter_context(MadeOnDevice(device))
                 return self._captured_region(*args, **kwargs)
 
         self._done = self.backend.follow(self._done)
@@ -416,7 +425,17 @@ class GraphEngine:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
             with self.pools.capturing(self) as pool:
-                graph, output = self.backend.capture(region, pool, warmup_runs)
+                try:
+                    graph, output = self.backend.capture(region, pool, warmup_runs)
+                except GraphCaptureError as failed:
+                    if self._made_on_device or device is None or not copies_from_host(failed):
+                        raise
+                    self._made_on_device = True
+                    try:
+                        graph, output = self.backend.capture(region, pool, 1)
+                    except GraphCaptureError:
+                        self._made_on_device = False
+                        raise
         self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
         known = self._cache.costs(lookup)
