@@ -5,7 +5,7 @@
 # waited for and in a loop; errors against a float32 copy. Parts, each one device call:
 #   convnets:     ConvNeXt-T and -B, ResNet-50, EfficientViT-B2, MaxViT-T;
 #   transformers: Swin-T, SwinV2-S, BEiT-B, Hiera-S;
-#   sam:          SAM ViT-B at 1024x1024 (batches 1 and 8);
+#   sam:          SAM ViT-B at 1024x1024 (batches 1 and 8), bf16 and float16;
 #   fp16:         the convnets and transformers again in float16, without torch.compile;
 #   naflex:       NaFlexVit-B on batches of mixed image sizes (benchmarks/naflex_mixed.py);
 #   tests:        the CUDA-marked timm tests and those of failed captures.
@@ -24,11 +24,11 @@ for part in "$@"; do
   case $part in
     convnets) for m in $CONVNETS; do bench 110 "$m" 1,8,32 bf16 --compile; done ;;
     transformers) for m in $TRANSFORMERS; do bench 140 "$m" 1,8,32 bf16 --compile; done ;;
-    sam) bench 220 samvit_base_patch16 1,8 bf16 --compile ;;
+    sam) bench 220 samvit_base_patch16 1,8 bf16 --compile; bench 90 samvit_base_patch16 1,8 fp16 ;;
     fp16) for m in $CONVNETS $TRANSFORMERS; do bench 60 "$m" 1,8,32 fp16; done ;;
     naflex) step 240 python3 benchmarks/naflex_mixed.py --compile --json "$out/naflex-bf16.json" ;;
     tests)
-      step 300 python3 -m pytest -q -p no:cacheprovider --timeout 120 -m cuda tests \
+      step 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -m cuda tests \
         -k "timm or capture_failures" -o junit_family=legacy --junitxml "$out/cuda-timm.xml" ;;
     *) echo "unknown part: $part" >>"$log" ;;
   esac

@@ -46,7 +46,8 @@ which :class:`~layergraph.testing.SimulatedGraphs` repeats)."""
 
 class MadeOnDevice(TorchFunctionMode):
     """Within, :data:`COMPUTED_FACTORIES` called without ``device=`` make their tensor on
-    ``device``; every other call runs as it was made."""
+    ``device`` (a tensor asked for in pinned host memory stays there); every other call runs
+    as it was made."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -60,7 +61,11 @@ class MadeOnDevice(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in COMPUTED_FACTORIES and kwargs.get("device") is None:
+        if (
+            func in COMPUTED_FACTORIES
+            and kwargs.get("device") is None
+            and not kwargs.get("pin_memory")
+        ):
             kwargs = {**kwargs, "device": self.device}
         return func(*args, **kwargs)
 
