@@ -228,7 +228,12 @@ def _capture_on(graph: torch.cuda.CUDAGraph, pool: CudaPool, fn: Callable[[], An
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     with torch.cuda.stream(pool.capture_stream.stream):
-        graph.capture_begin(pool=pool.handle)
+        try:
+            graph.capture_begin(pool=pool.handle)
+        except BaseException:
+            # It puts the default generator in capture mode before it can fail.
+            _release_default_generator(torch.cuda.current_device())
+            raise
         try:
             output = fn()
             graph.capture_end()

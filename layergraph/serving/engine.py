@@ -424,18 +424,19 @@ class GraphEngine:
         with self.hooks.adopting(), contextlib.ExitStack() as contexts:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
-            with self.pools.capturing(self) as pool:
-                try:
+            try:
+                with self.pools.capturing(self) as pool:
                     graph, output = self.backend.capture(region, pool, warmup_runs)
-                except GraphCaptureError as failed:
-                    if self._made_on_device or device is None or not copies_from_host(failed):
-                        raise
-                    self._made_on_device = True
-                    try:
+            except GraphCaptureError as failed:
+                if self._made_on_device or device is None or not copies_from_host(failed):
+                    raise
+                self._made_on_device = True  # and again, in a fresh pool if none is held
+                try:
+                    with self.pools.capturing(self) as pool:
                         graph, output = self.backend.capture(region, pool, 1)
-                    except GraphCaptureError:
-                        self._made_on_device = False
-                        raise
+                except GraphCaptureError:
+                    self._made_on_device = False
+                    raise
         self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
         known = self._cache.costs(lookup)
