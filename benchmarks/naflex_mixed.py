@@ -3,6 +3,7 @@ and ``torch.compile(mode="reduce-overhead")``.
 
     python3 benchmarks/naflex_mixed.py --compile --json naflex.json   # a GPU: a few minutes
     python3 benchmarks/naflex_mixed.py --tiny --json tiny.json        # a tiny model, the CPU
+    python3 benchmarks/naflex_mixed.py --options fuse_gelu=false --json naflex-options.json
 
 The model is ``naflexvit_base_patch16_gap`` (ViT-B/16, NaFlex position embeddings, average
 pooling) with random weights, bf16 (``--dtype``); nothing is downloaded. A call is a NaFlex batch
@@ -12,7 +13,8 @@ size, given the largest patch grid of that ratio within ``--patches`` patches, e
 sizes``), ``--calls`` such batches, all of other image sizes, run in turns:
 
 - **eager**: the model's forward on the batch dict;
-- **layergraph**: ``layergraph.wrap(model)`` (the timm adapter): the patch and position embeddings
+- **layergraph**: ``layergraph.wrap(model)`` (the timm adapter; ``--options`` gives it wrap
+  options, and the speed options it took are reported): the patch and position embeddings
   eagerly (they read each image's grid on the host), then a graph of the blocks, norm and head
   per (rows, patches a row); its first pass captures (the seconds reported) and is not timed;
 - **hand-written**: the same split written by hand: the model's ``_forward_embeds`` eagerly, its
@@ -46,6 +48,7 @@ from typing import Any
 
 import timm
 import torch
+from siglip2_naflex import wrap_options
 
 import layergraph
 from layergraph.testing import SimulatedGraphs
@@ -183,7 +186,9 @@ def run_batch_size(
     row: dict[str, Any] = {"batch": rows, "calls": args.calls, "patches": args.patches}
     row["real_patches"] = [int(batch["patch_valid"].sum()) for batch in host]
     backend = SimulatedGraphs() if device.type != "cuda" else None
-    graphed = layergraph.wrap(model, **({"backend": backend} if backend else {}))
+    options = wrap_options(args.options) | ({"backend": backend} if backend else {})
+    graphed = layergraph.wrap(model, **options)
+    row["speed_options"] = dict(graphed.speed_options)
     hand = HandWritten(model, device)
     with torch.inference_mode():
         started = time.perf_counter()
@@ -253,6 +258,7 @@ def main() -> None:
     )
     parser.add_argument("--iters", type=int, default=10, help="rounds over the calls")
     parser.add_argument("--compile", action="store_true", help="time torch.compile too")
+    parser.add_argument("--options", default="", help="wrap options, NAME=VALUE,...")
     parser.add_argument("--tiny", action="store_true", help="a tiny model in float32 on the CPU")
     args = parser.parse_args()
     settings: dict[str, Any] = {}
