@@ -402,13 +402,16 @@ class SimulatedGraphs:
         Raises if ``pool`` was used and none of its graphs lives any more: PyTorch's allocator
         refuses that capture whenever memory of the pool is still held. Raises
         :class:`~layergraph.graphs.GraphCaptureError`, the error chained, if ``fn`` raises in
-        the capture after its warm-up runs did not; the failed capture leaves the pool as it
-        was, as a GPU backend's does.
+        the capture after its warm-up runs did not; the failed capture leaves no graph in the
+        pool, as a GPU backend's does, but counts as its use: a pool whose only capture failed
+        takes no other (on a GPU, the failed capture's tensors that the traceback holds keep
+        its memory, and PyTorch asserts at the next capture into it).
         """
         for _ in range(warmup_runs):
             fn()
         if pool.used and not pool.graphs:
             raise RuntimeError("capture into a pool whose graphs were all released")
+        pool.used = True
         capture_rules = _CaptureRules() if self.strict else None
         recorder = Recorder(capture_rules.check if capture_rules is not None else None)
         try:
@@ -420,7 +423,6 @@ class SimulatedGraphs:
                 output = fn()
         except Exception as error:
             raise GraphCaptureError.caused_by(error) from error
-        pool.used = True
         graph = _SimulatedGraph(recorder.tape(), output)
         sizes = _storage_bytes(output)
         intermediates = [pool.allocate(sum(sizes)) for _ in range(self.working_set if sizes else 0)]
