@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils import _pytree as pytree
+from torch.utils._device import DeviceContext
 
-from .device_factories import COMPUTED_FACTORIES, HOST_COPY_MESSAGE
+from .device_factories import COMPUTED_FACTORIES, HOST_COPY_MESSAGE, MadeOnDevice
 from .graphs import GraphCaptureError
 from .tape import Recorder, Tape
 
@@ -150,7 +151,7 @@ class _CaptureRules(TorchFunctionMode):
     host during the capture copied to the device.
 
     A tensor is the host's if the capture made it with a factory of :data:`_HOST_FACTORIES`
-    given no ``device=`` (or ``device="cpu"``), or from the host's tensors alone; every other
+    that makes it there (:func:`_factory_on_host`), or from the host's tensors alone; every other
     tensor (parameters, inputs, what derives from them) is the device's. A function of the
     host's tensors alone runs as the CPU would run it on a GPU's host: its values may be read,
     and :meth:`check` lets its operators through. Tensors made on the host before the capture
@@ -193,7 +194,7 @@ class _CaptureRules(TorchFunctionMode):
                 f"int(t)): a CUDA graph cannot capture it (it waits for the GPU); compute it "
                 f"before the captured region, or pass the result in as an input"
             )
-        made_on_host = (func in _HOST_FACTORIES and _no_device(kwargs)) or (
+        made_on_host = _factory_on_host(func, kwargs) or (
             host and not on_device and func not in _MOVES
         )
         was_on_host, self._on_host = self._on_host, bool(made_on_host)
@@ -238,9 +239,22 @@ def _copied_to_device(
     return None
 
 
-def _no_device(kwargs: dict[str, Any]) -> bool:
+def _factory_on_host(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` is a factory that makes its tensor on the host: one of
+    :data:`_HOST_FACTORIES` given no ``device=`` (or ``"cpu"``), unless a context outside the
+    capture gives it one (``with torch.device(...)``, or :class:`MadeOnDevice` for the
+    factories it moves)."""
     device = kwargs.get("device")
-    return device is None or device == "cpu"
+    if func not in _HOST_FACTORIES or (device is not None and device != "cpu"):
+        return False
+    for mode in _get_current_function_mode_stack():
+        if isinstance(mode, DeviceContext) or (
+            isinstance(mode, MadeOnDevice)
+            and func in COMPUTED_FACTORIES
+            and not kwargs.get("pin_memory")
+        ):
+            return False
+    return True
 
 
 def _reads_host(func: Any) -> bool:

@@ -257,3 +257,24 @@ def test_naflex_batches_of_any_image_sizes_replay_one_graph_per_row_length(name:
 
 def _coords(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"patch_coord": batch["patch_coord"], "patch_valid": batch["patch_valid"]}
+
+
+def test_the_timm_examples_hand_written_graph_makes_sam_vits_positions_on_the_device() -> None:
+    """SAM ViT indexes its relative position tables by ``torch.arange`` made on the host: a
+    capture of its own forward is refused, and inside the timm example's ``capturable`` (what
+    ``layergraph bench`` captures its hand-written graph in) it captures and replays as eager."""
+    from layergraph.graphs import GraphCaptureError
+    from layergraph_adapters.example_models.frameworks import timm_example
+
+    model = build("samvit_base_patch16", img_size=256)
+    x = images(model, 1, 5)
+    backend = SimulatedGraphs()
+    example = timm_example("timm:samvit_base_patch16")
+    assert example is not None and example.capturable is not None
+    with torch.inference_mode():
+        with pytest.raises(GraphCaptureError, match="index tensor made on the host"):
+            backend.capture(lambda: model(x), backend.new_pool(), 1)
+        with example.capturable(model):
+            graph, output = backend.capture(lambda: model(x), backend.new_pool(), 1)
+        backend.replay(graph)
+        assert relative_error(output, model(x)) == 0.0

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from layergraph.bench.examples import ExampleModel
+from layergraph.device_factories import MadeOnDevice
 
 __all__ = ["OPEN_CLIP_NAMES", "TIMM_NAMES", "open_clip_example", "timm_example"]
 
@@ -24,7 +25,10 @@ OPEN_CLIP_NAMES = tuple(
 
 def timm_example(name: str) -> ExampleModel | None:
     """Any timm model by its timm name (``timm:`` in front is accepted), for the ``timm``
-    adapter; ``None`` for a name timm does not know or without timm."""
+    adapter; ``None`` for a name timm does not know or without timm. Its hand-written graph
+    is captured with the tensors the model makes without a device made on the device
+    (:class:`~layergraph.device_factories.MadeOnDevice`), as a hand-writer would for SAM ViT's
+    relative positions, which a capture otherwise refuses."""
     name = name.removeprefix("timm:")
     try:
         import timm
@@ -42,7 +46,12 @@ def timm_example(name: str) -> ExampleModel | None:
         shape = timm.models.get_pretrained_cfg_value(name, "input_size") or (3, 224, 224)
         return (torch.randn(batch, *shape, dtype=dtype, device=device),), {}
 
-    return ExampleModel(name=name, adapter="timm", build=build, inputs=inputs)
+    def capturable(model: nn.Module) -> MadeOnDevice:
+        return MadeOnDevice(next(model.parameters()).device)
+
+    return ExampleModel(
+        name=name, adapter="timm", build=build, inputs=inputs, capturable=capturable
+    )
 
 
 def open_clip_example(name: str) -> ExampleModel | None:
