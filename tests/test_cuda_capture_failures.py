@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from host_tensors import IndexedOnHost
 from torch import nn
 
 import layergraph
@@ -174,31 +175,11 @@ def test_a_failed_capture_leaves_no_memory_behind(
     assert allocated_after <= allocated + KEPT_BYTES and reserved_after <= reserved, levels
 
 
-class IndexedOnHost(nn.Module):
-    """Scales each row by a weight's row, picked with an index that the forward makes on the
-    host: by ``torch.arange`` without ``device=`` (as SAM ViT's relative positions are), or by
-    ``torch.tensor`` of Python's numbers. Eagerly PyTorch copies the index to the GPU; a
-    capture refuses the copy from pageable host memory."""
-
-    def __init__(self, made_with: str) -> None:
-        super().__init__()
-        self.made_with = made_with
-        self.weight = nn.Parameter(torch.randn(16, WIDTH))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.made_with == "arange":
-            index = torch.arange(rows)
-        else:
-            index = torch.tensor(list(range(rows)))
-        return x * self.weight[index]
-
-
 def test_an_index_made_on_the_host_is_made_on_the_device_for_the_capture() -> None:
     """The first capture fails at the copy; the second, with ``torch.arange`` made on the GPU,
     succeeds: every batch replays, equal to eager, and no failure is reported."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("arange")).cuda().eval()
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("arange", WIDTH)).cuda().eval()
     graphed = wrap(model, batch_sizes=[2, 4])
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("error", CaptureFailedWarning)
@@ -211,7 +192,7 @@ def test_an_index_made_on_the_host_is_made_on_the_device_for_the_capture() -> No
 
 def test_an_index_of_python_numbers_made_on_the_host_is_served_eagerly() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("tensor")).cuda().eval()
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("tensor", WIDTH)).cuda().eval()
     graphed = wrap(model, batch_sizes=[2])
     x = rows(2)
     with torch.inference_mode():

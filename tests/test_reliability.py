@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from host_tensors import IndexedOnHost
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -607,27 +608,8 @@ def test_a_masked_fill_with_a_device_tensor_value_is_what_a_capture_refuses(valu
         assert "fills with a device tensor's value" in str(warned[0].message)
 
 
-class MadeOnHost(nn.Module):
-    """Scales the rows of ``x`` by a weight's rows picked with an index made on the host during
-    the forward (as SAM ViT's relative positions are, with ``torch.arange`` and no device), or
-    made with ``torch.tensor`` (values from Python, which a capture cannot make on the device)."""
-
-    def __init__(self, made_with: str) -> None:
-        super().__init__()
-        self.made_with = made_with
-        self.weight = nn.Parameter(torch.randn(16, 8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.made_with == "arange":
-            index = torch.arange(rows)
-        else:
-            index = torch.tensor(list(range(rows)))
-        return x * self.weight[index]
-
-
 def test_a_capture_refused_at_a_copy_from_the_host_is_made_again_on_the_device() -> None:
-    model = nn.Sequential(*stack(), MadeOnHost("arange")).eval()
+    model = nn.Sequential(*stack(), IndexedOnHost("arange", 8)).eval()
     graphed = wrap(model, batch_sizes=[4])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no capture failure is reported
@@ -638,7 +620,7 @@ def test_a_capture_refused_at_a_copy_from_the_host_is_made_again_on_the_device()
 
 
 def test_a_copy_from_the_host_that_cannot_be_made_on_the_device_is_served_eagerly() -> None:
-    model = nn.Sequential(*stack(), MadeOnHost("tensor")).eval()
+    model = nn.Sequential(*stack(), IndexedOnHost("tensor", 8)).eval()
     graphed = wrap(model, batch_sizes=[4])
     with pytest.warns(CaptureFailedWarning, match="index tensor made on the host"):
         check(graphed, model, 4)
