@@ -248,8 +248,9 @@ def test_window_slots_hold_every_calls_windows(grids: list[tuple[int, int, int]]
 
 def test_a_7b_shaped_towers_windows_fit_the_triton_grid_at_the_largest_learnt_budget() -> None:
     """Qwen2.5-VL-7B's tower: 16 heads, windows of 4x4 merged tokens (112 pixels); the Triton
-    kernel takes at most 65535 sequences times heads. One window slot per merged token (4096 at
-    16384 tokens) would exceed it."""
+    kernel launches at most 65535 sequences times heads at once (more in parts). One window
+    slot per merged token (4096 at 16384 tokens) would exceed it: several launches, of
+    programs mostly for empty windows."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
     )

@@ -24,6 +24,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from layergraph.attention import triton_varlen
 from layergraph.attention.triton_varlen import (
     VarlenConfig,
     default_config,
@@ -154,6 +155,23 @@ def test_block_boundaries(
     lengths: list[int], heads: int, head_dim: int, config: VarlenConfig | None, dtype: torch.dtype
 ) -> None:
     run_case(lengths, heads, head_dim, dtype, config=config)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "config"),
+    [
+        ([5, 17, 1, 33, 9], SMALL),  # three parts of two, two and one sequences
+        ([65, 100, 3, 64, 0, 129], VarlenConfig(block_m=64, block_n=64)),  # and the tail launch
+    ],
+)
+def test_more_sequences_times_heads_than_a_grid_holds_are_launched_in_parts(
+    lengths: list[int], config: VarlenConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grid's second dimension holds 65,535 programs (a sequence and head each); a room of
+    more, a long video's frames, is launched in parts of whole sequences. The limit is lowered
+    here to 5, two sequences of two heads a part, so that the interpreter runs it quickly."""
+    monkeypatch.setattr(triton_varlen, "_MAX_GRID_Y", 5)
+    run_case(lengths, heads=2, head_dim=64, dtype=torch.float16, config=config)
 
 
 SPLIT = VarlenConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, split_head_dim=True)

@@ -11,8 +11,9 @@ computes the rows past each sequence's last whole block in 16-row blocks, so tha
 token does not cost a whole block. The launches do no
 device-to-host synchronisation and allocate nothing, so they can be captured inside a CUDA
 graph; the grids are fixed by ``max_seqlen`` and the number of sequences, and programs whose
-query block lies past their sequence's end exit at once. Compile before capturing: the first
-call with a new dtype, head dim or config compiles.
+query block lies past their sequence's end exit at once. More sequences times heads than a
+grid's second dimension holds (65,535) are launched in parts of whole sequences. Compile
+before capturing: the first call with a new dtype, head dim or config compiles.
 The launch is the PyTorch operator ``torch.ops.layergraph.varlen_attention``, so that
 ``torch.compile`` keeps it as one opaque call inside a compiled layer.
 
@@ -25,6 +26,7 @@ rows past the grid's last query block are silently left unwritten.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -404,10 +406,6 @@ def varlen_attention(
     batch, heads, head_dim = seq_lens.numel(), q.shape[1], q.shape[2]
     if batch == 0 or heads == 0 or q.shape[0] == 0:
         return out
-    if batch * heads > _MAX_GRID_Y:
-        raise ValueError(
-            f"sequences * heads = {batch * heads} exceeds the grid limit of {_MAX_GRID_Y}"
-        )
     cfg = config or default_config(head_dim)
     torch.ops.layergraph.varlen_attention(
         q,
@@ -465,23 +463,27 @@ def _varlen_attention_op(
     """
     heads, head_dim = q.shape[1], q.shape[2]
     block_d, block_d2 = head_dim_tiles(head_dim, split_head_dim)
-    sequences_heads = seq_lens.numel() * heads
-    split = _splits_last_rows(max_seqlen, block_m, sequences_heads, q.device)
+    sequences = seq_lens.numel()
+    split = _splits_last_rows(max_seqlen, block_m, sequences * heads, q.device)
     launches = (
         [(max_seqlen // block_m, block_m, _WHOLE_BLOCKS), (block_m // _TAIL, _TAIL, _TAIL_ROWS)]
         if split
         else [(triton.cdiv(max_seqlen, block_m), block_m, _ALL_ROWS)]
     )
-    for blocks, rows, query_rows in launches:
+    # The grid's second dimension holds at most _MAX_GRID_Y programs: more sequences times
+    # heads than that are launched in parts of whole sequences (views: nothing allocated).
+    per_part = max(1, _MAX_GRID_Y // heads)
+    parts = [(first, min(per_part, sequences - first)) for first in range(0, sequences, per_part)]
+    for (blocks, rows, query_rows), (first, count) in itertools.product(launches, parts):
         if blocks == 0:
             continue
-        _varlen_fwd_kernel[(blocks, sequences_heads)](
+        _varlen_fwd_kernel[(blocks, count * heads)](
             q,
             k,
             v,
             out,
-            cu_seqlens,
-            seq_lens,
+            cu_seqlens[first:],
+            seq_lens[first : first + count],
             q.stride(0),
             q.stride(1),
             k.stride(0),
