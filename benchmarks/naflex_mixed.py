@@ -25,7 +25,9 @@ sizes``), ``--calls`` such batches, all of other image sizes, run in turns:
 
 Each is timed both ways a user feels it: ``waited`` is the median of the calls, each waited for
 (CUDA events; host work before the first launch counts), ``loop`` the milliseconds per call of a
-loop over all of them with one wait at the end. ``--iters`` rounds over the calls. Errors: the
+loop over all of them with one wait at the end. ``--iters`` rounds over the calls; layergraph
+and the hand-written graph are timed in turns (each call by both, in a rotating order), so
+that drift during the run weighs on both alike. Errors: the
 largest relative error over the calls against a float32 copy of the model, eager. ``--tiny``
 runs a two-layer model of width 64 in float32 on the CPU, where the graphs are simulated
 (:class:`layergraph.testing.SimulatedGraphs`, which refuses what a CUDA capture refuses), so that
@@ -144,24 +146,39 @@ class HandWritten:
 
 
 def timed(
-    fn: Callable[[Batch], Any], calls: list[Batch], iters: int, device: torch.device
-) -> dict[str, float]:
-    """Waited median and loop milliseconds per call of ``fn`` over ``calls``, ``iters`` rounds."""
-    waited = [
-        timed_call(functools.partial(fn, batch), device=device)[1]
-        for _ in range(iters)
-        for batch in calls
-    ]
+    fns: dict[str, Callable[[Batch], Any]], calls: list[Batch], iters: int, device: torch.device
+) -> dict[str, dict[str, float]]:
+    """Waited median and loop milliseconds per call of each of ``fns`` over ``calls``,
+    ``iters`` rounds, taken in turns (each call by each function in a rotating order, each
+    round's loop by each function in turn), so that drift during the run weighs on all
+    alike."""
+    names = list(fns)
+    waited: dict[str, list[float]] = {name: [] for name in names}
+    loops: dict[str, float] = dict.fromkeys(names, 0.0)
+    for round_ in range(iters):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for batch in calls:
+            for name in order:
+                call = functools.partial(fns[name], batch)
+                waited[name].append(timed_call(call, device=device)[1])
+        for name in order:
+            loops[name] += _loop_ms(fns[name], calls, device)
+    return {
+        name: {"waited_ms": statistics.median(waited[name]), "loop_ms": loops[name] / iters}
+        for name in names
+    }
+
+
+def _loop_ms(fn: Callable[[Batch], Any], calls: list[Batch], device: torch.device) -> float:
+    """Milliseconds per call of ``fn`` over ``calls`` back to back, one wait at the end."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()
-    for _ in range(iters):
-        for batch in calls:
-            fn(batch)
+    for batch in calls:
+        fn(batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    loop = (time.perf_counter() - started) * 1e3 / (iters * len(calls))
-    return {"waited_ms": statistics.median(waited), "loop_ms": loop}
+    return (time.perf_counter() - started) * 1e3 / len(calls)
 
 
 def largest_error(
@@ -199,10 +216,10 @@ def run_batch_size(
             hand(batch)
         variants: dict[str, Callable[[Batch], Any]] = {"layergraph": graphed, "hand_written": hand}
         with graphed.original():
-            row["eager"] = timed(model, calls, args.iters, device)
+            row.update(timed({"eager": model}, calls, args.iters, device))
             row["eager_error"] = largest_error(model, calls, reference)
+        row.update(timed(variants, calls, args.iters, device))
         for name, fn in variants.items():
-            row[name] = timed(fn, calls, args.iters, device)
             row[f"{name}_error"] = largest_error(fn, calls, reference)
     stats = graphed.stats
     row["graphs"] = stats.graphs
@@ -236,7 +253,7 @@ def compiled(
                     compiled_model(batch)
             seconds = time.perf_counter() - started
             return {
-                "compile": timed(compiled_model, calls, iters, device),
+                "compile": timed({"compile": compiled_model}, calls, iters, device)["compile"],
                 "compile_error": largest_error(compiled_model, calls, reference),
                 "compile_warmup_s": seconds,
             }
