@@ -141,6 +141,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     ),
     "test_reliability.py": (
         "test_a_backend_failing_mid_capture_leaves_the_other_graphs_serving",
+        "test_a_capture_refused_at_a_copy_from_the_host_is_made_again_on_the_device",
         "test_a_failed_capture_is_tried_again_once_the_model_changed",
         "test_a_failed_capture_whose_eager_call_fails_raises_the_eager_error",
         "test_a_graph_captured_again_after_eviction_is_validated_again",
