@@ -7,7 +7,8 @@
 #   transformers: Swin-T, SwinV2-S, BEiT-B, Hiera-S;
 #   sam:          SAM ViT-B at 1024x1024 (batches 1 and 8), bf16 and float16;
 #   fp16:         the convnets and transformers again in float16, without torch.compile;
-#   naflex:       NaFlexVit-B on batches of mixed image sizes (benchmarks/naflex_mixed.py);
+#   naflex:       NaFlexVit-B on batches of mixed image sizes (benchmarks/naflex_mixed.py),
+#                 with its two graphs profiled;
 #   tests:        the CUDA-marked timm tests and those of failed captures.
 # Usage: benchmarks/h200_timm.sh PART...   (results under $OUT, or ./gpu-results); CONVNETS and
 # TRANSFORMERS, given, name the models of those parts instead.
@@ -26,7 +27,7 @@ for part in "$@"; do
     transformers) for m in $TRANSFORMERS; do bench 140 "$m" 1,8,32 bf16 --compile; done ;;
     sam) bench 220 samvit_base_patch16 1,8 bf16 --compile; bench 90 samvit_base_patch16 1,8 fp16 ;;
     fp16) for m in $CONVNETS $TRANSFORMERS; do bench 60 "$m" 1,8,32 fp16; done ;;
-    naflex) step 240 python3 benchmarks/naflex_mixed.py --compile --json "$out/naflex-bf16.json" ;;
+    naflex) step 240 python3 benchmarks/naflex_mixed.py --compile --profile --json "$out/naflex-bf16.json" ;;
     tests)
       step 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -m cuda tests \
         -k "timm or capture_failures" -o junit_family=legacy --junitxml "$out/cuda-timm.xml" ;;

@@ -28,7 +28,11 @@ Each is timed both ways a user feels it: ``waited`` is the median of the calls, 
 loop over all of them with one wait at the end. ``--iters`` rounds over the calls; layergraph
 and the hand-written graph are timed in turns (each call by both, in a rotating order), so
 that drift during the run weighs on both alike. Errors: the
-largest relative error over the calls against a float32 copy of the model, eager. ``--tiny``
+largest relative error over the calls against a float32 copy of the model, eager.
+``--profile`` adds, for layergraph and the hand-written graph, what a call costs on each side:
+the host's milliseconds from the call to its return (no wait), and from ``torch.profiler`` the
+device's kernels per call, their milliseconds and the ten that take most, so that a gap between
+the two is seen as host work or as kernels. ``--tiny``
 runs a two-layer model of width 64 in float32 on the CPU, where the graphs are simulated
 (:class:`layergraph.testing.SimulatedGraphs`, which refuses what a CUDA capture refuses), so that
 every path runs without a GPU; its times mean nothing.
@@ -181,6 +185,57 @@ def _loop_ms(fn: Callable[[Batch], Any], calls: list[Batch], device: torch.devic
     return (time.perf_counter() - started) * 1e3 / len(calls)
 
 
+def profiled(
+    fn: Callable[[Batch], Any], calls: list[Batch], device: torch.device, rounds: int = 3
+) -> dict[str, Any]:
+    """What a call of ``fn`` costs: the median host milliseconds from the call to its return
+    (no wait), and the device's kernels and copies per call as ``torch.profiler`` records them
+    (none on the CPU), with the ten names that take the most device time."""
+    host = []
+    for _ in range(rounds):
+        for batch in calls:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            fn(batch)
+            host.append((time.perf_counter() - started) * 1e3)
+    try:
+        kernels = _profiled_kernels(fn, calls, device, rounds)
+    except Exception as error:  # reported, not measured: the timings stand
+        return {"host_ms": statistics.median(host), "error": f"{type(error).__name__}: {error}"}
+    per_call = rounds * len(calls)
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event.name, []).append(event.time_range.elapsed_us() / 1e3)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:10]
+    return {
+        "host_ms": statistics.median(host),
+        "device_kernels": len(kernels) / per_call,
+        "device_ms": sum(sum(times) for times in by_name.values()) / per_call,
+        "top": [
+            {"name": name[:120], "ms": sum(times) / per_call, "count": len(times) / per_call}
+            for name, times in top
+        ],
+    }
+
+
+def _profiled_kernels(
+    fn: Callable[[Batch], Any], calls: list[Batch], device: torch.device, rounds: int
+) -> list[Any]:
+    """The device events (kernels, copies) ``torch.profiler`` records over ``rounds`` passes."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(rounds):
+            for batch in calls:
+                fn(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    cuda = torch.autograd.DeviceType.CUDA
+    return [event for event in profile.events() if event.device_type == cuda]
+
+
 def largest_error(
     fn: Callable[[Batch], Any], calls: list[Batch], reference: list[torch.Tensor]
 ) -> float:
@@ -221,6 +276,8 @@ def run_batch_size(
         row.update(timed(variants, calls, args.iters, device))
         for name, fn in variants.items():
             row[f"{name}_error"] = largest_error(fn, calls, reference)
+        if args.profile:
+            row["profile"] = {name: profiled(fn, calls, device) for name, fn in variants.items()}
     stats = graphed.stats
     row["graphs"] = stats.graphs
     row["keys"] = sorted(str(key) for key in graphed.keys)
@@ -276,6 +333,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="rounds over the calls")
     parser.add_argument("--compile", action="store_true", help="time torch.compile too")
     parser.add_argument("--options", default="", help="wrap options, NAME=VALUE,...")
+    parser.add_argument(
+        "--profile", action="store_true", help="host time and device kernels of the two graphs"
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model in float32 on the CPU")
     args = parser.parse_args()
     settings: dict[str, Any] = {}
@@ -321,6 +381,17 @@ def main() -> None:
         )
         if isinstance(row.get("compile"), str):
             print(f"  torch.compile: {row['compile']}", flush=True)
+        for name, cost in row.get("profile", {}).items():
+            if "error" in cost:
+                print(f"  {name}: host {cost['host_ms']:.3f} ms a call; {cost['error']}")
+                continue
+            print(
+                f"  {name}: host {cost['host_ms']:.3f} ms a call, device {cost['device_ms']:.3f} "
+                f"ms in {cost['device_kernels']:.1f} kernels a call",
+                flush=True,
+            )
+            for kernel in cost["top"]:
+                print(f"    {kernel['ms']:.4f} ms x{kernel['count']:.1f}  {kernel['name']}")
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=1)
 

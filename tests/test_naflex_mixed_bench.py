@@ -25,7 +25,7 @@ def test_the_tiny_run_serves_mixed_sizes_from_one_graph_per_batch_size(
     import naflex_mixed
 
     path = tmp_path / "naflex.json"
-    argv = ["naflex_mixed.py", "--tiny", "--batch-sizes", "1,3", "--json", str(path)]
+    argv = ["naflex_mixed.py", "--tiny", "--batch-sizes", "1,3", "--profile", "--json", str(path)]
     monkeypatch.setattr(sys, "argv", argv)
     naflex_mixed.main()
     result = json.loads(path.read_text())
@@ -37,3 +37,6 @@ def test_the_tiny_run_serves_mixed_sizes_from_one_graph_per_batch_size(
         for column in ("eager", "layergraph", "hand_written"):
             assert row[f"{column}_error"] <= TOLERANCE
             assert row[column]["waited_ms"] > 0 and row[column]["loop_ms"] > 0
+        for column in ("layergraph", "hand_written"):  # no device: host time, no kernels
+            cost = row["profile"][column]
+            assert cost["host_ms"] > 0 and cost["device_kernels"] == 0 and cost["top"] == []
