@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,33 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 
 @dataclass(frozen=True)
 class Run:
-    """One JSON of ``benchmarks/regression.py`` records (its ``after`` tree) and what it is."""
+    """One JSON of ``benchmarks/regression.py`` records (its ``after`` tree), or of
+    ``layergraph bench`` runs by name (``runs``, as the device scripts gather them), and what
+    it is."""
 
     path: str
     """Under docs/results."""
     title: str
     machine: str
     command: str
+    commit: str | None = None
+    """The tree the runs timed, for a JSON of ``runs`` (a regression JSON names its own)."""
+    names: Mapping[str, str] = field(default_factory=dict)
+    """For a JSON of ``runs``: the models shown, in order, by their names on the page; the
+    bf16 runs of these models are shown."""
+
+
+TIMM_NAMES = {
+    "resnet50": "ResNet-50",
+    "convnext_tiny": "ConvNeXt-T",
+    "convnext_base": "ConvNeXt-B",
+    "efficientvit_b2": "EfficientViT-B2",
+    "maxvit_tiny_tf_224": "MaxViT-T",
+    "swin_tiny_patch4_window7_224": "Swin-T",
+    "swinv2_small_window8_256": "SwinV2-S",
+    "beit_base_patch16_224": "BEiT-B",
+    "hiera_small_224": "Hiera-S",
+}
 
 
 RUNS = (
@@ -64,6 +85,22 @@ RUNS = (
         "Native-resolution towers, one 896x896 image",
         "One H100 80GB, 2026-12-06",
         "benchmarks/h200_house.sh packed:896x896",
+    ),
+    Run(
+        "2026-12-06-h100-timm.json",
+        "timm families",
+        "One H100 80GB, 2026-12-06",
+        "benchmarks/h200_timm.sh convnets transformers",
+        commit="17a7a6b",
+        names=TIMM_NAMES,
+    ),
+    Run(
+        "2026-12-06-h100-timm-rest.json",
+        "timm families, the rest",
+        "One H100 80GB, 2026-12-06",
+        "benchmarks/h200_timm.sh convnets transformers",
+        commit="94f46b9",
+        names=TIMM_NAMES,
     ),
 )
 
@@ -100,9 +137,20 @@ def _ms(value: float | None) -> str:
 
 
 def _records(run: Run) -> tuple[str, list[dict[str, Any]]]:
-    """The commit of the run's tree after the change and its records (the key ``after
-    (COMMIT)``)."""
+    """The commit of the run's tree and its records: a regression JSON's tree after the
+    change (the key ``after (COMMIT)``), or the bf16 runs of :attr:`Run.names` in their
+    order, named as there."""
     data = json.loads((ROOT / "docs" / "results" / run.path).read_text())
+    if "runs" in data:
+        if run.commit is None:
+            raise ValueError(f"{run.path} holds runs by name: its Run needs the commit timed")
+        runs = [entry for entry in data["runs"].values() if entry["dtype"] == "bfloat16"]
+        order = list(run.names)
+        shown = sorted(
+            (entry for entry in runs if entry["model"] in run.names),
+            key=lambda entry: order.index(entry["model"]),
+        )
+        return run.commit, [entry | {"model": run.names[entry["model"]]} for entry in shown]
     (key,) = [key for key in data if key.startswith("after")]
     return key.removeprefix("after (").removesuffix(")"), data[key]
 
