@@ -11,6 +11,8 @@
 #                 with its two graphs profiled;
 #   tuned:        ConvNeXt-B, ResNet-50 and SwinV2-S in bf16 with layergraph's whole region
 #                 compiled (--compile-region) beside torch.compile;
+#   layout:       ResNet-50, ConvNeXt-B and EfficientViT-B2 converted to channels-last, beside
+#                 the layout they are built in (benchmarks/channels_last.py);
 #   tests:        the CUDA-marked timm tests and those of failed captures.
 # Usage: benchmarks/h200_timm.sh PART...   (results under $OUT, or ./gpu-results); CONVNETS and
 # TRANSFORMERS, given, name the models of those parts instead.
@@ -30,6 +32,7 @@ for part in "$@"; do
     sam) bench 220 samvit_base_patch16 1,8 bf16 --compile; bench 90 samvit_base_patch16 1,8 fp16 ;;
     tuned) for m in convnext_base resnet50 swinv2_small_window8_256; do
         bench 170 "$m" 1,8,32 bf16 --compile --compile-region; done ;;
+    layout) step 300 python3 benchmarks/channels_last.py --compile --json "$out/channels-last.json" ;;
     fp16) for m in $CONVNETS $TRANSFORMERS; do bench 60 "$m" 1,8,32 fp16; done ;;
     naflex) step 240 python3 benchmarks/naflex_mixed.py --compile --profile --json "$out/naflex-bf16.json" ;;
     tests)
