@@ -31,7 +31,8 @@ that drift during the run weighs on both alike. Errors: the
 largest relative error over the calls against a float32 copy of the model, eager.
 ``--profile`` adds, for layergraph and the hand-written graph, what a call costs on each side:
 the host's milliseconds from the call to its return (no wait), and from ``torch.profiler`` the
-device's kernels per call, their milliseconds and the ten that take most, so that a gap between
+device's kernels per call (:func:`layergraph.bench.profile.profile_call`), their milliseconds
+and the ten that take most, so that a gap between
 the two is seen as host work or as kernels. ``--tiny``
 runs a two-layer model of width 64 in float32 on the CPU, where the graphs are simulated
 (:class:`layergraph.testing.SimulatedGraphs`, which refuses what a CUDA capture refuses), so that
@@ -57,6 +58,7 @@ import torch
 from siglip2_naflex import wrap_options
 
 import layergraph
+from layergraph.bench.profile import profile_call
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import timed_call
 from layergraph.validation import relative_error
@@ -189,8 +191,9 @@ def profiled(
     fn: Callable[[Batch], Any], calls: list[Batch], device: torch.device, rounds: int = 3
 ) -> dict[str, Any]:
     """What a call of ``fn`` costs: the median host milliseconds from the call to its return
-    (no wait), and the device's kernels and copies per call as ``torch.profiler`` records them
-    (none on the CPU), with the ten names that take the most device time."""
+    (no wait), and on a GPU the device's kernels per call as
+    :func:`layergraph.bench.profile.profile_call` records them over ``rounds`` passes (none on
+    the CPU), with the ten that take the most device time."""
     host = []
     for _ in range(rounds):
         for batch in calls:
@@ -199,41 +202,32 @@ def profiled(
             started = time.perf_counter()
             fn(batch)
             host.append((time.perf_counter() - started) * 1e3)
-    try:
-        kernels = _profiled_kernels(fn, calls, device, rounds)
-    except Exception as error:  # reported, not measured: the timings stand
-        return {"host_ms": statistics.median(host), "error": f"{type(error).__name__}: {error}"}
-    per_call = rounds * len(calls)
-    by_name: dict[str, list[float]] = {}
-    for event in kernels:
-        by_name.setdefault(event.name, []).append(event.time_range.elapsed_us() / 1e3)
-    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:10]
-    return {
+    cost: dict[str, Any] = {
         "host_ms": statistics.median(host),
-        "device_kernels": len(kernels) / per_call,
-        "device_ms": sum(sum(times) for times in by_name.values()) / per_call,
-        "top": [
-            {"name": name[:120], "ms": sum(times) / per_call, "count": len(times) / per_call}
-            for name, times in top
-        ],
+        "device_kernels": 0.0,
+        "device_ms": 0.0,
+        "top": [],
     }
+    if device.type != "cuda":
+        return cost
 
+    def one_pass() -> None:
+        for batch in calls:
+            fn(batch)
 
-def _profiled_kernels(
-    fn: Callable[[Batch], Any], calls: list[Batch], device: torch.device, rounds: int
-) -> list[Any]:
-    """The device events (kernels, copies) ``torch.profiler`` records over ``rounds`` passes."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profile:
-        for _ in range(rounds):
-            for batch in calls:
-                fn(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    cuda = torch.autograd.DeviceType.CUDA
-    return [event for event in profile.events() if event.device_type == cuda]
+    try:
+        kernels = profile_call(one_pass, device=device, calls=rounds, longest=10)
+    except Exception as error:  # reported, not measured: the timings stand
+        return {"host_ms": cost["host_ms"], "error": f"{type(error).__name__}: {error}"}
+    longest = sorted(
+        (kernel for group in kernels.classes for kernel in group.longest),
+        key=lambda kernel: -kernel["ms"],
+    )[:10]
+    return cost | {
+        "device_kernels": kernels.kernels / len(calls),
+        "device_ms": kernels.busy_ms / len(calls),
+        "top": [{"name": kernel["kernel"], "ms": kernel["ms"] / len(calls)} for kernel in longest],
+    }
 
 
 def largest_error(
@@ -391,7 +385,7 @@ def main() -> None:
                 flush=True,
             )
             for kernel in cost["top"]:
-                print(f"    {kernel['ms']:.4f} ms x{kernel['count']:.1f}  {kernel['name']}")
+                print(f"    {kernel['ms']:.4f} ms  {kernel['name']}")
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=1)
 
