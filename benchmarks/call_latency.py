@@ -9,13 +9,18 @@ defaults, graphs captured ahead. Two ways a user feels a call:
 - ``loop``: calls back to back, each between its own two events, with one wait at the end
   (:func:`layergraph.timing.median_ms`), which hides host work behind the GPU's.
 
+``--host-profile N`` also runs N layergraph calls under ``cProfile`` and prints the functions
+whose own host time is largest: where the wrapper's host work before a replay goes.
+
     python3 benchmarks/call_latency.py --json latency.json --label main
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +45,7 @@ def hand_written(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return call
 
 
-def measure(name: str, batch: int, iters: int) -> list[dict[str, Any]]:
+def measure(name: str, batch: int, iters: int, host_profile: int = 0) -> list[dict[str, Any]]:
     example = example_model(name)
     device = torch.device("cuda")
     model = example.build(torch.bfloat16, device)
@@ -58,7 +63,24 @@ def measure(name: str, batch: int, iters: int) -> list[dict[str, Any]]:
                 rows.append(_row(name, batch, method, fn, iters))
         rows.append(_row(name, batch, "layergraph", lambda: graphed(*args, **kwargs), iters))
         assert graphed.stats.eager_total == 0, dict(graphed.stats.eager_calls)
+        if host_profile:
+            print_host_profile(
+                f"{name}, batch {batch}", lambda: graphed(*args, **kwargs), host_profile
+            )
     return rows
+
+
+def print_host_profile(title: str, fn: Callable[[], Any], calls: int, top: int = 20) -> None:
+    """Run ``fn`` ``calls`` times under ``cProfile`` (waiting for the device after each) and
+    print the ``top`` functions by their own host time."""
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        profiler.enable()
+        fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+    print(f"host profile of {calls} layergraph calls: {title}")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def _row(name: str, batch: int, method: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:
@@ -78,12 +100,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--label", default="", help="names this code version in the output")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument(
+        "--host-profile", type=int, default=0, metavar="N", help="profile N layergraph calls"
+    )
     options = parser.parse_args()
     rows = [
         {"label": options.label, **row}
         for name in options.models.split(",")
         for batch in map(int, options.batch_sizes.split(","))
-        for row in measure(name, batch, options.iters)
+        for row in measure(name, batch, options.iters, options.host_profile)
     ]
     print(f"| {options.label} | model | batch | method | wait ms | loop ms |")
     print("| --- | --- | --- | --- | --- | --- |")

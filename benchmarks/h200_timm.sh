@@ -15,7 +15,7 @@
 #                 the layout they are built in (benchmarks/channels_last.py);
 #   latency:      ConvNeXt-B, Hiera-S and ResNet-50 at batch 1 (benchmarks/call_latency.py):
 #                 waited and looped, against a hand-written graph that clones its output as
-#                 layergraph does;
+#                 layergraph does, and the wrapper's host work per call profiled;
 #   tests:        the CUDA-marked timm tests and those of failed captures.
 # Usage: benchmarks/h200_timm.sh PART...   (results under $OUT, or ./gpu-results); CONVNETS and
 # TRANSFORMERS, given, name the models of those parts instead.
@@ -38,7 +38,7 @@ for part in "$@"; do
     layout) step 300 python3 benchmarks/channels_last.py --compile --json "$out/channels-last.json" ;;
     fp16) for m in $CONVNETS $TRANSFORMERS; do bench 60 "$m" 1,8,32 fp16; done ;;
     naflex) step 240 python3 benchmarks/naflex_mixed.py --compile --profile --json "$out/naflex-bf16.json" ;;
-    latency) step 150 python3 benchmarks/call_latency.py --batch-sizes 1 --iters 500 \
+    latency) step 150 python3 benchmarks/call_latency.py --batch-sizes 1 --iters 500 --host-profile 300 \
         --models timm:convnext_base,timm:hiera_small_224,timm:resnet50 --json "$out/latency.json" ;;
     tests)
       step 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -m cuda tests \
