@@ -376,8 +376,9 @@ class TimmNaFlexPlan(TimmModelPlan):
     a dict of them, or ``patch_coord=`` and ``patch_valid=``) runs the patch and position
     embeddings eagerly (they read each image's patch grid on the host), then replays a graph
     of the blocks, norm and head keyed by (batch, patches per row), whatever sizes the
-    images in it are. A model whose rotary embeddings differ per layer runs NaFlex calls
-    eagerly."""
+    images in it are. Rotary embeddings made per call come in as one more tensor: a model whose
+    rotary embeddings differ per layer (``rope_type="mixed"``) has its layers' embeddings
+    stacked, ``[rows, layers, heads, patches, dim]``, and each block reads its own."""
 
     serves_forward = False
 
@@ -413,9 +414,8 @@ class TimmNaFlexPlan(TimmModelPlan):
         with self.methods.running():
             embeds = type(owner)._forward_embeds(owner, x, patch_coord, patch_valid, attn_mask)
         rope = embeds.get("rope_embeds")
-        if rope is not None and not isinstance(rope, torch.Tensor):
-            with self.methods.running():
-                return original(x, patch_coord, patch_valid, attn_mask)
+        if rope is not None and not isinstance(rope, torch.Tensor):  # one tensor per layer
+            rope = torch.stack(list(rope), dim=1)
         tokens, mask, valid = embeds["patches"], embeds["attn_mask"], embeds["patch_valid"]
         return serve("naflex", tokens, mask, valid, *([] if rope is None else [rope]))
 
@@ -424,9 +424,10 @@ class TimmNaFlexPlan(TimmModelPlan):
             return super().region(*args, **kwargs)
         _, x, attn_mask, patch_valid, *rope = args
         owner = self.owner
-        extra = {"rope": rope[0]} if rope else {}
-        for block in owner.blocks:
-            x = block(x, attn_mask=attn_mask, **extra)
+        per_layer = getattr(owner, "rope_is_mixed", False)
+        for index, block in enumerate(owner.blocks):
+            layer_rope = {"rope": rope[0][:, index] if per_layer else rope[0]} if rope else {}
+            x = block(x, attn_mask=attn_mask, **layer_rope)
         with self.methods.running():
             return type(owner).forward_head(owner, owner.norm(x), patch_valid=patch_valid)
 

@@ -255,6 +255,33 @@ def test_naflex_batches_of_any_image_sizes_replay_one_graph_per_row_length(name:
     ]
 
 
+@pytest.mark.parametrize("rope_type", ["mixed", "axial"])
+def test_naflex_batches_with_rotary_embeddings_replay_graphs(rope_type: str) -> None:
+    """Rotary embeddings made per call reach the graph as a tensor: shared by the layers
+    (``axial``) or one per layer (``mixed``, stacked, each block reading its own)."""
+    model = build("naflexvit_base_patch16_gap", depth=3, rope_type=rope_type)
+    with torch.no_grad():  # sharp attention, so that positions (and each layer's) weigh
+        for block in model.blocks:
+            block.attn.qkv.weight.normal_(std=1.0)
+    if rope_type == "mixed":
+        frequencies = model.rope.freqs  # [axes, layers, heads, dim]
+        assert not torch.equal(frequencies[:, 0], frequencies[:, 1])
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    calls = [
+        naflex_batch([(8, 8), (6, 10)], 64, seed=21),
+        naflex_batch([(4, 12), (7, 9), (5, 5)], 64, seed=22),
+        naflex_batch([(9, 11)], 100, seed=23),
+    ]
+    with torch.inference_mode():
+        for batch in calls:
+            got = graphed(batch)
+            with graphed.original():
+                want = model(batch)
+            assert relative_error(got, want) <= 1e-5
+    stats = graphed.stats
+    assert stats.replays == 3 and stats.eager_total == 0, dict(stats.eager_calls)
+
+
 def _coords(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"patch_coord": batch["patch_coord"], "patch_valid": batch["patch_valid"]}
 
