@@ -102,6 +102,14 @@ RUNS = (
         commit="94f46b9",
         names=TIMM_NAMES,
     ),
+    Run(
+        "2026-12-07-h100-samvit-bf16.json",
+        "timm: SAM ViT-B at 1024x1024",
+        "One H100 80GB, 2026-12-07",
+        "layergraph bench --model timm:samvit_base_patch16 --batch-sizes 1,8 --compile",
+        commit="d98ae48",
+        names={"samvit_base_patch16": "SAM ViT-B"},
+    ),
 )
 
 INTRODUCTION = """\
