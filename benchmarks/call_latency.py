@@ -9,8 +9,9 @@ defaults, graphs captured ahead. Two ways a user feels a call:
 - ``loop``: calls back to back, each between its own two events, with one wait at the end
   (:func:`layergraph.timing.median_ms`), which hides host work behind the GPU's.
 
-``--host-profile N`` also runs N layergraph calls under ``cProfile`` and prints the functions
-whose own host time is largest: where the wrapper's host work before a replay goes.
+``--host-profile N`` also runs N layergraph calls under ``cProfile``
+(:func:`layergraph.bench.profile.host_functions`) and prints the functions whose own host time
+is largest: where the wrapper's host work before a replay goes.
 
     python3 benchmarks/call_latency.py --json latency.json --label main
 """
@@ -18,9 +19,7 @@ whose own host time is largest: where the wrapper's host work before a replay go
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 
 import layergraph
 from layergraph.bench.examples import example_model
+from layergraph.bench.profile import host_functions
 from layergraph.reference import plain_graph
 from layergraph.timing import median_ms, waited_ms
 
@@ -71,16 +71,14 @@ def measure(name: str, batch: int, iters: int, host_profile: int = 0) -> list[di
 
 
 def print_host_profile(title: str, fn: Callable[[], Any], calls: int, top: int = 20) -> None:
-    """Run ``fn`` ``calls`` times under ``cProfile`` (waiting for the device after each) and
-    print the ``top`` functions by their own host time."""
-    profiler = cProfile.Profile()
-    for _ in range(calls):
-        profiler.enable()
-        fn()
-        profiler.disable()
-        torch.cuda.synchronize()
+    """Print the ``top`` functions by their own host time over ``calls`` calls of ``fn``."""
     print(f"host profile of {calls} layergraph calls: {title}")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+    print(f"{'own ms':>8} {'total ms':>9} {'calls':>6}  function")
+    for function in host_functions(fn, device=torch.device("cuda"), calls=calls, top=top):
+        print(
+            f"{function.own_ms:8.4f} {function.total_ms:9.4f} {function.calls:6.1f}  "
+            f"{function.name}"
+        )
 
 
 def _row(name: str, batch: int, method: str, fn: Callable[[], Any], iters: int) -> dict[str, Any]:

@@ -30,7 +30,8 @@ and the hand-written graph are timed in turns (each call by both, in a rotating 
 that drift during the run weighs on both alike. Errors: the
 largest relative error over the calls against a float32 copy of the model, eager.
 ``--profile`` adds, for layergraph and the hand-written graph, what a call costs on each side:
-the host's milliseconds from the call to its return (no wait), and from ``torch.profiler`` the
+the host's milliseconds from the call to its return (no wait), the Python functions with the
+most host time (``cProfile``), and from ``torch.profiler`` the
 device's kernels per call (:func:`layergraph.bench.profile.profile_call`), their milliseconds
 and the ten that take most, so that a gap between
 the two is seen as host work or as kernels. ``--tiny``
@@ -43,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
+import itertools
 import json
 import math
 import platform
@@ -58,7 +61,7 @@ import torch
 from siglip2_naflex import wrap_options
 
 import layergraph
-from layergraph.bench.profile import profile_call
+from layergraph.bench.profile import host_functions, profile_call
 from layergraph.testing import SimulatedGraphs
 from layergraph.timing import timed_call
 from layergraph.validation import relative_error
@@ -191,9 +194,10 @@ def profiled(
     fn: Callable[[Batch], Any], calls: list[Batch], device: torch.device, rounds: int = 3
 ) -> dict[str, Any]:
     """What a call of ``fn`` costs: the median host milliseconds from the call to its return
-    (no wait), and on a GPU the device's kernels per call as
-    :func:`layergraph.bench.profile.profile_call` records them over ``rounds`` passes (none on
-    the CPU), with the ten that take the most device time."""
+    (no wait), the ten Python functions with the most host time of their own
+    (:func:`layergraph.bench.profile.host_functions`, a pass over the calls), and on a GPU the
+    device's kernels per call as :func:`layergraph.bench.profile.profile_call` records them
+    over ``rounds`` passes (none on the CPU), with the ten that take the most device time."""
     host = []
     for _ in range(rounds):
         for batch in calls:
@@ -202,8 +206,11 @@ def profiled(
             started = time.perf_counter()
             fn(batch)
             host.append((time.perf_counter() - started) * 1e3)
+    batches = itertools.cycle(calls)
+    functions = host_functions(lambda: fn(next(batches)), device=device, calls=len(calls), top=10)
     cost: dict[str, Any] = {
         "host_ms": statistics.median(host),
+        "host_functions": [dataclasses.asdict(function) for function in functions],
         "device_kernels": 0.0,
         "device_ms": 0.0,
         "top": [],
@@ -218,7 +225,11 @@ def profiled(
     try:
         kernels = profile_call(one_pass, device=device, calls=rounds, longest=10)
     except Exception as error:  # reported, not measured: the timings stand
-        return {"host_ms": cost["host_ms"], "error": f"{type(error).__name__}: {error}"}
+        return {
+            "host_ms": cost["host_ms"],
+            "host_functions": cost["host_functions"],
+            "error": f"{type(error).__name__}: {error}",
+        }
     longest = sorted(
         (kernel for group in kernels.classes for kernel in group.longest),
         key=lambda kernel: -kernel["ms"],
@@ -386,6 +397,9 @@ def main() -> None:
             )
             for kernel in cost["top"]:
                 print(f"    {kernel['ms']:.4f} ms  {kernel['name']}")
+            print("    host, own ms a call (cProfile):")
+            for function in cost["host_functions"]:
+                print(f"    {function['own_ms']:.4f} ms  {function['name']}")
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=1)
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from layergraph.bench import BenchReport, run_benchmark
-from layergraph.bench.profile import flops_by_kind, kernel_class, profile_call
+from layergraph.bench.profile import flops_by_kind, host_functions, kernel_class, profile_call
 
 CPU = torch.device("cpu")
 
@@ -138,3 +138,24 @@ def test_the_bench_command_prints_the_profile() -> None:
     )
     assert "where each call's time goes" in out.stdout
     assert "matrix products" in out.stdout
+
+
+def _scaled(values: list[float]) -> list[float]:
+    return [value * 2.0 for value in values]
+
+
+def test_a_calls_host_time_is_found_in_the_functions_it_runs() -> None:
+    """The function that does the call's work leads, counted once a call; the profiler's own
+    bookkeeping is left out."""
+    values = [float(i) for i in range(20_000)]
+
+    def call() -> float:
+        return sum(_scaled(values))
+
+    found = host_functions(call, device=CPU, calls=5, top=5)
+    assert [f.own_ms for f in found] == sorted((f.own_ms for f in found), reverse=True)
+    scaled = next(f for f in found if f.name.endswith("(_scaled)"))
+    assert scaled.calls == 1 and scaled.total_ms >= scaled.own_ms > 0
+    assert scaled.name.startswith("tests/test_bench_profile.py:")
+    assert found[0].own_ms >= scaled.own_ms and len(found) <= 5
+    assert not any("_lsprof" in f.name for f in found)

@@ -40,3 +40,7 @@ def test_the_tiny_run_serves_mixed_sizes_from_one_graph_per_batch_size(
         for column in ("layergraph", "hand_written"):  # no device: host time, no kernels
             cost = row["profile"][column]
             assert cost["host_ms"] > 0 and cost["device_kernels"] == 0 and cost["top"] == []
+            own = [function["own_ms"] for function in cost["host_functions"]]
+            assert len(own) == 10 and own == sorted(own, reverse=True) and own[0] > 0
+        names = [f["name"] for f in row["profile"]["layergraph"]["host_functions"]]
+        assert any(name.startswith("layergraph/") for name in names), names  # its own work

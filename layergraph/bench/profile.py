@@ -9,13 +9,19 @@ reductions, elementwise work, other); :func:`flops_by_kind` splits what a ``Flop
 counted into matrix products and attention, so that a report can set the busy time against
 the time those FLOPs take at the GPU's measured matrix rate.
 
-What it does not do: read hardware counters, or time the host. ``FlopCounterMode`` counts no
+The host's side: :func:`host_functions` runs a call under ``cProfile`` and returns the Python
+functions it spends its host time in, which is where the work before a replay goes when a
+waited call is slower than its kernels.
+
+What it does not do: read hardware counters. ``FlopCounterMode`` counts no
 FLOPs for a custom kernel (layergraph's Triton attention among them): count them on the eager
 call. On the CPU it profiles operators instead of kernels, sorted by the same names.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +33,10 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = [
     "KERNEL_CLASSES",
     "CallProfile",
+    "HostFunction",
     "KernelClass",
     "flops_by_kind",
+    "host_functions",
     "kernel_class",
     "profile_call",
 ]
@@ -141,6 +149,51 @@ def profile_call(
         kernels=sum(entry.kernels for entry in classes),
         classes=classes,
     )
+
+
+@dataclass
+class HostFunction:
+    """A Python function or builtin that a call spends host time in, per call."""
+
+    name: str
+    """``file:line(function)``, the file by its last two path parts, or a builtin's name."""
+    calls: float
+    own_ms: float
+    """Milliseconds in the function itself, not in what it calls."""
+    total_ms: float
+    """Milliseconds in the function and what it calls."""
+
+
+def host_functions(
+    fn: Callable[[], Any], *, device: torch.device, calls: int = 100, top: int = 20
+) -> list[HostFunction]:
+    """The ``top`` functions by their own host time over ``calls`` calls of ``fn`` under
+    ``cProfile``, after a warm-up call, per call. On a GPU the device is waited for before
+    each call, outside the profile, so that a call does not wait for the one before; a wait
+    inside ``fn`` counts as host time. ``cProfile`` slows Python's own calls: read the
+    shares, not the milliseconds."""
+    fn()
+    cuda = device.type == "cuda"
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        if cuda:
+            torch.cuda.synchronize(device)
+        profiler.enable()
+        fn()
+        profiler.disable()
+    found = [
+        HostFunction(_function_name(key), count / calls, own * 1e3 / calls, total * 1e3 / calls)
+        for key, (_, count, own, total, _) in pstats.Stats(profiler).stats.items()
+        if not key[2].startswith("<method 'disable' of '_lsprof.Profiler'")
+    ]
+    return sorted(found, key=lambda function: -function.own_ms)[:top]
+
+
+def _function_name(key: tuple[str, int, str]) -> str:
+    path, line, name = key
+    if path == "~":  # a builtin
+        return name
+    return f"{'/'.join(path.split('/')[-2:])}:{line}({name})"
 
 
 def flops_by_kind(counter: FlopCounterMode) -> tuple[float, float]:
