@@ -196,9 +196,10 @@ class TimmVisionTransformerAdapter(Adapter):
         )
 
 
-TIMM_METHODS = ("forward_features", "forward_head")
+TIMM_METHODS = ("forward_features", "forward_head", "forward_intermediates")
 """The methods of a timm model served from graphs besides ``forward``, each keyed by its name
-(a ``features_only`` wrapper has ``forward`` only)."""
+and its other arguments (``forward_intermediates``' layers, say); a ``features_only`` wrapper
+has ``forward`` only."""
 
 
 class MethodSequence(NamedTuple):

@@ -5,6 +5,7 @@ replay (which refuses what a CUDA capture refuses) at two batch sizes."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -186,6 +187,32 @@ def test_forward_features_and_forward_head_are_served_and_counted(name: str) -> 
     assert len(graphed.keys) == 6, "one graph per method, fixed argument and batch size"
     graphed.unwrap()
     assert "forward_features" not in vars(model) and "forward_head" not in vars(model)
+
+
+@pytest.mark.parametrize(
+    "name", ["vit_small_patch16_224", "resnet18", "convnext_atto", "hiera_tiny_224"]
+)
+def test_forward_intermediates_replays_a_graph_per_choice_of_layers(name: str) -> None:
+    """``forward_intermediates`` through the wrapper replays a graph keyed by the method and its
+    arguments (which layers, ``intermediates_only``); every feature map equals eager's."""
+    model = build(name)
+    graphed = layergraph.wrap(model, backend=SimulatedGraphs())
+    choices = ({"indices": 2}, {"indices": [0, 1], "intermediates_only": True})
+    with torch.inference_mode():
+        for (batch, seed), options in itertools.product(((1, 8), (3, 9)), choices):
+            x = images(model, batch, seed)
+            with graphed.original():
+                want = torch.utils._pytree.tree_leaves(model.forward_intermediates(x, **options))
+            got = torch.utils._pytree.tree_leaves(graphed.forward_intermediates(x, **options))
+            assert len(got) == len(want) == 2 + ("intermediates_only" not in options)
+            for mine, theirs in zip(got, want, strict=True):
+                assert mine.shape == theirs.shape and relative_error(mine, theirs) == 0.0
+    stats = graphed.stats
+    assert stats.replays == 4 and stats.eager_total == 0, dict(stats.eager_calls)
+    assert {str(key.sequence).split(":")[0] for key in graphed.keys} == {"forward_intermediates"}
+    assert len(graphed.keys) == 4, "one graph per choice of layers and batch size"
+    graphed.unwrap()
+    assert "forward_intermediates" not in vars(model)
 
 
 def test_a_wrapped_forward_reaches_forward_features_inside_one_graph() -> None:

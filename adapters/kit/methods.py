@@ -1,15 +1,15 @@
 """Methods of a model besides ``forward`` served from graphs, each keyed by its name.
 
 For plans whose model is called by several methods that each suit a graph (timm's
-``forward_features`` and ``forward_head`` next to ``forward``): while wrapped, each method of
-the model's class named in :class:`RoutedMethods` is routed to the runner with its name as the
-call's first argument, so a call of another method (or of the same method with other fixed
-arguments) gets its own graph and its own count in ``stats``. Only calls made through the
-wrapper (``graphed.forward_features(x)``, inside the plan's forward scope) are routed: the
-model called directly runs its own methods. The plan's region calls the class's own method;
-while it runs (an eager call, a capture), the methods it reaches inside (``forward`` calling
-``forward_features``) are the class's own too, so a region is captured whole rather than
-re-entering the runner.
+``forward_features``, ``forward_head`` and ``forward_intermediates`` next to ``forward``):
+while wrapped, each method of the model's class named in :class:`RoutedMethods` is routed to
+the runner with its name as the call's first argument, so a call of another method (or of the
+same method with other fixed arguments) gets its own graph and its own count in ``stats``.
+Only calls made through the wrapper (``graphed.forward_features(x)``, inside the plan's forward
+scope) are routed: the model called directly runs its own methods. The plan's region calls the
+class's own method; while it runs (an eager call, a capture), the methods it reaches inside
+(``forward`` calling ``forward_features``) are the class's own too, so a region is captured
+whole rather than re-entering the runner.
 
 It does not serve a method the class lacks, nor attributes set on the instance.
 """
