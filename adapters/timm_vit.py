@@ -377,9 +377,9 @@ class TimmNaFlexPlan(TimmModelPlan):
     a dict of them, or ``patch_coord=`` and ``patch_valid=``) runs the patch and position
     embeddings eagerly (they read each image's patch grid on the host), then replays a graph
     of the blocks, norm and head keyed by (batch, patches per row), whatever sizes the
-    images in it are. Rotary embeddings made per call come in as one more tensor: a model whose
-    rotary embeddings differ per layer (``rope_type="mixed"``) has its layers' embeddings
-    stacked, ``[rows, layers, heads, patches, dim]``, and each block reads its own."""
+    images in it are. Rotary embeddings made per call come in as more tensors of the call: one
+    the blocks share, or, for a model whose rotary embeddings differ per layer
+    (``rope_type="mixed"``), one per block."""
 
     serves_forward = False
 
@@ -415,19 +415,17 @@ class TimmNaFlexPlan(TimmModelPlan):
         with self.methods.running():
             embeds = type(owner)._forward_embeds(owner, x, patch_coord, patch_valid, attn_mask)
         rope = embeds.get("rope_embeds")
-        if rope is not None and not isinstance(rope, torch.Tensor):  # one tensor per layer
-            rope = torch.stack(list(rope), dim=1)
+        ropes = [] if rope is None else [rope] if isinstance(rope, torch.Tensor) else list(rope)
         tokens, mask, valid = embeds["patches"], embeds["attn_mask"], embeds["patch_valid"]
-        return serve("naflex", tokens, mask, valid, *([] if rope is None else [rope]))
+        return serve("naflex", tokens, mask, valid, *ropes)
 
     def region(self, *args: Any, **kwargs: Any) -> Any:
         if not (args and args[0] == "naflex"):
             return super().region(*args, **kwargs)
-        _, x, attn_mask, patch_valid, *rope = args
+        _, x, attn_mask, patch_valid, *ropes = args
         owner = self.owner
-        per_layer = getattr(owner, "rope_is_mixed", False)
         for index, block in enumerate(owner.blocks):
-            layer_rope = {"rope": rope[0][:, index] if per_layer else rope[0]} if rope else {}
+            layer_rope = {"rope": ropes[index if len(ropes) > 1 else 0]} if ropes else {}
             x = block(x, attn_mask=attn_mask, **layer_rope)
         with self.methods.running():
             return type(owner).forward_head(owner, owner.norm(x), patch_valid=patch_valid)

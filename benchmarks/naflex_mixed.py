@@ -31,13 +31,12 @@ that drift during the run weighs on both alike. Errors: the
 largest relative error over the calls against a float32 copy of the model, eager.
 ``--profile`` adds, for layergraph and the hand-written graph, what a call costs on each side:
 the host's milliseconds from the call to its return (no wait), the Python functions with the
-most host time (``cProfile``), and from ``torch.profiler`` the
-device's kernels per call (:func:`layergraph.bench.profile.profile_call`), their milliseconds
-and the ten that take most, so that a gap between
-the two is seen as host work or as kernels. ``--tiny``
-runs a two-layer model of width 64 in float32 on the CPU, where the graphs are simulated
-(:class:`layergraph.testing.SimulatedGraphs`, which refuses what a CUDA capture refuses), so that
-every path runs without a GPU; its times mean nothing.
+most host time (``cProfile``), and from ``torch.profiler`` the device's kernels per call
+(:func:`layergraph.bench.profile.profile_call`), their milliseconds and the ten that take most,
+so that a gap between the two is seen as host work or as kernels. ``--tiny`` runs a two-layer
+model of width 64 in float32 on the CPU, where the graphs are simulated
+(:class:`layergraph.testing.SimulatedGraphs`, which refuses what a CUDA capture refuses), so
+that every path runs without a GPU; its times mean nothing.
 """
 
 from __future__ import annotations
