@@ -6,8 +6,9 @@
 #   convnets:     ConvNeXt-T and -B, ResNet-50, EfficientViT-B2, MaxViT-T;
 #   transformers: Swin-T, SwinV2-S, BEiT-B, Hiera-S;
 #   sam:          SAM ViT-B at 1024x1024 (batches 1 and 8), bf16 and float16;
-#   sam32:        SAM ViT-B at 1024x1024, batch 32 (10 calls a column: eager takes about a
-#                 second a call), bf16 with torch.compile and float16;
+#   sam32:        SAM ViT-B at 1024x1024, batch 32 (benchmarks/large_batch.py: each column
+#                 alone, since one forward fills most of the device), bf16 with torch.compile
+#                 and float16;
 #   fp16:         the convnets and transformers again in float16, without torch.compile;
 #   naflex:       NaFlexVit-B on batches of mixed image sizes (benchmarks/naflex_mixed.py),
 #                 with its two graphs profiled; naflex16: the same in float16;
@@ -35,8 +36,10 @@ for part in "$@"; do
     convnets) for m in $CONVNETS; do bench 110 "$m" 1,8,32 bf16 --compile; done ;;
     transformers) for m in $TRANSFORMERS; do bench 140 "$m" 1,8,32 bf16 --compile; done ;;
     sam) bench 220 samvit_base_patch16 1,8 bf16 --compile; bench 90 samvit_base_patch16 1,8 fp16 ;;
-    sam32) bench 330 samvit_base_patch16 32 bf16 --compile --iters 10 --json "$out/sam32-bf16.json"
-      bench 230 samvit_base_patch16 32 fp16 --iters 10 --json "$out/sam32-fp16.json" ;;
+    sam32) step 330 python3 benchmarks/large_batch.py --model timm:samvit_base_patch16 --batch 32 \
+        --compile --json "$out/sam32-bf16.json"
+      step 200 python3 benchmarks/large_batch.py --model timm:samvit_base_patch16 --batch 32 \
+        --dtype fp16 --json "$out/sam32-fp16.json" ;;
     tuned) for m in convnext_base resnet50 swinv2_small_window8_256; do
         bench 170 "$m" 1,8,32 bf16 --compile --compile-region; done ;;
     layout) step 300 python3 benchmarks/channels_last.py --compile --json "$out/channels-last.json" ;;
