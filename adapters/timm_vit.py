@@ -402,16 +402,18 @@ class TimmNaFlexPlan(TimmModelPlan):
         *,
         serve: Callable[..., Any],
     ) -> Any:
+        original = functools.partial(type(owner).forward, owner)
+        if not self.methods.routing():
+            return original(x, patch_coord, patch_valid, attn_mask)
+        if not isinstance(x, dict) and patch_coord is None:
+            return serve(x)  # the image path, where timm ignores patch_valid and attn_mask
         if isinstance(x, dict):
             patch_coord = x.get("patch_coord", patch_coord)
             patch_valid = x.get("patch_valid", patch_valid)
             attn_mask = x.get("attn_mask", attn_mask)
-            x = x["patches"]
-        original = functools.partial(type(owner).forward, owner)
-        if not self.methods.routing():
+        if patch_coord is None or patch_valid is None:  # the model's answer: timm refuses it
             return original(x, patch_coord, patch_valid, attn_mask)
-        if patch_coord is None:
-            return serve(x) if patch_valid is None and attn_mask is None else original(x)
+        x = x["patches"] if isinstance(x, dict) else x
         with self.methods.running():
             embeds = type(owner)._forward_embeds(owner, x, patch_coord, patch_valid, attn_mask)
         rope = embeds.get("rope_embeds")

@@ -272,8 +272,13 @@ def test_naflex_batches_of_any_image_sizes_replay_one_graph_per_row_length(name:
                 assert relative_error(answer, want) <= 1e-5
         image = images(model, 2, 14)  # images: the whole forward, per image size
         assert relative_error(graphed(image), model(image)) == 0.0  # the model itself: eager
+        valid = torch.ones(2, 4, dtype=torch.bool)  # which timm's image path ignores
+        assert relative_error(graphed(image, patch_valid=valid), model(image)) == 0.0
+        no_coordinates = {"patches": calls[0]["patches"], "patch_valid": calls[0]["patch_valid"]}
+        with pytest.raises(AssertionError, match="patch_coord is required"):
+            graphed(no_coordinates)
     stats = graphed.stats
-    assert stats.replays == 7 and stats.eager_total == 0, dict(stats.eager_calls)
+    assert stats.replays == 8 and stats.eager_total == 0, dict(stats.eager_calls)
     side = image.shape[-1]
     assert sorted(str(key.sequence) for key in graphed.keys) == [
         f"{side}x{side} images",
@@ -285,7 +290,7 @@ def test_naflex_batches_of_any_image_sizes_replay_one_graph_per_row_length(name:
 @pytest.mark.parametrize("rope_type", ["mixed", "axial"])
 def test_naflex_batches_with_rotary_embeddings_replay_graphs(rope_type: str) -> None:
     """Rotary embeddings made per call reach the graph as a tensor: shared by the layers
-    (``axial``) or one per layer (``mixed``, stacked, each block reading its own)."""
+    (``axial``) or one per layer (``mixed``, each block reading its own)."""
     model = build("naflexvit_base_patch16_gap", depth=3, rope_type=rope_type)
     with torch.no_grad():  # sharp attention, so that positions (and each layer's) weigh
         for block in model.blocks:
