@@ -24,11 +24,13 @@ by :class:`layergraph.testing.SimulatedGraphs`); its times mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -45,9 +47,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def prepared(
-    column: str, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    column: str,
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    capturable: Callable[[torch.nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> tuple[Callable[..., Any], Any]:
-    """The callable timed for ``column`` and the wrapper to read stats from (or ``None``)."""
+    """The callable timed for ``column`` and the wrapper to read stats from (or ``None``);
+    the hand-written graph captured inside the example's ``capturable`` where it has one."""
     cuda = args[0].device.type == "cuda"
     if column == "eager":
         return model, None
@@ -55,7 +62,8 @@ def prepared(
         graphed = layergraph.wrap(model, **({} if cuda else {"backend": SimulatedGraphs()}))
         return graphed, graphed
     if column == "hand_written":
-        graph = plain_graph(model, *args, **kwargs)
+        with capturable(model) if capturable else contextlib.nullcontext():
+            graph = plain_graph(model, *args, **kwargs)
 
         def cloned(*call_args: Any, **call_kwargs: Any) -> Any:
             return pytree.tree_map_only(torch.Tensor, torch.clone, graph(*call_args, **call_kwargs))
@@ -70,18 +78,20 @@ def measure(
     call: tuple[tuple[Any, ...], dict[str, Any]],
     fresh: tuple[tuple[Any, ...], dict[str, Any]],
     iters: int,
+    capturable: Callable[[torch.nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor | None]:
     """``column`` alone: its row, and its output on ``fresh`` (on the CPU); the memory it
-    held released after. A column that runs out of memory gives a row saying so."""
+    held released after, and the model unwrapped. A column that runs out of memory gives a
+    row saying so (and layergraph's, its stats)."""
     (args, kwargs), device = call, call[0][0].device
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     row: dict[str, Any] = {"column": column}
-    output = None
+    output = fn = graphed = None
     try:
         started = time.perf_counter()
-        fn, graphed = prepared(column, model, args, kwargs)
+        fn, graphed = prepared(column, model, args, kwargs, capturable)
         fn(*args, **kwargs)
         if cuda:
             torch.cuda.synchronize()
@@ -93,15 +103,15 @@ def measure(
             lambda: fn(*args, **kwargs), device=device, warmup=2, iters=iters
         )
         output = first_tensor(fn(*fresh[0], **fresh[1])).float().cpu()
+    except torch.OutOfMemoryError as error:
+        row["out_of_memory"] = str(error).splitlines()[0]
+    finally:
         if graphed is not None:
             stats = graphed.stats
             row["served"] = sorted({way for _, way in stats.served})
             row["eager_reasons"] = dict(stats.eager_calls)
             row["graphs"], row["pool_gib"] = stats.graphs, stats.pool_bytes / 2**30
             graphed.unwrap()
-    except torch.OutOfMemoryError as error:
-        row["out_of_memory"] = str(error).splitlines()[0]
-    finally:
         fn = graphed = None
         gc.collect()
         if cuda:
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     eager_output = None
     with torch.inference_mode():
         for column in columns:
-            row, output = measure(column, model, call, fresh, args.iters)
+            row, output = measure(column, model, call, fresh, args.iters, example.capturable)
             if column == "eager":
                 eager_output = output
             elif output is not None and eager_output is not None:

@@ -1,7 +1,7 @@
 """``benchmarks/large_batch.py --tiny``: each column of one batch runs alone without a GPU
 (graphs simulated on the CPU), layergraph's answer is eager's (float32, the same kernels:
 1e-6 allowed), and a column that runs out of memory is recorded as such while the others
-still run."""
+still run (layergraph's with its stats, the model unwrapped)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,31 @@ def test_a_column_out_of_memory_is_recorded_and_the_next_one_runs(
         "out_of_memory": "CUDA out of memory. Tried to allocate 80.00 GiB",
     }
     assert graphed["served"] == ["graph"] and "error_vs_eager" not in graphed
+
+
+def test_layergraph_out_of_memory_keeps_its_stats_and_unwraps_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import large_batch
+
+    prepared = large_batch.prepared
+    wrappers: list[Any] = []
+
+    def layergraph_out_of_memory(column: str, *args: Any) -> Any:
+        fn, graphed = prepared(column, *args)
+        if column != "layergraph":
+            return fn, graphed
+        wrappers.append(graphed)
+
+        def forward(*call_args: Any, **call_kwargs: Any) -> Any:
+            fn(*call_args, **call_kwargs)  # served from a graph, then the device "fills"
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        return forward, graphed
+
+    monkeypatch.setattr(large_batch, "prepared", layergraph_out_of_memory)
+    _, graphed = _run(tmp_path, monkeypatch)["rows"]
+    assert graphed["out_of_memory"].startswith("CUDA out of memory")
+    assert graphed["served"] == ["graph"] and graphed["graphs"] == 1
+    assert wrappers[0].unwrapped
