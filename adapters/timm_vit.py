@@ -407,15 +407,18 @@ class TimmNaFlexPlan(TimmModelPlan):
             return original(x, patch_coord, patch_valid, attn_mask)
         if not isinstance(x, dict) and patch_coord is None:
             return serve(x)  # the image path, where timm ignores patch_valid and attn_mask
+        patches = x
         if isinstance(x, dict):
+            patches = x["patches"]
             patch_coord = x.get("patch_coord", patch_coord)
             patch_valid = x.get("patch_valid", patch_valid)
             attn_mask = x.get("attn_mask", attn_mask)
         if patch_coord is None or patch_valid is None:  # the model's answer: timm refuses it
             return original(x, patch_coord, patch_valid, attn_mask)
-        x = x["patches"] if isinstance(x, dict) else x
         with self.methods.running():
-            embeds = type(owner)._forward_embeds(owner, x, patch_coord, patch_valid, attn_mask)
+            embeds = type(owner)._forward_embeds(
+                owner, patches, patch_coord, patch_valid, attn_mask
+            )
         rope = embeds.get("rope_embeds")
         ropes = [] if rope is None else [rope] if isinstance(rope, torch.Tensor) else list(rope)
         tokens, mask, valid = embeds["patches"], embeds["attn_mask"], embeds["patch_valid"]
