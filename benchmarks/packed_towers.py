@@ -34,7 +34,7 @@ weights, in bf16; nothing is downloaded. For each tower:
   layergraph's graphs held, the budgets it chose from the traffic and how often, pool,
   capture seconds, and the pool of its largest budget captured alone; every answer compared
   with eager's. Captures and capture seconds count every graph captured, those dropped since
-  (a replan, a graph measured slower than eager) included, and each capture's whole cost: its
+  (a replan, a graph not measured faster than eager) included, and each capture's whole cost: its
   buffers (where the attention backends are timed), warm-up, capture and measurement. The
   first pass includes the calls layergraph serves eagerly while it observes the traffic
   before choosing budgets (``eager_calls``). The targets of the packed mode are checked and

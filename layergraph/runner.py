@@ -178,7 +178,7 @@ class GraphRunner:
         as needed. For a packed plan the sizes are token budgets, each captured from the
         example's images that fit it (:meth:`~layergraph.serving.packed_lane.PackedLane.capture`).
         Capturing the largest first lets the smaller graphs reuse its pool memory. Returns the
-        keys of the graphs held: a graph measured slower than eager is not kept
+        keys of the graphs held: a graph not measured faster than eager is not kept
         (``stats.costs`` says by how much).
         """
         try:

@@ -16,7 +16,7 @@ kernels again. Dynamo still traces each compiled region or layer once per shape.
 The file also holds the shape policy's measurements (:class:`Measurements`: an eager call and
 a replay per batch size, :mod:`layergraph.serving.policy`), for the same model wrapped the same way:
 a replica that loads them does not capture, nor compile, the batch sizes whose graphs were
-measured slower than eager, nor measure again those that pay; a packed plan that learns its
+not measured faster than eager, nor measure again those that pay; a packed plan that learns its
 token budgets takes them from the calls that process saw, so its first call captures them
 instead of being observed eagerly (:mod:`layergraph.serving.budgets`); and what the plan chose by
 timing (a packed plan's attention backend per token budget), which the replica's plan takes

@@ -105,7 +105,7 @@ def test_calls_served_eagerly_run_the_towers_own_forward_and_read_nothing_for_gr
         tower.eval()
         assert host_reads == [] and routed_runs == []
         assert graphed.stats.eager_calls == {
-            "the graph of batch 128 was measured slower than eager": 3,
+            "the graph of batch 128 was not measured faster than eager": 3,
             "an image of this call is above the largest token budget (128)": 1,
             "model is in training mode": 1,
         }

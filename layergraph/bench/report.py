@@ -85,7 +85,7 @@ class BenchRow:
     waited for."""
     layergraph_served: str | None = None
     """How layergraph served this batch size (``GraphStats.served``): ``"graph"``, or
-    ``"eager"`` where its graph was measured slower than eager."""
+    ``"eager"`` where its graph was not measured faster than eager."""
     matmul_gflop: float | None = None
     """GFLOP of eager's matrix products (``FlopCounterMode``)."""
     attention_gflop: float | None = None
@@ -103,7 +103,7 @@ class BenchRow:
 
     @property
     def served_eagerly(self) -> bool:
-        """Whether layergraph ran this batch eagerly (its graph measured slower than eager)."""
+        """Whether layergraph ran this batch eagerly (its graph not measured faster than eager)."""
         return self.layergraph_served is not None and "graph" not in self.layergraph_served
 
     def ratio(self, numerator: str, denominator: str) -> float | None:

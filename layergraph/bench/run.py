@@ -44,7 +44,7 @@ def run_benchmark(
 
     On a GPU: eager; layergraph (``wrap``'s defaults) with every batch size captured ahead
     into one pool (capture time and pool size recorded, and the largest batch captured alone
-    for comparison; a graph measured slower than eager is not kept, and its batch is served
+    for comparison; a graph not measured faster than eager is not kept, and its batch is served
     eagerly, as ``layergraph_served`` says); the
     whole forward captured by hand; each of these three also with a wait for every call's
     result (the ``*_wait_ms`` fields, the latency a waiting caller feels); with ``tuned``

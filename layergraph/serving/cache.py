@@ -14,7 +14,7 @@ about it, :class:`ReplayRecord`), a count of sightings, or the reason its captur
 Dropping a graph therefore forgets all there was to know about it: a key captured again is
 validated again. Measured costs (:class:`~layergraph.serving.policy.Costs`) are about the shape, not
 the graph: they live on the entry while it lives, and in a table of their own after (a graph
-measured slower than eager is not captured again), until the model changes.
+not measured faster than eager is not captured again), until the model changes.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class GraphCache:
         raised what eager runs did not): such a lookup runs eagerly until :meth:`clear`. Few:
         one per shape that cannot be captured."""
         self._costs: OrderedDict[Hashable, Costs] = OrderedDict()
-        """Measured costs of lookups without a graph (never captured, displaced, or measured
-        slower than eager), least recently measured first."""
+        """Measured costs of lookups without a graph (never captured, displaced, or not measured
+        faster than eager), least recently measured first."""
         self._calls = 0
         """Calls counted since the cache was made, for halving the counts."""
         self.generation = 0

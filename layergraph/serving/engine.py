@@ -102,7 +102,8 @@ class GraphEngine:
     A graph's entry (:class:`~layergraph.serving.cache.GraphEntry`) owns everything about its key:
     the graph, the packing's buffers (inputs, metadata, workspaces: the addresses it baked in),
     the output buffers, the costs measured and what replays established. Each capture is
-    measured against an eager call (:meth:`_measure`); a graph slower than eager is not kept.
+    measured against an eager call (:meth:`_measure`); a graph not measured faster than eager
+    is not kept.
 
     Lanes call the engine under :attr:`lock`. :attr:`eager_stand_in` lets a lane supply an
     eager time observed earlier for a call, which stands for the eager call a capture would
@@ -392,8 +393,8 @@ class GraphEngine:
     def _capture_entry(
         self, key: ShapeKey, lookup: tuple[int, Any], call: Call, measure: bool
     ) -> GraphEntry | None:
-        """Capture and measure ``key``'s graph; store and return it, or, if it was measured
-        slower than eager, record the costs and return ``None``. Without ``measure`` it is
+        """Capture and measure ``key``'s graph; store and return it, or, if it was not
+        measured faster than eager, record the costs and return ``None``. Without ``measure`` it is
         stored unmeasured, its costs ``None``, until :meth:`settle`. A graph of a lookup whose
         replay was measured before (by a warm start's process, or an earlier graph of the same
         lookup in this one) takes that measurement instead of being measured again.
@@ -588,5 +589,5 @@ def aliases(leaf: Any, owned: frozenset[int]) -> bool:
 
 
 def slower_reason(budget: int) -> str:
-    """The eager reason of a call whose graph was measured slower than eager."""
-    return f"the graph of batch {budget} was measured slower than eager"
+    """The eager reason of a call whose graph was not measured faster than eager."""
+    return f"the graph of batch {budget} was not measured faster than eager"

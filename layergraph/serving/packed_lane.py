@@ -173,7 +173,7 @@ class PackedLane:
         piece that fits it (:meth:`~layergraph.packing.Packing.split`), or left to its first
         call if its first image does not. Each graph is measured later, on the first call it
         serves (:meth:`~layergraph.serving.engine.GraphEngine.settle`): the call's own budget right
-        after. A budget measured slower than eager or whose capture failed is skipped, and a
+        after. A budget not measured faster than eager or whose capture failed is skipped, and a
         capture that fails ends the loop; nothing is captured while ``capture_after`` holds the
         call's own budget back, or without lazy capture."""
         engine = self.engine
@@ -203,7 +203,7 @@ class PackedLane:
         those learnt so far, or the smallest learnt budget that holds ``call``), largest
         first, each from ``call`` or its first piece that fits (the images of ``call`` that
         fit, :meth:`~layergraph.packing.Packing.split`), each measured against eager. A budget
-        none of whose pieces fit is left out; a graph measured slower than eager is not kept.
+        none of whose pieces fit is left out; a graph not measured faster than eager is not kept.
         Returns the keys held. Called under the engine's lock.
 
         Learnt budgets are still chosen from the traffic observed first: a graph of a budget

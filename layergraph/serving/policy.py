@@ -12,7 +12,8 @@ of assuming:
   (``max_graphs``; a frequent size displaces a rarer one,
   :class:`~layergraph.serving.cache.GraphCache`);
 - each capture measures the graph's replay and an eager call of the same batch
-  (:class:`Costs`); a graph slower than eager is dropped, and its batch runs eagerly;
+  (:class:`Costs`); a graph not measured faster than eager by a margin
+  (:data:`GRAPH_MARGIN`) is dropped, and its batch runs eagerly;
 - a batch without a graph of its own is served by the cheapest combination of the graphs
   held (:func:`cheapest_route`) when that is measured faster than eager by a margin
   (:data:`ROUTE_MARGIN`), else eagerly. Its eager time is measured on its first eager call.
@@ -32,7 +33,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ROUTE_MARGIN", "Costs", "Route", "cheapest_route"]
+__all__ = ["GRAPH_MARGIN", "ROUTE_MARGIN", "Costs", "Route", "cheapest_route"]
+
+GRAPH_MARGIN = 0.98
+"""A batch's own graph is kept only if its replay measures under this share of the batch's
+eager time: nearer parity a few timed calls cannot tell the two apart, and eager holds no
+pool memory."""
 
 ROUTE_MARGIN = 0.95
 """A batch goes through other graphs (padded, or in chunks) only if their replays sum to less
@@ -53,8 +59,9 @@ class Costs:
 
     @property
     def graph_pays(self) -> bool:
-        """Whether the batch's own graph was measured no slower than eager."""
-        return self.graph_ms is not None and self.graph_ms <= self.eager_ms
+        """Whether the batch's own graph was measured faster than eager by the margin
+        (:data:`GRAPH_MARGIN`)."""
+        return self.graph_ms is not None and self.graph_ms < GRAPH_MARGIN * self.eager_ms
 
     def __str__(self) -> str:
         if self.graph_ms is None:
