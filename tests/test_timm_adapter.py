@@ -216,3 +216,29 @@ def test_token_features_come_from_graphs_with_the_head_reset() -> None:
         torch.testing.assert_close(graphed(x), want, rtol=1e-4, atol=1e-5)
     assert graphed.stats.replays == 1
     graphed.unwrap()
+
+
+@pytest.mark.slow
+def test_compiled_region_compiles_once_per_batch_size() -> None:
+    """The region compiled (``compile_region``) runs its warm-ups and its capture on the code
+    compiled at its first run: entering the routed methods' scopes changes nothing Dynamo
+    guards on between calls, which would compile it again per call (or, with
+    ``compile_budget`` spent, capture it uncompiled)."""
+    from torch._dynamo.utils import counters
+
+    model = build("vit_tiny_patch16_224", depth=1)
+    torch._dynamo.reset()
+    counters.clear()
+    graphed = layergraph.wrap(
+        model, adapter="timm", backend=SimulatedGraphs(), batch_sizes=[1, 2], compile_region=True
+    )
+    try:
+        with torch.inference_mode():
+            graphed.capture(images(model, 2), progress=False)
+            for batch in (2, 1):
+                x = images(model, batch)
+                torch.testing.assert_close(graphed(x), model(x), rtol=1e-4, atol=1e-5)
+        assert graphed.stats.replays == 2 and graphed.stats.eager_total == 0
+        assert counters["stats"]["unique_graphs"] == 2  # one per batch size
+    finally:
+        torch._dynamo.reset()

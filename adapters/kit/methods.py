@@ -35,7 +35,7 @@ class RoutedMethods:
     def __init__(self, owner: nn.Module, names: tuple[str, ...]) -> None:
         self.owner = owner
         self.names = tuple(name for name in names if callable(getattr(type(owner), name, None)))
-        self._state = threading.local()
+        self._state = _Scopes()
 
     def route(self, changes: ChangeLedger, serve: Callable[..., Any]) -> None:
         """Route each method, called through the wrapper, to ``serve(name, *args, **kwargs)``
@@ -58,8 +58,7 @@ class RoutedMethods:
     def routing(self) -> bool:
         """Whether a routed method called now goes to the graphs: called through the wrapper,
         not from inside a running region."""
-        state = self._state
-        return getattr(state, "through", False) and not getattr(state, "inside", False)
+        return self._state.through and not self._state.inside
 
     def through_wrapper(self) -> _Flag:
         """The scope of a call through the wrapper: the routed methods reach the graphs."""
@@ -83,18 +82,29 @@ class RoutedMethods:
         return first if isinstance(first, str) else default
 
 
+class _Scopes(threading.local):
+    """A thread's scope flags, both set false in each thread before its first use (a
+    ``threading.local`` runs ``__init__`` per thread): a compiled region that enters a scope is
+    then guarded on the flag's value, which is the same at each call, not on whether the thread
+    has set the flag yet (which would compile the region again on its second call)."""
+
+    def __init__(self) -> None:
+        self.through = False
+        self.inside = False
+
+
 class _Flag:
     """Sets a thread's flag ``name`` for the duration of a ``with`` block (a class rather than
     a generator: it is entered around every call through the wrapper)."""
 
     __slots__ = ("_name", "_outer", "_state")
 
-    def __init__(self, state: threading.local, name: str) -> None:
+    def __init__(self, state: _Scopes, name: str) -> None:
         self._state, self._name = state, name
         self._outer = False
 
     def __enter__(self) -> None:
-        self._outer = getattr(self._state, self._name, False)
+        self._outer = getattr(self._state, self._name)
         setattr(self._state, self._name, True)
 
     def __exit__(self, *_: object) -> None:
