@@ -192,17 +192,19 @@ class CudaGraphs:
         return self.time_eager(fn, rows)[1]
 
     def follow(self, previous: Any) -> Any:
-        """The marker is the stream of the call. A call on another stream than the previous
-        one records an event on that stream (after the previous call's work, and whatever
-        was queued there since) and waits for it; a call on the same stream has nothing to
-        wait for, its work runs in order."""
-        stream = torch.cuda.current_stream()
-        if previous is not None and stream != previous:
+        """The marker is the call's stream, as the ``(stream id, device index, device type)``
+        that PyTorch keeps for the current device: read without building a ``Stream`` (which
+        costs more than the rest of a replay's host work). A call on another stream than the
+        previous one records an event on that stream (after the previous call's work, and
+        whatever was queued there since) and waits for it; a call on the same stream has
+        nothing to wait for, its work runs in order."""
+        marker = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
+        if previous is not None and marker != previous:
             if self._event is None:
                 self._event = torch.cuda.Event()
-            self._event.record(previous)
-            stream.wait_event(self._event)
-        return stream
+            self._event.record(_stream_of(previous))
+            _stream_of(marker).wait_event(self._event)
+        return marker
 
     def pool_bytes(self, pool: CudaPool) -> int:
         pool_ids = {tuple(handle) for handle in (pool.handle, *pool.retired)}
@@ -211,6 +213,14 @@ class CudaGraphs:
             for segment in torch.cuda.memory_snapshot()
             if tuple(segment.get("segment_pool_id", ())) in pool_ids
         )
+
+
+def _stream_of(marker: tuple[int, int, int]) -> torch.cuda.Stream:
+    """The ``Stream`` of a marker of :meth:`CudaGraphs.follow`."""
+    stream_id, device_index, device_type = marker
+    return torch.cuda.Stream(
+        stream_id=stream_id, device_index=device_index, device_type=device_type
+    )
 
 
 def _capture_on(graph: torch.cuda.CUDAGraph, pool: CudaPool, fn: Callable[[], Any]) -> Any:

@@ -17,6 +17,7 @@ import torch
 
 import layergraph
 from layergraph.capture_streams import free_streams
+from layergraph.graphs import CudaGraphs
 from layergraph.runner import CaptureFailedWarning
 from layergraph.validation import DEFAULT_TOLERANCE, relative_error
 
@@ -194,3 +195,22 @@ def test_eight_threads_of_mixed_batches_get_right_answers(
     record_property("wrong_answers", len(wrong))
     assert calls[0] == 1600 and wrong == []
     assert graphed.stats.eager_total == 0
+
+
+def test_a_call_on_another_stream_waits_for_the_previous_calls_work() -> None:
+    """``CudaGraphs.follow``: the marker of a call on another stream differs from the one
+    before, and the stream of the next call waits for the work queued there."""
+    backend = CudaGraphs()
+    first = backend.follow(None)
+    assert backend.follow(first) == first  # the same stream: nothing to wait for
+    x = torch.zeros(1 << 20, device="cuda")
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        on_other = backend.follow(first)
+        torch.cuda._sleep(50_000_000)  # about 25 ms of the device's time
+        x.add_(1)
+    assert on_other != first
+    assert backend.follow(on_other) == first
+    seen = x.clone()  # queued on the first stream, after the wait
+    torch.cuda.synchronize()
+    assert bool((seen == 1).all())
