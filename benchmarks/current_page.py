@@ -26,9 +26,9 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 
 @dataclass(frozen=True)
 class Run:
-    """One JSON of ``benchmarks/regression.py`` records (its ``after`` tree), or of
-    ``layergraph bench`` runs by name (``runs``, as the device scripts gather them), and what
-    it is."""
+    """One JSON of ``benchmarks/regression.py`` records (its ``after`` tree), of
+    ``layergraph bench`` runs by name (``runs``, as the device scripts gather them), or of
+    ``benchmarks/naflex_mixed.py``, and what it is."""
 
     path: str
     """Under docs/results."""
@@ -36,10 +36,11 @@ class Run:
     machine: str
     command: str
     commit: str | None = None
-    """The tree the runs timed, for a JSON of ``runs`` (a regression JSON names its own)."""
+    """The tree the runs timed, for a JSON of ``runs`` or of ``naflex_mixed.py`` (a regression
+    JSON names its own)."""
     names: Mapping[str, str] = field(default_factory=dict)
     """For a JSON of ``runs``: the models shown, in order, by their names on the page; the
-    bf16 runs of these models are shown."""
+    bf16 runs of these models are shown. For a JSON of ``naflex_mixed.py``, its model's name."""
 
 
 TIMM_NAMES = {
@@ -110,6 +111,14 @@ RUNS = (
         commit="d98ae48",
         names={"samvit_base_patch16": "SAM ViT-B"},
     ),
+    Run(
+        "2026-12-07-h100-naflex-profile.json",
+        "timm: NaFlexVit-B on mixed image sizes (8 calls of 576 patches a row)",
+        "One H100 80GB, 2026-12-07",
+        "python3 benchmarks/naflex_mixed.py --compile --profile",
+        commit="d98ae48",
+        names={"naflexvit_base_patch16_gap": "NaFlexVit-B"},
+    ),
 )
 
 INTRODUCTION = """\
@@ -149,9 +158,11 @@ def _records(run: Run) -> tuple[str, list[dict[str, Any]]]:
     change (the key ``after (COMMIT)``), or the bf16 runs of :attr:`Run.names` in their
     order, named as there."""
     data = json.loads((ROOT / "docs" / "results" / run.path).read_text())
+    if ("runs" in data or "model" in data) and run.commit is None:
+        raise ValueError(f"{run.path} names no tree: its Run needs the commit timed")
+    if "model" in data:
+        return run.commit, [_mixed_sizes_record(run, data)]
     if "runs" in data:
-        if run.commit is None:
-            raise ValueError(f"{run.path} holds runs by name: its Run needs the commit timed")
         runs = [entry for entry in data["runs"].values() if entry["dtype"] == "bfloat16"]
         order = list(run.names)
         shown = sorted(
@@ -161,6 +172,24 @@ def _records(run: Run) -> tuple[str, list[dict[str, Any]]]:
         return run.commit, [entry | {"model": run.names[entry["model"]]} for entry in shown]
     (key,) = [key for key in data if key.startswith("after")]
     return key.removeprefix("after (").removesuffix(")"), data[key]
+
+
+def _mixed_sizes_record(run: Run, data: dict[str, Any]) -> dict[str, Any]:
+    """A ``benchmarks/naflex_mixed.py`` JSON (bf16) as one model's record, its waited medians
+    in the rows of ``layergraph bench``."""
+    if data["dtype"] != "bfloat16":
+        raise ValueError(f"{run.path} is a {data['dtype']} run; the page shows bf16")
+    rows = [
+        {
+            "batch": row["batch"],
+            "eager_wait_ms": row["eager"]["waited_ms"],
+            "plain_graph_wait_ms": row["hand_written"]["waited_ms"],
+            "layergraph_wait_ms": row["layergraph"]["waited_ms"],
+            "layergraph_served": "graph" if row["graphs"] else "eager",
+        }
+        for row in data["rows"]
+    ]
+    return {"model": run.names[data["model"]], "rows": rows}
 
 
 def section(run: Run) -> str:
