@@ -193,8 +193,8 @@ class CudaGraphs:
 
     def follow(self, previous: Any) -> Any:
         """The marker is the call's stream, as the ``(stream id, device index, device type)``
-        that PyTorch keeps for the current device: read without building a ``Stream`` (which
-        costs more than the rest of a replay's host work). A call on another stream than the
+        that PyTorch keeps for the current device: read once a call without building a ``Stream``,
+        whose construction costs far more than the read. A call on another stream than the
         previous one records an event on that stream (after the previous call's work, and
         whatever was queued there since) and waits for it; a call on the same stream has
         nothing to wait for, its work runs in order."""
