@@ -5,10 +5,20 @@ What ``compile_layers`` and ``compile_region`` call is the compiled code wrapped
 (:data:`RECOMPILE_LIMIT`) and charges the time spent compiling to a :class:`CompileBudget`;
 :func:`compile_layers_in_place` and :func:`compiled_region` make a plan's compiled layers or
 region. It does not choose which a model gets; ``wrap``'s options do.
+
+Compiled layers are compiled with dynamic shapes (``dynamic=True``): one compiled version
+serves every batch size and token budget, where the layer's code takes the same path for
+each (Dynamo keeps a size of 1 apart, so a tower called with one image and with several has
+two). In a simulated capture (:class:`~layergraph.testing.SimulatedGraphs`) each compiled
+layer's call is recorded as one step (:func:`~layergraph.tape.run_as_one_step`), so that the
+CPU replay runs the compiled kernels as a CUDA graph's does. The compiled region is compiled
+per shape, as its convolutions and pooling are; a simulated capture records it as the
+operators of its original code (Dynamo does not run compiled code under the recorder).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +28,7 @@ from torch import nn
 
 from .adapter import CapturePlan
 from .ledger import ChangeLedger
+from .tape import run_as_one_step
 from .warn import warn
 
 __all__ = [
@@ -115,9 +126,10 @@ def compiled_call(compiled: Callable[..., Any], budget: CompileBudget) -> Callab
     return run
 
 
-def compile_options(setting: bool | dict[str, Any]) -> dict[str, Any]:
-    """``torch.compile`` keyword arguments for ``compile_layers`` or ``compile_region``."""
-    return {"dynamic": False, **(setting if isinstance(setting, dict) else {})}
+def compile_options(setting: bool | dict[str, Any], dynamic: bool) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments for ``compile_layers`` (``dynamic`` ``True``) or
+    ``compile_region`` (``False``): the setting's own where it is a dict."""
+    return {"dynamic": dynamic, **(setting if isinstance(setting, dict) else {})}
 
 
 def compile_layers_in_place(
@@ -138,11 +150,11 @@ def compile_layers_in_place(
             f"adapter does not name"
         )
     for layer in layers:
-        compiled = torch.compile(_calling(layer), **compile_options(setting))
-        # What nn.Module.compile() sets: the module's calls go to the compiled function.
-        changes.set_attribute(
-            layer, "_compiled_call_impl", compiled_call(compiled, budget), "compiled"
-        )
+        compiled = torch.compile(_calling(layer), **compile_options(setting, dynamic=True))
+        # What nn.Module.compile() sets: the module's calls go to the compiled function, in a
+        # simulated capture as one recorded step (its replay runs the compiled kernels).
+        call = functools.partial(run_as_one_step, compiled_call(compiled, budget))
+        changes.set_attribute(layer, "_compiled_call_impl", call, "compiled")
 
 
 def _calling(layer: nn.Module) -> Callable[..., Any]:
@@ -167,4 +179,5 @@ def compiled_region(
     capture it as it is."""
     if setting is False:
         return None
-    return compiled_call(torch.compile(plan.region, **compile_options(setting)), budget)
+    options = compile_options(setting, dynamic=False)
+    return compiled_call(torch.compile(plan.region, **options), budget)

@@ -57,6 +57,9 @@ class GraphInfo:
     costs: Costs | None
     """Its replay and an eager call, as measured; ``None`` until the first call it serves
     measured a packed budget captured ahead."""
+    flops: int | None
+    """The floating-point operations of one replay (its key's whole work, padding included;
+    :mod:`layergraph.flops`); ``None`` if not counted."""
     validated: bool
     """Whether a replay was compared with eager and agreed (``validate=True``)."""
     uses: int
@@ -255,6 +258,7 @@ class GraphRunner:
                     buffers=entry.buffers,
                     outputs=entry.output_leaves,
                     costs=entry.costs,
+                    flops=self._engine.held.flops(lookup),
                     validated=entry.record.validated,
                     uses=entry.record.uses,
                 )
@@ -274,6 +278,7 @@ class GraphRunner:
                 eager_calls=engine.stats.eager_calls.copy(),
                 served=engine.stats.served.copy(),
                 costs=engine.held.costs_by_batch(),
+                flops=engine.held.flops_by_batch(),
                 pool_bytes=pool_bytes,
             )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .flops import tflops
 from .serving.policy import Costs
 
 __all__ = ["GraphStats"]
@@ -68,6 +69,12 @@ class GraphStats:
     """What was measured, by batch size: an eager call and a replay of the batch's own graph
     (at capture), or an eager call alone (a batch served through other graphs or eagerly);
     read when the statistics were taken, forgotten when the model changes."""
+    flops: dict[int, int] = field(default_factory=dict)
+    """The floating-point operations of one replay of each size's graph (batch size or token
+    budget; padding included), counted before its first capture by PyTorch's formulas
+    (:mod:`layergraph.flops`: a floor, since operators without a formula count nothing);
+    forgotten when the model changes. :attr:`achieved_tflops` sets them against the replays
+    measured."""
     budgets: tuple[int, ...] = ()
     """A packed plan's token budgets learnt from the traffic (``batch_sizes="auto"``), read
     when the statistics were taken; graphs are captured for them as calls need them."""
@@ -81,6 +88,18 @@ class GraphStats:
     pool_bytes: int = 0
     """Bytes the shared graph memory pool holds, read from the allocator when the statistics
     were taken; 0 before the first capture and after every graph was dropped at once."""
+
+    @property
+    def achieved_tflops(self) -> dict[int, float]:
+        """TFLOP/s of each size's graph where its replay was measured (:attr:`costs`):
+        :attr:`flops` over the replay's time as a caller waits for it (input copies and output
+        clones included). On a GPU, compare with its matrix products' peak
+        (:func:`layergraph.timing.matmul_peak_tflops`)."""
+        return {
+            size: tflops(flops, self.costs[size].graph_ms)  # type: ignore[arg-type]
+            for size, flops in self.flops.items()
+            if size in self.costs and self.costs[size].graph_ms
+        }
 
     @property
     def eager_total(self) -> int:
@@ -105,6 +124,11 @@ class GraphStats:
                 f"{way} x{n}" for (size, way), n in self.served.most_common() if size == batch
             )
             measured = f" ({self.costs[batch]})" if batch in self.costs else ""
+            if batch in self.flops:
+                rate = self.achieved_tflops.get(batch)
+                measured += f", {self.flops[batch] / 1e9:.3g} GFLOP" + (
+                    f" at {rate:.3g} TFLOP/s" if rate is not None else ""
+                )
             size = f"batch {batch}" if self.size_unit == "batch" else f"{batch} {self.size_unit}"
             lines.append(f"  {size}: {ways or 'not called'}{measured}")
         return "\n".join(lines)

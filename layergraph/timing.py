@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -9,7 +10,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["captured_ms", "interleaved_waited_ms", "median_ms", "timed_call", "waited_ms"]
+__all__ = [
+    "captured_ms",
+    "interleaved_waited_ms",
+    "matmul_peak_tflops",
+    "median_ms",
+    "timed_call",
+    "waited_ms",
+]
 
 
 def median_ms(
@@ -153,3 +161,19 @@ def captured_ms(
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+@functools.cache
+def matmul_peak_tflops(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 8192
+) -> float:
+    """The TFLOP/s this device's large matrix products reach: the median of timed
+    ``size``-square products of ``dtype`` (bf16 by default), measured once per process and
+    device. What a graph's achieved rate (``stats.achieved_tflops``) is a fraction of; the card's
+    data-sheet figure is higher than any product reaches. A CUDA device only."""
+    if device.type != "cuda":
+        raise ValueError(f"the matrix-product peak is measured on a CUDA device, not {device}")
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    milliseconds = median_ms(lambda: a @ b, device=device, warmup=5, iters=20)
+    return 2 * size**3 / milliseconds / 1e9

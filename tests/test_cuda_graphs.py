@@ -188,6 +188,46 @@ def test_compiled_layers_inside_the_graph_equal_eager() -> None:
     assert model.blocks[0]._compiled_call_impl is None
 
 
+def test_compiled_layers_serve_every_batch_size_with_one_version() -> None:
+    """Dynamic shapes on a GPU: batches 2, 3, 5 and 8 captured from one compiled version of the
+    layers (one more for the inference tensors of the eager calls each capture is measured
+    against), each replay equal to eager."""
+    from torch._dynamo.utils import counters
+
+    model = build("vit_base_patch16_224", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    graphed = layergraph.wrap(model, compile_layers=True)
+    with torch.inference_mode():
+        for batch in (2, 3, 5, 8):
+            x = images(batch, torch.bfloat16)
+            with graphed.original() as original:
+                expected = original(x)
+            assert relative_error(graphed(x), expected) <= DEFAULT_TOLERANCE[torch.bfloat16]
+    assert graphed.stats.graphs == 4 and graphed.stats.replays == 4
+    assert counters["stats"]["unique_graphs"] <= 2
+    graphed.unwrap()
+
+
+def test_flops_on_a_gpu_are_the_cpus_and_the_rate_is_under_the_peak() -> None:
+    """The FLOPs counted at capture on a GPU (its attention's kernel, its dtype) equal those
+    counted on the CPU, and the replay's rate is under what the card's products reach."""
+    from layergraph.flops import count_flops
+    from layergraph.timing import matmul_peak_tflops
+
+    model = build("vit_base_patch16_224", torch.bfloat16)
+    graphed = layergraph.wrap(model)
+    with torch.inference_mode():
+        graphed(images(4, torch.bfloat16))
+        on_cpu = build("vit_base_patch16_224", torch.float32).cpu()
+        expected = count_flops(lambda: on_cpu(torch.randn(4, 3, 224, 224)))
+    stats = graphed.stats
+    assert stats.graphs == 1 and stats.flops == {4: expected}
+    assert expected == pytest.approx(4 * 35.1e9, rel=0.02)  # ViT-B/16: 17.6 GMACs an image
+    peak = matmul_peak_tflops(torch.device("cuda"))
+    assert 0 < stats.achieved_tflops[4] < peak
+
+
 def test_compiled_region_inside_the_graph_equals_eager() -> None:
     model = build("vit_base_patch16_224", torch.bfloat16)
     inputs = {batch: images(batch, torch.bfloat16) for batch in (1, 3)}

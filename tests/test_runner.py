@@ -529,9 +529,10 @@ def test_compile_budget_caps_compilation(
     mlp_stack: nn.Sequential, setting: str, seconds: float | None, compiled_sizes: list[int]
 ) -> None:
     """Sizes are captured largest first; once the budget is spent, the sizes not compiled yet
-    are captured uncompiled. (Replays are not checked for compiled code: the simulated backend
-    re-runs the function under inference mode, which compiled code guards on; a CUDA graph
-    replays what it captured.)"""
+    are captured uncompiled (each size compiled on its own, ``dynamic=False``: compiled layers'
+    one version for every size is tests/test_compiled_layers.py's). (Replays are not checked
+    for compiled code: the simulated backend re-runs the function under inference mode, which
+    compiled code guards on; a CUDA graph replays what it captured.)"""
     compiled: list[int] = []
     ran: list[int] = []
 
@@ -556,7 +557,7 @@ def test_compile_budget_caps_compilation(
         mlp_stack,
         batch_sizes=[2, 4, 8],
         compile_budget=seconds,
-        **{setting: {"backend": recording_backend}},
+        **{setting: {"backend": recording_backend, "dynamic": False}},
     )
     with torch.no_grad(), warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")

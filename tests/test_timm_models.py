@@ -73,7 +73,10 @@ def served_equal(graphed: Any, model: torch.nn.Module, calls: list[torch.Tensor]
                 want = model(x)
             for mine, theirs in zip(_tensors(got), _tensors(want), strict=True):
                 assert mine.shape == theirs.shape
-                assert relative_error(mine, theirs) == 0.0  # the replay runs eager's kernels
+                # The replay runs eager's kernels, up to how PyTorch folds a linear layer's
+                # batch dimensions under a dispatch mode (the recorder is one): Twins-SVT's
+                # strided q/k/v input goes to a matrix product of another shape, 3e-7 apart.
+                assert relative_error(mine, theirs) <= 1e-6
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

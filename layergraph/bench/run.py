@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..module import wrap
 from ..reference import compiled_reduce_overhead, plain_graph
-from ..timing import median_ms, waited_ms
+from ..timing import matmul_peak_tflops, median_ms, waited_ms
 from ..validation import first_tensor, relative_error
 from ..version import __version__
 from .examples import ExampleModel, example_model
@@ -105,7 +105,7 @@ def run_benchmark(
     with torch.inference_mode():
         graphed = None
         if cuda:
-            report.matmul_tflops = _matmul_tflops(dtype)
+            report.matmul_tflops = matmul_peak_tflops(device, dtype)
             if not packed:
                 graphed = _capture_all(model, example.adapter, inputs, sizes, dtype, device, report)
         for batch in sizes:
@@ -351,14 +351,6 @@ def _parameters_frozen(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for parameter in frozen:
             parameter.requires_grad_(True)
-
-
-def _matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
-    """The GPU's measured matrix-product rate: median of 10 products of random matrices."""
-    a = torch.randn(size, size, device="cuda", dtype=dtype)
-    b = torch.randn(size, size, device="cuda", dtype=dtype)
-    ms = median_ms(lambda: a @ b, device=a.device, warmup=3, iters=10)
-    return 2 * size**3 / ms / 1e9
 
 
 def versions_in_use() -> dict[str, str]:

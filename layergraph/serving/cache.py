@@ -10,7 +10,8 @@ captured and evicted a graph on almost every call.)
 
 Everything known about one lookup (a bucket and a call signature) lives in :class:`GraphCache`,
 in exactly one of its tables: a graph (:class:`GraphEntry`, which carries what replays learn
-about it, :class:`ReplayRecord`), a count of sightings, or the reason its capture failed.
+about it, :class:`ReplayRecord`), a count of sightings, or the reason its capture failed;
+and beside them, its FLOPs, counted at its first capture.
 Dropping a graph therefore forgets all there was to know about it: a key captured again is
 validated again. Measured costs (:class:`~layergraph.serving.policy.Costs`) are about the shape, not
 the graph: they live on the entry while it lives, and in a table of their own after (a graph
@@ -106,6 +107,10 @@ class GraphCache:
         self._costs: OrderedDict[Hashable, Costs] = OrderedDict()
         """Measured costs of lookups without a graph (never captured, displaced, or not measured
         faster than eager), least recently measured first."""
+        self._flops: OrderedDict[Hashable, int] = OrderedDict()
+        """The FLOPs of each lookup's graph (its budget's work, padding included), counted at
+        its first capture (:func:`~layergraph.flops.count_flops`), least recently counted
+        first."""
         self._calls = 0
         """Calls counted since the cache was made, for halving the counts."""
         self.generation = 0
@@ -190,6 +195,21 @@ class GraphCache:
         if len(self._costs) > _SIGHTINGS_KEPT:
             self._costs.popitem(last=False)
 
+    def flops(self, lookup: Hashable) -> int | None:
+        """The FLOPs of ``lookup``'s graph, or ``None`` if not counted."""
+        return self._flops.get(lookup)
+
+    def record_flops(self, lookup: Hashable, flops: int) -> None:
+        """Record the FLOPs of ``lookup``'s graph."""
+        self._flops[lookup] = flops
+        if len(self._flops) > _SIGHTINGS_KEPT:
+            self._flops.popitem(last=False)
+
+    def flops_by_batch(self) -> dict[int, int]:
+        """The FLOPs counted, by batch size or token budget (of the lookups of one size, the
+        one counted last)."""
+        return dict(sorted({lookup[0]: flops for lookup, flops in self._flops.items()}.items()))
+
     def held_with(self, signature: Hashable) -> dict[int, GraphEntry]:
         """The graphs held for calls of ``signature``, by their batch size."""
         return {bucket: entry for (bucket, sig), entry in self._graphs.items() if sig == signature}
@@ -256,11 +276,12 @@ class GraphCache:
         self.generation += 1
 
     def clear(self) -> None:
-        """Forget everything: graphs, sightings, failures and measured costs."""
+        """Forget everything: graphs, sightings, failures, measured costs and FLOPs."""
         self._graphs.clear()
         self._sightings.clear()
         self._failures.clear()
         self._costs.clear()
+        self._flops.clear()
         self.generation += 1
 
     def __len__(self) -> int:
@@ -289,6 +310,8 @@ class HeldGraphs(Protocol):
     def held_with(self, signature: Hashable) -> dict[int, GraphEntry]: ...
     def all_costs(self) -> dict[Hashable, Costs]: ...
     def costs_by_batch(self) -> dict[int, Costs]: ...
+    def flops(self, lookup: Hashable) -> int | None: ...
+    def flops_by_batch(self) -> dict[int, int]: ...
     def items(self) -> list[tuple[Hashable, GraphEntry]]: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[GraphEntry]: ...

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..adapter import CapturePlan
 from ..device_factories import MadeOnDevice, copies_from_host
+from ..flops import count_flops
 from ..graphs import GraphBackend, GraphCaptureError
 from ..guards import HookFingerprint, HookWatch, ParameterWatch, addresses
 from ..keys import ShapeKey
@@ -425,6 +426,12 @@ class GraphEngine:
         with self.hooks.adopting(), contextlib.ExitStack() as contexts:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
+            if self._cache.flops(lookup) is None:
+                # In a warm-up run, not the last: Dynamo runs the original code under the
+                # counter, so compiled code compiles in a later one.
+                self._cache.record_flops(lookup, count_flops(region))
+                if warmup_runs > 1:
+                    warmup_runs -= 1
             try:
                 with self.pools.capturing(self) as pool:
                     graph, output = self.backend.capture(region, pool, warmup_runs)

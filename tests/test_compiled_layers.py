@@ -1,0 +1,129 @@
+"""Compiled layers (``compile_layers``): one compiled version for every batch size and token
+budget, and a faithful CPU replay of the compiled code a graph holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import layergraph
+from layergraph.testing import SimulatedGraphs
+
+ATOL = 1e-5
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block, the shape of a transformer layer's second half."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def blocks(depth: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(depth))).eval()
+
+
+def eager(graphed: layergraph.GraphedModule, x: torch.Tensor) -> torch.Tensor:
+    """The model as it was before wrapping (its layers not compiled) on ``x``."""
+    with graphed.original() as model:
+        return model(x)
+
+
+class Counting:
+    """A compiler backend that counts the graphs it compiles and the rows of the activation
+    (the one 3-d tensor) of each run."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.ran: list[int] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[Any]) -> Any:
+        self.compiled += 1
+
+        def run(*args: Any) -> Any:
+            self.ran.append(
+                next(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3)
+            )
+            return gm.forward(*args)
+
+        return run
+
+
+def wrapped(compile_layers: Any, batch_sizes: Any) -> layergraph.GraphedModule:
+    """Three blocks wrapped on the simulated backend with ``compile_layers``."""
+    return layergraph.wrap(
+        blocks(),
+        adapter=layergraph.SequentialAdapter(),
+        backend=SimulatedGraphs(),
+        batch_sizes=batch_sizes,
+        compile_layers=compile_layers,
+    )
+
+
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.quick
+def test_compiled_layers_compile_once_for_every_batch_size(fresh_dynamo: None) -> None:
+    counting = Counting()
+    graphed = wrapped({"backend": counting}, batch_sizes=None)
+    with torch.inference_mode():
+        for batch in (2, 3, 5, 8, 3):
+            x = torch.randn(batch, 7, 16)
+            torch.testing.assert_close(graphed(x), eager(graphed, x), atol=ATOL, rtol=0)
+            if batch == 2:
+                # Two versions: one for the graph's buffers, one for the inference tensors of
+                # the eager call each capture is measured against; each serves every size.
+                assert counting.compiled == 2
+    assert graphed.stats.graphs == 4 and graphed.stats.replays == 5
+    assert counting.compiled == 2  # every layer, every size
+    assert {2, 3, 5, 8} <= set(counting.ran)
+
+
+@pytest.mark.quick
+def test_a_compiled_layers_replay_runs_the_compiled_code_on_refilled_inputs(
+    fresh_dynamo: None,
+) -> None:
+    """The simulated replay runs what the capture ran, compiled code included, on the inputs
+    each call copies into the graph's buffers: never the values of the capture's call."""
+    counting = Counting()
+    graphed = wrapped({"backend": counting}, batch_sizes=[4])
+    with torch.inference_mode():
+        graphed.capture(torch.randn(4, 5, 16), progress=False)
+        counting.ran.clear()
+        for _ in range(3):
+            x = torch.randn(4, 5, 16)
+            torch.testing.assert_close(graphed(x), eager(graphed, x), atol=ATOL, rtol=0)
+    assert graphed.stats.replays == 3 and graphed.stats.eager_total == 0
+    assert counting.ran == [4] * 9  # three layers' compiled code in each of three replays
+
+
+@pytest.mark.slow
+def test_inductor_compiled_layers_replay_equal_to_eager(fresh_dynamo: None) -> None:
+    """Inductor's own CPU kernels, which run outside ATen's dispatcher, in the simulated
+    replay: one compiled version for four batch sizes, each replay equal to eager on its own
+    call's inputs."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    graphed = wrapped(True, batch_sizes=None)
+    with torch.inference_mode():
+        for batch in (2, 3, 5, 8, 2, 8):
+            x = torch.randn(batch, 7, 16)
+            torch.testing.assert_close(graphed(x), eager(graphed, x), atol=1e-5, rtol=1e-5)
+    assert graphed.stats.replays == 6 and graphed.stats.graphs == 4
+    assert counters["stats"]["unique_graphs"] == 2  # the buffers' and inference tensors'
