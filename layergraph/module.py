@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -479,8 +480,9 @@ class GraphedModule(nn.Module):
 
     @property
     def stats(self) -> GraphStats:
-        """Graphs, captures, replays, padded and eager calls (with reasons), pool bytes."""
-        return self._runner.stats()
+        """Graphs, captures, replays, padded and eager calls (with reasons), FLOPs, pool bytes,
+        capture and compile seconds."""
+        return dataclasses.replace(self._runner.stats(), compile_seconds=self._compile_budget.spent)
 
     @property
     def keys(self) -> list[ShapeKey]:

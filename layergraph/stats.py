@@ -81,6 +81,11 @@ class GraphStats:
     replans: int = 0
     """Times a packed plan's token budgets were chosen (again), the graphs of budgets left out
     dropped."""
+    compile_seconds: float = 0.0
+    """Wall-clock seconds of the calls of compiled code (``compile_layers``,
+    ``compile_region``) during which Dynamo compiled: what compiling cost this process
+    (:attr:`GraphedModule.compile_budget <layergraph.module.GraphedModule.compile_budget>`'s
+    ``spent``; a warm start's process spends less)."""
     capture_seconds: float = 0.0
     """Wall-clock seconds spent capturing, for every capture (those of graphs dropped since
     included): the graph's buffers (a packed plan times its attention backends there), warm-up
@@ -113,6 +118,7 @@ class GraphStats:
             f"evicted={self.evictions} invalidated={self.invalidations} "
             f"slower={self.slower_graphs} failed={self.failed_captures} "
             f"pool={self.pool_bytes / 2**20:.1f} MiB capture={self.capture_seconds:.3f} s"
+            + (f" compile={self.compile_seconds:.1f} s" if self.compile_seconds else "")
         ]
         if self.budgets:
             lines.append(

@@ -92,6 +92,9 @@ def test_compiled_layers_compile_once_for_every_batch_size(fresh_dynamo: None) -
     assert graphed.stats.graphs == 4 and graphed.stats.replays == 5
     assert counting.compiled == 2  # every layer, every size
     assert {2, 3, 5, 8} <= set(counting.ran)
+    stats = graphed.stats
+    assert stats.compile_seconds == graphed.compile_budget.spent > 0
+    assert f"compile={stats.compile_seconds:.1f} s" in str(stats)
 
 
 @pytest.mark.quick
