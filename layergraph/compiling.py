@@ -9,11 +9,10 @@ region. It does not choose which a model gets; ``wrap``'s options do.
 Compiled layers are compiled with dynamic shapes (``dynamic=True``): one compiled version
 serves every batch size and token budget, where the layer's code takes the same path for
 each (Dynamo keeps a size of 1 apart, so a tower called with one image and with several has
-two). In a simulated capture (:class:`~layergraph.testing.SimulatedGraphs`) each compiled
-layer's call is recorded as one step (:func:`~layergraph.tape.run_as_one_step`), so that the
-CPU replay runs the compiled kernels as a CUDA graph's does. The compiled region is compiled
-per shape, as its convolutions and pooling are; a simulated capture records it as the
-operators of its original code (Dynamo does not run compiled code under the recorder).
+two). The compiled region is compiled per shape, as its convolutions and pooling are. Both
+compile through a :class:`RecordedBackend`, whose compiled graphs a simulated capture
+(:class:`~layergraph.testing.SimulatedGraphs`) records as one step each, so that the CPU replay
+runs the compiled kernels as a CUDA graph's does.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from torch import nn
 
 from .adapter import CapturePlan
 from .ledger import ChangeLedger
-from .tape import run_as_one_step
+from .tape import function_modes_aside, run_as_one_step
 from .warn import warn
 
 __all__ = [
@@ -120,7 +119,8 @@ def compiled_call(compiled: Callable[..., Any], budget: CompileBudget) -> Callab
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with config.patch({name: max(getattr(config, name), RECOMPILE_LIMIT)}):
+        room = config.patch({name: max(getattr(config, name), RECOMPILE_LIMIT)})
+        with room, function_modes_aside():
             return budget.run(compiled, *args, **kwargs)
 
     return run
@@ -149,12 +149,13 @@ def compile_layers_in_place(
             f"compile_layers needs the model's repeated layers, which the {adapter_name!r} "
             f"adapter does not name"
         )
+    options = recorded(compile_options(setting, dynamic=True))  # one backend: code shared
     for layer in layers:
-        compiled = torch.compile(_calling(layer), **compile_options(setting, dynamic=True))
-        # What nn.Module.compile() sets: the module's calls go to the compiled function, in a
-        # simulated capture as one recorded step (its replay runs the compiled kernels).
-        call = functools.partial(run_as_one_step, compiled_call(compiled, budget))
-        changes.set_attribute(layer, "_compiled_call_impl", call, "compiled")
+        compiled = torch.compile(_calling(layer), **options)
+        # What nn.Module.compile() sets: the module's calls go to the compiled function.
+        changes.set_attribute(
+            layer, "_compiled_call_impl", compiled_call(compiled, budget), "compiled"
+        )
 
 
 def _calling(layer: nn.Module) -> Callable[..., Any]:
@@ -179,5 +180,33 @@ def compiled_region(
     capture it as it is."""
     if setting is False:
         return None
-    options = compile_options(setting, dynamic=False)
+    options = recorded(compile_options(setting, dynamic=False))
     return compiled_call(torch.compile(plan.region, **options), budget)
+
+
+def recorded(options: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments ``options`` with their backend (and its ``mode`` and
+    ``options``) made into one :class:`RecordedBackend`."""
+    rest = dict(options)
+    backend, mode, settings = (rest.pop(name, None) for name in ("backend", "mode", "options"))
+    dynamic = rest.get("dynamic")
+    if backend in (None, "inductor"):
+        inner = torch._TorchCompileInductorWrapper(mode, settings, dynamic)
+    else:
+        inner = torch._TorchCompileWrapper(backend, mode, settings, dynamic)
+    return {**rest, "backend": RecordedBackend(inner)}
+
+
+class RecordedBackend:
+    """A ``torch.compile`` backend that compiles as ``inner`` does and whose compiled graphs a
+    simulated capture (:class:`~layergraph.testing.SimulatedGraphs`) records as one step each
+    (:func:`~layergraph.tape.run_as_one_step`), so that its replay runs the compiled kernels
+    and nothing else, as a CUDA graph does: not the Python around them (guards, the model's
+    side effects), whose operators between compiled graphs it records one by one."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        compiled = self.inner(graph, example_inputs, **kwargs)
+        return functools.partial(run_as_one_step, compiled)

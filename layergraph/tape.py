@@ -13,11 +13,12 @@ layergraph's. :class:`Tape` keeps that contract with PyTorch's operators for ker
   ``out=`` operator writes the tensors it wrote then, a view is taken again of the storage it
   viewed. Python values read at capture (shapes, a value read on the host, a Python number an
   operator took) stay as they were then;
-- :func:`run_as_one_step` records a call of compiled code (``wrap``'s compiled layers) as one
-  step, as a custom operator is one: Inductor's kernels run outside ATen's dispatcher, so a
-  recorder would see some of their work (an external matrix product) and miss the rest (the
-  fused kernels), and a replay would hand on stale values. A replay calls the compiled code
-  again on the captured storages, as a CUDA graph launches its kernels again.
+- :func:`run_as_one_step` records a call of a compiled graph (``wrap``'s compiled layers or
+  region) as one step, as a custom operator is one: Inductor's kernels run outside ATen's
+  dispatcher, so a recorder would see some of their work (an external matrix product) and
+  miss the rest (the fused kernels), and a replay would hand on stale values. A replay calls
+  the compiled graph again on the captured storages, as a CUDA graph launches its kernels
+  again; the Python around it (Dynamo's guards, the model's side effects) ran at capture only.
 
 Tensors from before the capture (parameters, the runner's static buffers) are held by their
 storage at capture: a tensor given a new storage since (``p.data = t``) is not seen, as a GPU
@@ -31,9 +32,8 @@ between graphs of one pool (each tape keeps its own storages).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from torch.utils import _python_dispatch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Recorder", "Tape", "run_as_one_step"]
+__all__ = ["Recorder", "Tape", "function_modes_aside", "run_as_one_step"]
 
 _NO_KERNEL = frozenset(
     {
@@ -127,6 +127,14 @@ class Recorder(TorchDispatchMode):
             self._record(func, args, kwargs, result)
         return result
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo runs compiled code under a recorder (it would run the original Python under
+        any other dispatch mode); each compiled graph records itself as one step
+        (:class:`~layergraph.compiling.RecordedBackend`), and the operators between them are
+        recorded one by one."""
+        return True
+
     def record_call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
     ) -> None:
@@ -195,17 +203,28 @@ class Recorder(TorchDispatchMode):
         return Tape(steps, shapes, storages)
 
 
+@contextlib.contextmanager
+def function_modes_aside() -> Iterator[None]:
+    """Where a :class:`Recorder` is the innermost dispatch mode, every torch function mode (a
+    simulated capture's rules) set aside for the duration; nothing elsewhere.
+
+    For compiled code run under a recorder: Dynamo traces the function modes on the stack into
+    what it compiles and guards on what they read, so it would compile again at every capture.
+    """
+    with contextlib.ExitStack() as aside:
+        if isinstance(_python_dispatch._get_current_dispatch_mode(), Recorder):
+            for _ in range(len(overrides._get_current_function_mode_stack())):
+                aside.enter_context(overrides._pop_mode_temporarily())
+        yield
+
+
 def run_as_one_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``; where a :class:`Recorder` is the innermost dispatch mode, run
     with the recorder set aside and recorded as one step, which a replay runs again.
 
-    For compiled code, whose kernels a recorder cannot see, and which Dynamo would not run
-    under a dispatch mode (it runs the original Python instead, so the capture would not hold
-    what a GPU's does). Function modes (a simulated capture's rules) are set aside too, as
-    Dynamo would trace them into the compiled code; what runs inside ``fn`` is not checked
-    against them. The step's outputs are written into their captured storages at replay like
-    an operator's; ``fn`` runs the Python it is (a compiled function's guards), none of the
-    model's.
+    For a compiled graph, whose kernels a recorder cannot see. Function modes (a simulated
+    capture's rules) are set aside too; what runs inside ``fn`` is not checked against them.
+    The step's outputs are written into their captured storages at replay like an operator's.
     """
     if not isinstance(_python_dispatch._get_current_dispatch_mode(), Recorder):
         return fn(*args, **kwargs)
@@ -214,16 +233,7 @@ def run_as_one_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         for _ in range(len(overrides._get_current_function_mode_stack())):
             aside.enter_context(overrides._pop_mode_temporarily())
         result = fn(*args, **kwargs)
-    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-    captured = contextvars.copy_context()
-
-    def again(*args: Any, **kwargs: Any) -> Any:
-        # In the capture's grad mode and context variables (a plan's bound per-key state),
-        # which compiled code guards on: a replay runs the code the capture ran.
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return captured.copy().run(fn, *args, **kwargs)
-
-    recorder.record_call(again, args, kwargs, result)
+    recorder.record_call(fn, args, kwargs, result)
     return result
 
 

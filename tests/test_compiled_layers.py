@@ -130,3 +130,24 @@ def test_inductor_compiled_layers_replay_equal_to_eager(fresh_dynamo: None) -> N
             torch.testing.assert_close(graphed(x), eager(graphed, x), atol=1e-5, rtol=1e-5)
     assert graphed.stats.replays == 6 and graphed.stats.graphs == 4
     assert counters["stats"]["unique_graphs"] == 2  # the buffers' and inference tensors'
+
+
+@pytest.mark.slow
+def test_a_packed_towers_compiled_layers_replay_equal_to_eager(fresh_dynamo: None) -> None:
+    """A packed tower's compiled layers (Qwen2.5-VL's: routed attention, windows, per-budget
+    state bound around the capture) on the faithful replay: each budget's replay equals eager
+    on its own call. The replay runs the compiled graphs alone, as a GPU's does, not the
+    Python around them (the attention's state lookups and the side effects they guard on)."""
+    pytest.importorskip("transformers")
+    from test_qwen2_vl_adapter import check, tower
+
+    model = tower()
+    graphed = layergraph.wrap(
+        model,
+        backend=SimulatedGraphs(),
+        batch_sizes=[64, 128, 192, 256],
+        compile_layers={"backend": "aot_eager"},
+    )
+    for grids in ([(1, 8, 8)], [(1, 8, 12)], [(1, 12, 16)], [(1, 16, 16)], [(1, 8, 8), (1, 4, 8)]):
+        check(graphed, model, grids)
+    assert graphed.stats.replays == 5 and graphed.stats.graphs == 4

@@ -530,9 +530,7 @@ def test_compile_budget_caps_compilation(
 ) -> None:
     """Sizes are captured largest first; once the budget is spent, the sizes not compiled yet
     are captured uncompiled (each size compiled on its own, ``dynamic=False``: compiled layers'
-    one version for every size is tests/test_compiled_layers.py's). (Replays are not checked
-    for compiled code: the simulated backend re-runs the function under inference mode, which
-    compiled code guards on; a CUDA graph replays what it captured.)"""
+    one version for every size is tests/test_compiled_layers.py's)."""
     compiled: list[int] = []
     ran: list[int] = []
 
