@@ -36,6 +36,7 @@ from layergraph.attention import (
     SequenceLayout,
     choose_backend,
 )
+from layergraph.attention.opaque import opaque_attention, register_route
 from layergraph.keys import CallInputs
 from layergraph_adapters.kit.automatic import SpeedChoices, build_with_automatic_options
 from layergraph_adapters.kit.fused_norm import SCALED_LAYER
@@ -204,6 +205,32 @@ def _local_rows(weight: torch.Tensor) -> int:
     return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
 
+_ROUTE = "internvl"
+"""The routed attention's name for :func:`~layergraph.attention.opaque.opaque_attention`."""
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k and v handed to the backend of the state bound now, with its layout, metadata and
+    workspace (run at run time, opaque to ``torch.compile``)."""
+    state = _current_state.get()
+    if state is None:
+        raise RuntimeError("InternVL's routed attention ran with no state bound")
+    if not state.backend.takes_strided_inputs:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return state.backend(
+        q,
+        k,
+        v,
+        layout=state.layout,
+        metadata=state.metadata,
+        workspace=state.workspace,
+        scale=scale,
+    )
+
+
+register_route(_ROUTE, _attend)
+
+
 def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[..., Any]:
     """A forward for one ``InternVLVisionAttention`` that hands q, k, v to the bound backend.
 
@@ -229,17 +256,7 @@ def _routed_attention(module: nn.Module, fused: FusedQKV | None) -> Callable[...
         local_width = q.shape[-1]  # all heads, or this rank's share under tensor parallelism
         shape = (batch * tokens, local_width // head_dim, head_dim)
         q, k, v = module.q_norm(q).view(shape), module.k_norm(k).view(shape), v.view(shape)
-        if not state.backend.takes_strided_inputs:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = state.backend(
-            q,
-            k,
-            v,
-            layout=state.layout,
-            metadata=state.metadata,
-            workspace=state.workspace,
-            scale=module.scale,
-        )
+        out = opaque_attention(q, k, v, _ROUTE, module.scale)
         out = module.projection_layer(out.view(batch, tokens, local_width))
         return module.projection_dropout(out), None
 

@@ -32,6 +32,7 @@ between graphs of one pool (each tape keeps its own storages).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -233,7 +234,14 @@ def run_as_one_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         for _ in range(len(overrides._get_current_function_mode_stack())):
             aside.enter_context(overrides._pop_mode_temporarily())
         result = fn(*args, **kwargs)
-    recorder.record_call(fn, args, kwargs, result)
+    captured = contextvars.copy_context()
+
+    def again(*args: Any, **kwargs: Any) -> Any:
+        # In the capture's context variables: an opaque operator inside a compiled graph
+        # (opaque_attention) reads the state bound then, as the kernels a GPU's graph holds do.
+        return captured.copy().run(fn, *args, **kwargs)
+
+    recorder.record_call(again, args, kwargs, result)
     return result
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 import layergraph
 from layergraph.testing import SimulatedGraphs
+from layergraph.validation import relative_error
 
 ATOL = 1e-5
 
@@ -41,7 +42,7 @@ def eager(graphed: layergraph.GraphedModule, x: torch.Tensor) -> torch.Tensor:
 
 class Counting:
     """A compiler backend that counts the graphs it compiles and the rows of the activation
-    (the one 3-d tensor) of each run."""
+    (the first tensor of 3 dimensions or more) of each run."""
 
     def __init__(self) -> None:
         self.compiled = 0
@@ -52,7 +53,7 @@ class Counting:
 
         def run(*args: Any) -> Any:
             self.ran.append(
-                next(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 3)
+                next(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 3)
             )
             return gm.forward(*args)
 
@@ -151,3 +152,59 @@ def test_a_packed_towers_compiled_layers_replay_equal_to_eager(fresh_dynamo: Non
     for grids in ([(1, 8, 8)], [(1, 8, 12)], [(1, 12, 16)], [(1, 16, 16)], [(1, 8, 8), (1, 4, 8)]):
         check(graphed, model, grids)
     assert graphed.stats.replays == 5 and graphed.stats.graphs == 4
+
+
+def tower_names() -> list[str]:
+    from tiny_models import TOWERS
+
+    return list(TOWERS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", tower_names())
+def test_every_towers_compiled_layers_serve_four_batch_sizes(name: str, fresh_dynamo: None) -> None:
+    """Each fixed-resolution family's compiled layers on the faithful replay: batches 2, 3, 5
+    and 8 equal to eager, from one compiled version per kind of layer (Mllama's local and
+    global encoders, SAM's windowed and global layers, BEiT's first layer without drop path:
+    two), never one per size."""
+    from tiny_models import TOWERS
+
+    tiny = TOWERS[name]
+    if not tiny.available():
+        pytest.skip(f"{name} is not in this transformers")
+    counting = Counting()
+    graphed = layergraph.wrap(
+        tiny.build(),
+        backend=SimulatedGraphs(),
+        batch_sizes=None,
+        compile_layers={"backend": counting},
+    )
+    with torch.inference_mode():
+        for batch in (2, 3, 5, 8):
+            got = tiny.answer(graphed, batch, seed=batch)
+            with graphed.original() as model:
+                want = tiny.answer(model, batch, seed=batch)
+            assert relative_error(got, want) <= 1e-6, batch
+    assert graphed.stats.replays == 4 and graphed.stats.eager_total == 0
+    assert counting.compiled <= 2
+    graphed.unwrap()
+
+
+@pytest.mark.slow
+def test_an_audio_encoders_compiled_layers_serve_four_clip_counts(fresh_dynamo: None) -> None:
+    from test_audio_encoders import features, whisper_config
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    encoder = transformers.WhisperModel(whisper_config(encoder_layers=3)).encoder.eval()
+    counting = Counting()
+    graphed = layergraph.wrap(
+        encoder, backend=SimulatedGraphs(), batch_sizes=None, compile_layers={"backend": counting}
+    )
+    with torch.inference_mode():
+        for clips in (2, 3, 5, 8):
+            x = features(clips, seed=clips)
+            with graphed.original() as original:
+                want = original(x).last_hidden_state
+            assert relative_error(graphed(x).last_hidden_state, want) <= 1e-6, clips
+    assert graphed.stats.replays == 4 and counting.compiled == 1
