@@ -42,7 +42,7 @@ def eager(graphed: layergraph.GraphedModule, x: torch.Tensor) -> torch.Tensor:
 
 class Counting:
     """A compiler backend that counts the graphs it compiles and the rows of the activation
-    (the first tensor of 3 dimensions or more) of each run."""
+    (the first tensor of 3 dimensions or more; 0 where none has) of each run."""
 
     def __init__(self) -> None:
         self.compiled = 0
@@ -52,9 +52,8 @@ class Counting:
         self.compiled += 1
 
         def run(*args: Any) -> Any:
-            self.ran.append(
-                next(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 3)
-            )
+            rows = (a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 3)
+            self.ran.append(next(rows, 0))
             return gm.forward(*args)
 
         return run
@@ -208,3 +207,29 @@ def test_an_audio_encoders_compiled_layers_serve_four_clip_counts(fresh_dynamo: 
                 want = original(x).last_hidden_state
             assert relative_error(graphed(x).last_hidden_state, want) <= 1e-6, clips
     assert graphed.stats.replays == 4 and counting.compiled == 1
+
+
+@pytest.mark.slow
+def test_a_packed_towers_opaque_attention_compiles_no_version_per_budget(
+    fresh_dynamo: None,
+) -> None:
+    """SigLIP2 NaFlex's routed attention is one operator to the compiler (``opaque_attention``):
+    once its graphs' layers and its eager calls' have their versions, further budgets compile
+    nothing, and each replay equals eager."""
+    pytest.importorskip("transformers")
+    from test_siglip2_adapter import check, tower
+
+    model = tower()
+    counting = Counting()
+    graphed = layergraph.wrap(
+        model,
+        backend=SimulatedGraphs(),
+        batch_sizes=[32, 64, 96, 128],
+        compile_layers={"backend": counting},
+    )
+    compiled = []
+    for grids in ([(4, 4)], [(6, 6), (3, 4)], [(8, 8), (4, 4)], [(8, 8), (6, 8), (2, 2)]):
+        check(graphed, model, grids, patches=64)
+        compiled.append(counting.compiled)
+    assert graphed.stats.graphs == 4 and graphed.stats.replays == 4
+    assert compiled[1] == compiled[2] == compiled[3], compiled

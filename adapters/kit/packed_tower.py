@@ -51,6 +51,7 @@ from layergraph.attention import (
     packed_backends,
     packed_timer,
 )
+from layergraph.attention.opaque import opaque_attention, register_route
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall, Packing, split_ranges
@@ -297,10 +298,11 @@ class PackedTowerPlan(CapturePlan, Packing):
 
     @contextlib.contextmanager
     def bound(self, state: Any) -> Iterator[None]:
-        token = self._current.set(state)
+        token, any_plans = self._current.set(state), _BOUND.set(state)
         try:
             yield
         finally:
+            _BOUND.reset(any_plans)
             self._current.reset(token)
 
     def current(self) -> Any:
@@ -364,8 +366,11 @@ class PackedTowerPlan(CapturePlan, Packing):
         backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Attention of ``[tokens, heads, head_dim]`` q, k and v through the bound buffers'
-        backend and metadata, or through ``backend`` with ``metadata`` where given (a tower's
-        windowed layers)."""
+        backend and metadata, one operator to ``torch.compile`` (``opaque_attention``: the
+        compiled layers serve every budget); or through ``backend`` with ``metadata`` where
+        given (a tower's windowed layers), in Python."""
+        if metadata is None and backend is None:
+            return opaque_attention(q, k, v, _ROUTE, scale)
         backend = backend or buffers.backend
         if not backend.takes_strided_inputs:
             v = v.contiguous()
@@ -565,3 +570,25 @@ def image_slots(images: int, minimum: int = MIN_IMAGE_SLOTS) -> int:
     """The slots a graph holds for a call of ``images`` images: at least ``minimum``, else the
     next power of two."""
     return max(minimum, 1 << (images - 1).bit_length())
+
+
+_BOUND: contextvars.ContextVar[BudgetBuffers | None] = contextvars.ContextVar(
+    "layergraph_packed_buffers", default=None
+)
+"""The buffers bound now, whichever packed plan bound them: what the routed attention's
+operator reads when it runs."""
+
+_ROUTE = "packed"
+"""The packed plans' routed attention's name for ``opaque_attention``."""
+
+
+def _attend_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k and v through the backend and metadata of the buffers bound now (run at run time,
+    opaque to ``torch.compile``)."""
+    buffers = _BOUND.get()
+    if buffers is None:
+        raise RuntimeError("a packed tower's routed attention ran with no buffers bound")
+    return PackedTowerPlan.attend(buffers, q, k, v, scale, buffers.metadata, buffers.backend)
+
+
+register_route(_ROUTE, _attend_bound)
