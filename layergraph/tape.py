@@ -214,9 +214,14 @@ def function_modes_aside() -> Iterator[None]:
     """
     with contextlib.ExitStack() as aside:
         if isinstance(_python_dispatch._get_current_dispatch_mode(), Recorder):
-            for _ in range(len(overrides._get_current_function_mode_stack())):
-                aside.enter_context(overrides._pop_mode_temporarily())
+            _pop_function_modes(aside)
         yield
+
+
+def _pop_function_modes(stack: contextlib.ExitStack) -> None:
+    """Every torch function mode popped until ``stack`` closes."""
+    for _ in range(len(overrides._get_current_function_mode_stack())):
+        stack.enter_context(overrides._pop_mode_temporarily())
 
 
 def run_as_one_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -231,8 +236,7 @@ def run_as_one_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     with contextlib.ExitStack() as aside:
         recorder = aside.enter_context(_python_dispatch._pop_mode_temporarily())
-        for _ in range(len(overrides._get_current_function_mode_stack())):
-            aside.enter_context(overrides._pop_mode_temporarily())
+        _pop_function_modes(aside)
         result = fn(*args, **kwargs)
     captured = contextvars.copy_context()
 
