@@ -34,6 +34,7 @@ __all__ = [
     "RECOMPILE_LIMIT",
     "CompileBudget",
     "CompileBudgetSpent",
+    "RecordedBackend",
     "compile_layers_in_place",
     "compile_options",
     "compiled_call",
@@ -149,7 +150,7 @@ def compile_layers_in_place(
             f"compile_layers needs the model's repeated layers, which the {adapter_name!r} "
             f"adapter does not name"
         )
-    options = recorded(compile_options(setting, dynamic=True))  # one backend: code shared
+    options = _recorded(compile_options(setting, dynamic=True))  # one backend: code shared
     for layer in layers:
         compiled = torch.compile(_calling(layer), **options)
         # What nn.Module.compile() sets: the module's calls go to the compiled function.
@@ -180,20 +181,25 @@ def compiled_region(
     capture it as it is."""
     if setting is False:
         return None
-    options = recorded(compile_options(setting, dynamic=False))
+    options = _recorded(compile_options(setting, dynamic=False))
     return compiled_call(torch.compile(plan.region, **options), budget)
 
 
-def recorded(options: dict[str, Any]) -> dict[str, Any]:
+def _recorded(options: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` keyword arguments ``options`` with their backend (and its ``mode`` and
     ``options``) made into one :class:`RecordedBackend`."""
     rest = dict(options)
     backend, mode, settings = (rest.pop(name, None) for name in ("backend", "mode", "options"))
+    settings = dict(settings) if settings else None
+    # torch.compile's own setting among the backend's options stays torch.compile's.
+    guard_filter = settings.pop("guard_filter_fn", None) if settings else None
     dynamic = rest.get("dynamic")
     if backend in (None, "inductor"):
         inner = torch._TorchCompileInductorWrapper(mode, settings, dynamic)
     else:
         inner = torch._TorchCompileWrapper(backend, mode, settings, dynamic)
+    if guard_filter is not None:
+        rest["options"] = {"guard_filter_fn": guard_filter}
     return {**rest, "backend": RecordedBackend(inner)}
 
 
@@ -210,3 +216,9 @@ class RecordedBackend:
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         compiled = self.inner(graph, example_inputs, **kwargs)
         return functools.partial(run_as_one_step, compiled)
+
+    def __getattr__(self, name: str) -> Any:
+        # What Dynamo reads of a backend (compiler_name, get_compiler_config, reset) is inner's.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
