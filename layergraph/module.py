@@ -72,10 +72,10 @@ def wrap(
     graph backend (tests use :class:`layergraph.testing.SimulatedGraphs`).
 
     ``compile_layers`` compiles each of the region's repeated layers with ``torch.compile``
-    (``True``, or a dict of its keyword arguments; ``dynamic=False`` unless given) before they
-    are captured, so that the graph replays fused kernels. The layers are compiled once per
-    shape and the code is shared between them; eager calls use the compiled layers too, and
-    ``unwrap()`` removes the compilation.
+    (``True``, or a dict of its keyword arguments; ``dynamic=True`` unless given) before they
+    are captured, so that the graph replays fused kernels. With dynamic shapes one compiled
+    version serves every batch size and token budget, and the code is shared between the
+    layers; eager calls use the compiled layers too, and ``unwrap()`` removes the compilation.
 
     ``compile_region`` instead compiles the whole region a graph holds (embeddings, every layer,
     final norm and head) with ``torch.compile`` (``True``, or a dict of its keyword arguments;

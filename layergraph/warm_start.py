@@ -11,7 +11,8 @@ and the binaries of Triton kernels outside Inductor, such as layergraph's attent
 kernels);
 :func:`load_warm_start` (or ``wrap(..., warm_start=path)``) puts them back in another process
 before anything compiles, so compiling finds its results in the caches instead of compiling
-kernels again. Dynamo still traces each compiled region or layer once per shape.
+kernels again. Dynamo still traces a compiled region once per shape, and compiled layers once
+for every size.
 
 The file also holds the shape policy's measurements (:class:`Measurements`: an eager call and
 a replay per batch size, :mod:`layergraph.serving.policy`), for the same model wrapped the same way:
