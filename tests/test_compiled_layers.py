@@ -233,3 +233,27 @@ def test_a_packed_towers_opaque_attention_compiles_no_version_per_budget(
         compiled.append(counting.compiled)
     assert graphed.stats.graphs == 4 and graphed.stats.replays == 4
     assert compiled[1] == compiled[2] == compiled[3], compiled
+
+
+@pytest.mark.quick
+def test_the_recorded_backend_is_the_backend_asked_for() -> None:
+    """``compile_layers``'s settings reach the backend that compiles: Inductor by default with
+    its mode and options, another backend by name; Dynamo reads Inductor's name and settings
+    through the wrapper; ``guard_filter_fn`` stays ``torch.compile``'s."""
+    from layergraph.compiling import RecordedBackend, _recorded
+
+    default = _recorded({"dynamic": True, "options": {"coordinate_descent_tuning": True}})
+    backend = default["backend"]
+    assert isinstance(backend, RecordedBackend) and default["dynamic"] is True
+    assert backend.compiler_name == "inductor"
+    assert backend.get_compiler_config()["coordinate_descent_tuning"] is True
+    assert "options" not in default
+
+    def keep(entries: Any) -> list[bool]:
+        return [True] * len(entries)
+
+    named = _recorded({"backend": "aot_eager", "options": {"guard_filter_fn": keep}})
+    assert named["backend"].compiler_name == "aot_eager"
+    assert named["options"] == {"guard_filter_fn": keep}
+    compiled = torch.compile(lambda x: x * 2 + 1, **named)
+    torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 3.0))
