@@ -127,9 +127,10 @@ def compiled_call(compiled: Callable[..., Any], budget: CompileBudget) -> Callab
     return run
 
 
-def compile_options(setting: bool | dict[str, Any], dynamic: bool) -> dict[str, Any]:
+def compile_options(setting: bool | dict[str, Any], dynamic: bool = False) -> dict[str, Any]:
     """``torch.compile`` keyword arguments for ``compile_layers`` (``dynamic`` ``True``) or
-    ``compile_region`` (``False``): the setting's own where it is a dict."""
+    ``compile_region`` (``False``, the default, as this function's one-argument form always
+    gave): the setting's own where it is a dict."""
     return {"dynamic": dynamic, **(setting if isinstance(setting, dict) else {})}
 
 
@@ -181,7 +182,7 @@ def compiled_region(
     capture it as it is."""
     if setting is False:
         return None
-    options = _recorded(compile_options(setting, dynamic=False))
+    options = _recorded(compile_options(setting))
     return compiled_call(torch.compile(plan.region, **options), budget)
 
 
