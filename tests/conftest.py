@@ -108,6 +108,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def float32_without_tf32() -> Iterator[None]:
+    """Convolutions and matrix products in float32, not TF32, for the test; the settings
+    restored after it. ``monkeypatch`` cannot do this: ``torch.backends.cuda.matmul`` computes
+    ``allow_tf32``, so undoing a patch of it tries to delete it."""
+    allowed = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = allowed
+
+
+@pytest.fixture
 def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Plugins are loaded again on first use in the test, and once more after it."""
     monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)

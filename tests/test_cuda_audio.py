@@ -22,9 +22,8 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(autouse=True)
-def no_tf32() -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def float32_matrix_products(float32_without_tf32: None) -> None:
+    """Every test of this file in float32 without TF32."""
 
 
 def test_whisper_generate_reads_the_encoder_from_cuda_graphs() -> None:

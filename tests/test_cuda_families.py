@@ -35,13 +35,6 @@ def assert_served_by_graphs(stats: layergraph.GraphStats, calls: int) -> None:
     assert stats.replays >= calls
 
 
-@pytest.fixture
-def float32_without_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Convolutions and matrix products in float32, not TF32, for the test."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
 @pytest.mark.parametrize("name", list(NEW_TOWERS))
 def test_tower_graphs_equal_eager(name: str) -> None:
     tiny = TOWERS[name]

@@ -52,13 +52,6 @@ PHOTOS = (
 """Each call's photos, (width, height) in pixels."""
 
 
-@pytest.fixture
-def float32_without_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Convolutions and matrix products in float32, not TF32, for the test."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
 def processed(photos: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Random photos of ``photos`` as LFM2-VL's image processor gives them, on the GPU."""
     from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor

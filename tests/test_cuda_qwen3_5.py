@@ -40,13 +40,6 @@ CALLS = (
 """Each call's entries, (t, h, w) in patches of 16 pixels."""
 
 
-@pytest.fixture
-def float32_without_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Convolutions and matrix products in float32, not TF32, for the test."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
 @pytest.mark.parametrize("attention", ["auto", "triton"])
 def test_qwen3_5_default_tower_graphs_equal_eager_in_bf16(attention: str) -> None:
     torch.manual_seed(0)

@@ -26,16 +26,8 @@ pytestmark = pytest.mark.cuda
 TOWER_TOLERANCE = 5e-2
 
 
-@pytest.fixture
-def no_tf32() -> Any:
-    allowed = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = allowed
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gelu_epilogue_is_the_tanh_gelu(no_tf32: None, dtype: torch.dtype) -> None:
+def test_gelu_epilogue_is_the_tanh_gelu(float32_without_tf32: None, dtype: torch.dtype) -> None:
     """cuBLASLt's epilogue, through torch._addmm_activation, computes the tanh GELU."""
     rows = torch.randn(300, 256, device="cuda", dtype=dtype)
     weight = torch.randn(1024, 256, device="cuda", dtype=dtype) / 16
@@ -50,7 +42,7 @@ def test_gelu_epilogue_is_the_tanh_gelu(no_tf32: None, dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_patch_product_equals_cudnn(no_tf32: None, dtype: torch.dtype) -> None:
+def test_patch_product_equals_cudnn(float32_without_tf32: None, dtype: torch.dtype) -> None:
     pixels = torch.randn(4, 3, 384, 384, device="cuda", dtype=dtype)  # 27 patches and 6 pixels
     weight = torch.randn(1152, 3, 14, 14, device="cuda", dtype=dtype) / 24
     bias = torch.randn(1152, device="cuda", dtype=dtype)
