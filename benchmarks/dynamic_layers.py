@@ -5,9 +5,11 @@ graph's FLOPs and the rate its replay ran at.
         --batch-sizes 1,8,32 [--json results.json]
 
 Each example model (``layergraph bench --list-models`` names) is built once in bfloat16 with
-random weights, and a float32 copy is the reference. Three wrappers of copies capture every
+random weights, and a float32 copy is the reference. Four wrappers of copies capture every
 batch size ahead, largest first, each timed from ``wrap`` to its last capture with Dynamo's
-compiled graphs counted: ``wrap``'s defaults, ``compile_layers=True`` (dynamic shapes: one
+compiled graphs counted: the graphs as the adapter builds them (``compile_layers=False``),
+``wrap``'s defaults (``compile_layers="auto"``: each key keeps the faster of the graph as built
+and with compiled layers, ``stats.fusion``), ``compile_layers=True`` (dynamic shapes: one
 compiled version for every size) and ``compile_layers={"dynamic": False}`` (one per size).
 Then per batch size the eager model and the three are timed in turns, each call waited for
 (:func:`layergraph.timing.interleaved_waited_ms`), with their errors against float32; each
@@ -35,6 +37,7 @@ from layergraph.timing import interleaved_waited_ms, matmul_peak_tflops
 from layergraph.validation import relative_error
 
 WRAPPERS: dict[str, dict[str, Any]] = {
+    "as_built": {"compile_layers": False},
     "default": {},
     "layers_dynamic": {"compile_layers": True},
     "layers_per_shape": {"compile_layers": {"dynamic": False}},
@@ -91,13 +94,17 @@ def rows_of(name: str, batches: list[int], device: torch.device) -> dict[str, An
     for batch in batches:
         args, kwargs = example.inputs(batch, torch.bfloat16, device)
         wide = tuple(a.float() if a.is_floating_point() else a for a in args)
+        wide_kwargs = {
+            name: value.float() if torch.is_tensor(value) and value.is_floating_point() else value
+            for name, value in kwargs.items()
+        }
         calls = {"eager": functools.partial(model, *args, **kwargs)}
         calls.update(
             (label, functools.partial(graphed, *args, **kwargs))
             for label, graphed in wrappers.items()
         )
         with torch.inference_mode():
-            want = first(reference(*wide, **kwargs)).float()
+            want = first(reference(*wide, **wide_kwargs)).float()
             errors = {
                 label: relative_error(first(fn()).float(), want) for label, fn in calls.items()
             }
@@ -116,6 +123,10 @@ def rows_of(name: str, batches: list[int], device: torch.device) -> dict[str, An
             "tflops": rates,
             "share_of_matmul_peak": {
                 label: rate / peak if rate and peak else None for label, rate in rates.items()
+            },
+            "fusion": {
+                label: {size: str(choice) for size, choice in g.stats.fusion.items()}
+                for label, g in wrappers.items()
             },
             "served": {
                 label: {f"{size} {way}": n for (size, way), n in g.stats.served.items()}

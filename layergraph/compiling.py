@@ -17,10 +17,12 @@ runs the compiled kernels as a CUDA graph's does.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -34,12 +36,21 @@ __all__ = [
     "RECOMPILE_LIMIT",
     "CompileBudget",
     "CompileBudgetSpent",
+    "CompiledSwitch",
+    "LayerCompileSetting",
     "RecordedBackend",
     "compile_layers_in_place",
     "compile_options",
     "compiled_call",
     "compiled_region",
+    "measured_compile",
 ]
+
+LayerCompileSetting = bool | Literal["auto"] | dict[str, Any]
+"""What ``wrap``'s ``compile_layers`` takes: ``"auto"`` (measured, in the background, where
+graphs are CUDA graphs), ``True`` or a dict of ``torch.compile`` options (compiled before
+the first capture, used for every key; ``{"auto": True, ...}`` measured with those options on
+any backend), or ``False``."""
 
 RECOMPILE_LIMIT = 64
 """How many compiled versions of one code object Dynamo may keep for compiled layers or a
@@ -134,15 +145,34 @@ def compile_options(setting: bool | dict[str, Any], dynamic: bool = False) -> di
     return {"dynamic": dynamic, **(setting if isinstance(setting, dict) else {})}
 
 
+def measured_compile(setting: LayerCompileSetting, device_type: str) -> dict[str, Any] | None:
+    """The ``torch.compile`` options of compiled layers chosen per graph key by measurement
+    (:class:`~layergraph.serving.fusion.LayerFusion`), or ``None`` where ``setting`` compiles
+    always or never: ``"auto"`` is measured with Inductor where graphs are CUDA graphs
+    (``device_type`` ``"cuda"``) and off elsewhere (and before PyTorch 2.6, which cannot keep
+    a call from compiling); a dict with ``"auto": True`` is measured with its other options on
+    any backend."""
+    staged = hasattr(torch.compiler, "set_stance")  # what keeps calls from compiling
+    if setting == "auto":
+        return {} if device_type == "cuda" and staged else None
+    if isinstance(setting, dict) and setting.get("auto"):
+        if not staged:
+            raise RuntimeError("compile_layers with 'auto' needs torch 2.6 or later")
+        return {name: value for name, value in setting.items() if name != "auto"}
+    return None
+
+
 def compile_layers_in_place(
     plan: CapturePlan,
     adapter_name: str,
     setting: bool | dict[str, Any],
     budget: CompileBudget,
     changes: ChangeLedger,
+    switch: CompiledSwitch | None = None,
 ) -> None:
     """Compile the plan's layers in place (regional compilation), each a recorded change
-    (``compile_layers``); nothing for ``setting`` ``False``."""
+    (``compile_layers``); nothing for ``setting`` ``False``. With a ``switch``, a layer's
+    calls run its compiled code only where the switch is on, its own code elsewhere."""
     if setting is False:
         return
     layers = plan.layers()
@@ -153,11 +183,45 @@ def compile_layers_in_place(
         )
     options = _recorded(compile_options(setting, dynamic=True))  # one backend: code shared
     for layer in layers:
-        compiled = torch.compile(_calling(layer), **options)
+        compiled = compiled_call(torch.compile(_calling(layer), **options), budget)
+        if switch is not None:
+            compiled = switch.route(layer, compiled)
         # What nn.Module.compile() sets: the module's calls go to the compiled function.
-        changes.set_attribute(
-            layer, "_compiled_call_impl", compiled_call(compiled, budget), "compiled"
+        changes.set_attribute(layer, "_compiled_call_impl", compiled, "compiled")
+
+
+class CompiledSwitch:
+    """Which code compiled layers run: their compiled code inside :meth:`on`, in that
+    thread or task only (a context variable), the layers' own code everywhere else.
+
+    What lets one model hold plain and compiled graphs side by side: a capture under
+    :meth:`on` bakes in the compiled kernels, one outside it the layers as written, and eager
+    calls run the layers as written. It does not decide which a key keeps
+    (:class:`~layergraph.serving.fusion.LayerFusion` does)."""
+
+    def __init__(self) -> None:
+        self._on: contextvars.ContextVar[bool] = contextvars.ContextVar(
+            "compiled_layers", default=False
         )
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        """Run compiled layers' compiled code inside the block."""
+        token = self._on.set(True)
+        try:
+            yield
+        finally:
+            self._on.reset(token)
+
+    def route(self, layer: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """A call of ``layer`` that runs ``compiled`` where the switch is on, else the layer's
+        own ``_call_impl``."""
+        plain = layer._call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return compiled(*args, **kwargs) if self._on.get() else plain(*args, **kwargs)
+
+        return call
 
 
 def _calling(layer: nn.Module) -> Callable[..., Any]:

@@ -18,7 +18,14 @@ import torch
 
 from .capture_streams import CaptureStream, take_stream
 
-__all__ = ["CudaGraph", "CudaGraphs", "CudaPool", "GraphBackend", "GraphCaptureError"]
+__all__ = [
+    "CudaGraph",
+    "CudaGraphs",
+    "CudaPool",
+    "GraphBackend",
+    "GraphCaptureError",
+    "side_stream",
+]
 
 
 class GraphCaptureError(RuntimeError):
@@ -155,7 +162,7 @@ class CudaGraphs:
         self, fn: Callable[[], Any], pool: CudaPool, warmup_runs: int
     ) -> tuple[CudaGraph, Any]:
         device = torch.cuda.current_device()
-        side = _warmup_stream(device)
+        side = side_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup_runs):
@@ -340,11 +347,13 @@ def _model_line(error: BaseException) -> str | None:
     return found
 
 
-_warmup_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _warmup_stream(device: int) -> torch.cuda.Stream:
-    """The side stream that every capture on ``device`` warms up on."""
-    if device not in _warmup_streams:
-        _warmup_streams[device] = torch.cuda.Stream(device)
-    return _warmup_streams[device]
+def side_stream(device: int) -> torch.cuda.Stream:
+    """The side stream that every capture on ``device`` warms up on, and background compiles
+    run on (:mod:`layergraph.serving.fusion`): one per device, since each stream keeps a cuBLAS
+    workspace."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]

@@ -19,6 +19,7 @@ from .adapter import Adapter, AdapterMismatch, CapturePlan, PlanContext, make_pl
 from .compiling import (
     RECOMPILE_LIMIT,
     CompileBudget,
+    LayerCompileSetting,
     compile_layers_in_place,
     compiled_region,
 )
@@ -29,6 +30,7 @@ from .ledger import ChangeLedger, UndoError
 from .multi_tower import SHARED_POOLS, GraphedTowers, find_towers, wrap_towers
 from .plugins import AdapterRegistry, UnknownAdapterError, get_registry
 from .runner import GraphInfo, GraphRunner, RunnerOptions
+from .serving.fusion import LayerFusion
 from .serving.pool import PoolShare
 from .stats import GraphStats
 from .warm_start import Measurements, load_warm_start, read_measurements, save_warm_start
@@ -51,7 +53,7 @@ def wrap(
     warmup_runs: int = 2,
     debug: bool = False,
     observe_calls: int | None = None,
-    compile_layers: bool | dict[str, Any] = False,
+    compile_layers: LayerCompileSetting = "auto",
     compile_region: bool | dict[str, Any] = False,
     compile_budget: float | None = None,
     warm_start: str | os.PathLike[str] | None = None,
@@ -72,10 +74,16 @@ def wrap(
     graph backend (tests use :class:`layergraph.testing.SimulatedGraphs`).
 
     ``compile_layers`` compiles each of the region's repeated layers with ``torch.compile``
-    (``True``, or a dict of its keyword arguments; ``dynamic=True`` unless given) before they
-    are captured, so that the graph replays fused kernels. With dynamic shapes one compiled
-    version serves every batch size and token budget, and the code is shared between the
-    layers; eager calls use the compiled layers too, and ``unwrap()`` removes the compilation.
+    (dynamic shapes: one compiled version serves every batch size and token budget, the code
+    shared between the layers), so that graphs replay fused kernels. ``"auto"`` (the default)
+    decides per graph key by measurement where graphs are CUDA graphs: a key is served at once
+    by its graph as built, the layers compile in a background thread, then the key is captured
+    again with them and keeps the faster graph (:mod:`layergraph.serving.fusion`;
+    ``stats.fusion`` says which each key got and why); eager calls run the layers as built.
+    ``True``, or a dict of ``torch.compile``'s keyword arguments, compiles before the first
+    capture, for every key and eager call; a dict with ``"auto": True`` is measured as ``"auto"``
+    is, with its options, on any backend. ``False`` compiles nothing; nor does ``"auto"`` for
+    an adapter that names no repeated layers. ``unwrap()`` removes the compilation.
 
     ``compile_region`` instead compiles the whole region a graph holds (embeddings, every layer,
     final norm and head) with ``torch.compile`` (``True``, or a dict of its keyword arguments;
@@ -172,10 +180,12 @@ def wrap(
             )
             _WRAPPERS[model] = weakref.ref(graphed_towers)
             return graphed_towers
-    compiled = compile_layers is not False or compile_region is not False
+    always = compile_layers is True or (
+        isinstance(compile_layers, dict) and not compile_layers.get("auto")
+    )
     context = PlanContext(
         registry,
-        compiled=compiled,
+        compiled=always or compile_region is not False,
         part_planner=lambda part, options: _auto_plan(registry, part, dict(options), context),
     )
     if adapter == "auto":
@@ -194,7 +204,7 @@ def wrap(
             f"adapter must be a registered adapter's name or an Adapter instance, "
             f"got {type(adapter).__name__}"
         )
-    if compile_layers is not False and compile_region is not False:
+    if always and compile_region is not False:
         raise ValueError("compile_layers and compile_region exclude each other: choose one")
     if compile_budget is not None and compile_layers is False and compile_region is False:
         raise ValueError("compile_budget limits compile_layers or compile_region: set one")
@@ -215,16 +225,21 @@ def wrap(
     route = _Route()
     try:
         plan.change_model(changes, route)
-        compile_layers_in_place(plan, adapter_object.name, compile_layers, budget, changes)
+        backend = backend if backend is not None else CudaGraphs()
+        layer_setting = compile_layers if always else False
+        compile_layers_in_place(plan, adapter_object.name, layer_setting, budget, changes)
+        measured = None if always or compile_region is not False else compile_layers
+        fusion = LayerFusion.of(plan, measured, backend.device_type, budget, changes)
         changes.apply(NoticeMoves(plan.owner))
         runner = GraphRunner(
             plan,
             options,
-            backend if backend is not None else CudaGraphs(),
+            backend,
             captured_region=compiled_region(plan, compile_region, budget),
             capture_contexts=functools.partial(registry.capture_contexts, model),
             eager_checks=registry.eager_checks(model),
             pools=SHARED_POOLS.get(),
+            fusion=fusion,
         )
     except BaseException:
         changes.undo_all()
@@ -460,6 +475,13 @@ class GraphedModule(nn.Module):
         whether it is reached (``exhausted``); nothing is spent without compiled layers or
         region."""
         return self._compile_budget
+
+    def finish_compiling(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (``None``: as long as it takes) for the layers'
+        background compile (``compile_layers="auto"``), if one runs; whether none runs now.
+        Calls never wait for it: keys take the compiled code at their next call once it is
+        ready. For a service's readiness, a benchmark, or a test."""
+        return self._runner.finish_compiling(timeout)
 
     def save_warm_start(self, path: str | os.PathLike[str]) -> int:
         """Save what this process compiled (Inductor's cache artifacts and cache files) and

@@ -61,6 +61,8 @@ class TowerWrapper(Protocol):
 
     def unwrap(self) -> nn.Module: ...
 
+    def finish_compiling(self, timeout: float | None = None) -> bool: ...
+
 
 def find_towers(
     model: nn.Module,
@@ -209,6 +211,12 @@ class GraphedTowers(nn.Module):
             for tower in self._towers.values():
                 stack.enter_context(tower.original())
             yield self.module
+
+    def finish_compiling(self, timeout: float | None = None) -> bool:
+        """Wait for every tower's background compile, each up to ``timeout`` seconds
+        (:meth:`GraphedModule.finish_compiling <layergraph.module.GraphedModule.finish_compiling>`);
+        whether none runs now."""
+        return all([tower.finish_compiling(timeout) for tower in self._towers.values()])
 
     def release(self) -> None:
         """Drop every tower's graphs; later calls capture again."""

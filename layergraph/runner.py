@@ -23,9 +23,11 @@ from .options import DEFAULT_BATCH_SIZES, DEFAULT_MAX_GRAPHS, RunnerOptions
 from .rows import RowPacking
 from .serving.batched_lane import BatchedLane
 from .serving.budgets import PACKED_MAX_GRAPHS
-from .serving.engine import CaptureFailedWarning, GraphEngine, Lane, StaleOutputWarning
+from .serving.engine import CaptureFailedWarning, GraphEngine, StaleOutputWarning
+from .serving.fusion import LayerFusion
+from .serving.lane import Lane
 from .serving.packed_lane import PackedLane
-from .serving.policy import Costs
+from .serving.policy import Costs, FusionChoice
 from .serving.pool import PoolShare
 from .stats import GraphStats
 
@@ -60,6 +62,9 @@ class GraphInfo:
     flops: int | None
     """The floating-point operations of one replay (its key's whole work, padding included;
     :mod:`layergraph.flops`); ``None`` if not counted."""
+    fusion: FusionChoice | None
+    """Whether it holds compiled layers, and why (``compile_layers="auto"``); ``None``
+    without compiled layers chosen by measurement."""
     validated: bool
     """Whether a replay was compared with eager and agreed (``validate=True``)."""
     uses: int
@@ -119,6 +124,7 @@ class GraphRunner:
         capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
         eager_checks: Sequence[Callable[[], str | None]] = (),
         pools: PoolShare | None = None,
+        fusion: LayerFusion | None = None,
     ) -> None:
         self.plan = plan
         self.options = options
@@ -139,6 +145,7 @@ class GraphRunner:
             capture_contexts,
             eager_checks,
             pools,
+            fusion,
         )
         self._lane: Lane = (
             PackedLane(self._engine, plan.packing) if packed else BatchedLane(self._engine)
@@ -250,6 +257,7 @@ class GraphRunner:
 
     def graphs(self) -> tuple[GraphInfo, ...]:
         """The graphs held now, least recently used first (:class:`GraphInfo`)."""
+        fusion = self._engine.fusion
         with self._engine.lock:
             return tuple(
                 GraphInfo(
@@ -259,6 +267,7 @@ class GraphRunner:
                     outputs=entry.output_leaves,
                     costs=entry.costs,
                     flops=self._engine.held.flops(lookup),
+                    fusion=fusion.choice_of(entry) if fusion is not None else None,
                     validated=entry.record.validated,
                     uses=entry.record.uses,
                 )
@@ -279,12 +288,30 @@ class GraphRunner:
                 served=engine.stats.served.copy(),
                 costs=engine.held.costs_by_batch(),
                 flops=engine.held.flops_by_batch(),
+                fusion=self._fusion_by_size(),
                 pool_bytes=pool_bytes,
             )
 
+    def _fusion_by_size(self) -> dict[int, FusionChoice]:
+        """What each held graph's key holds, compiled layers or as built, by size; empty
+        without compiled layers chosen by measurement."""
+        fusion = self._engine.fusion
+        if fusion is None:
+            return {}
+        held = sorted(self._engine.held.items(), key=lambda item: item[0][0])
+        return {lookup[0]: fusion.choice_of(entry) for lookup, entry in held}
+
+    def finish_compiling(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile of the layers, if one runs (at most ``timeout``
+        seconds); whether none runs now. The keys take the compiled code at their next call."""
+        fusion = self._engine.fusion
+        return True if fusion is None else fusion.wait(timeout)
+
     def release(self) -> None:
         """Drop every graph and the pool; the next call captures afresh, with the forward hooks
-        the model has then (they become the baseline: no graph holds the older ones)."""
+        the model has then (they become the baseline: no graph holds the older ones). Waits
+        for a background compile of the layers first."""
+        self.finish_compiling()
         with self._engine.lock:
             self._engine.forget("knowledge")
             self._engine.hooks.accept()

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .flops import tflops
-from .serving.policy import Costs
+from .serving.policy import Costs, FusionChoice
 
 __all__ = ["GraphStats"]
 
@@ -75,6 +75,11 @@ class GraphStats:
     (:mod:`layergraph.flops`: a floor, since operators without a formula count nothing);
     forgotten when the model changes. :attr:`achieved_tflops` sets them against the replays
     measured."""
+    fusion: dict[int, FusionChoice] = field(default_factory=dict)
+    """What each held graph holds, by size, with compiled layers chosen by measurement
+    (``compile_layers="auto"``, :mod:`layergraph.serving.fusion`): its layers compiled or as
+    built, and why (``"3.1 ms compiled against 4.2 ms as built"``, ``"compiling in the
+    background"``); read when the statistics were taken, empty without."""
     budgets: tuple[int, ...] = ()
     """A packed plan's token budgets learnt from the traffic (``batch_sizes="auto"``), read
     when the statistics were taken; graphs are captured for them as calls need them."""
@@ -125,7 +130,9 @@ class GraphStats:
                 f"  budgets {', '.join(map(str, self.budgets))} (chosen {self.replans} times)"
             )
         lines += [f"  eager x{n}: {reason}" for reason, n in self.eager_calls.most_common()]
-        for batch in sorted({batch for batch, _ in self.served} | set(self.costs)):
+        for batch in sorted(
+            {batch for batch, _ in self.served} | set(self.costs) | set(self.fusion)
+        ):
             ways = ", ".join(
                 f"{way} x{n}" for (size, way), n in self.served.most_common() if size == batch
             )
@@ -135,6 +142,8 @@ class GraphStats:
                 measured += f", {self.flops[batch] / 1e9:.3g} GFLOP" + (
                     f" at {rate:.3g} TFLOP/s" if rate is not None else ""
                 )
+            if batch in self.fusion:
+                measured += f"; {self.fusion[batch]}"
             size = f"batch {batch}" if self.size_unit == "batch" else f"{batch} {self.size_unit}"
             lines.append(f"  {size}: {ways or 'not called'}{measured}")
         return "\n".join(lines)

@@ -82,6 +82,8 @@ class _Step:
     """Per output, whether it had a storage of its own at capture (no input's storage)."""
     runs: bool
     """Whether a replay runs it: it launches a kernel and returns a tensor or writes one."""
+    one_step: bool = False
+    """Whether it is a call recorded as one step (:func:`run_as_one_step`)."""
 
 
 Check = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
@@ -141,10 +143,15 @@ class Recorder(TorchDispatchMode):
     ) -> None:
         """Record a call of ``fn`` that ran outside the recorder as one step
         (:func:`run_as_one_step`)."""
-        self._record(fn, args, kwargs, result)
+        self._record(fn, args, kwargs, result, one_step=True)
 
     def _record(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+        one_step: bool = False,
     ) -> None:
         inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if _is_tensor(leaf)]
         read = {_storage(tensor) for tensor in inputs}
@@ -168,7 +175,8 @@ class Recorder(TorchDispatchMode):
             )
             makes = any(index is not None for index in outputs)
             runs = schema.name not in _NO_KERNEL and (writes or makes)
-        self._steps.append(_Step(func, held_args, held_kwargs, tuple(outputs), tuple(fresh), runs))
+        step = _Step(func, held_args, held_kwargs, tuple(outputs), tuple(fresh), runs, one_step)
+        self._steps.append(step)
 
     def _add(self, tensor: torch.Tensor) -> int:
         index = self._index.get(id(tensor))
@@ -279,6 +287,11 @@ class Tape:
     def operators(self) -> int:
         """How many operators a replay runs."""
         return sum(step.runs for step in self._steps)
+
+    @property
+    def one_steps(self) -> int:
+        """How many calls recorded as one step (compiled graphs) a replay runs."""
+        return sum(step.one_step for step in self._steps)
 
     @property
     def kept(self) -> int:

@@ -365,7 +365,9 @@ class SimulatedGraphs:
     Costs, which the runner measures to choose how each batch size is served
     (:mod:`layergraph.serving.policy`), are wall-clock time for eager calls and nothing for replays,
     unless given: ``eager_ms(rows)`` and ``replay_ms(rows)`` make them a function of the batch,
-    so that a test decides which way wins.
+    so that a test decides which way wins; ``compiled_replay_ms(rows)``, where given, is the
+    cost of a replay of a graph that runs compiled code (``compile_layers``), and such a timed
+    replay runs.
 
     Memory: a capture allocates, in its pool, ``working_set`` blocks of its outputs' bytes (its
     intermediates: a tower's layers hold several tensors about the size of its hidden state),
@@ -388,6 +390,7 @@ class SimulatedGraphs:
         eager_ms: Callable[[int], float] | None = None,
         replay_ms: Callable[[int], float] | None = None,
         *,
+        compiled_replay_ms: Callable[[int], float] | None = None,
         strict: bool = True,
         working_set: int = 0,
     ) -> None:
@@ -396,6 +399,8 @@ class SimulatedGraphs:
         self.memory_releases = 0
         self.eager_ms = eager_ms
         self.replay_ms = replay_ms
+        self.compiled_replay_ms = compiled_replay_ms
+        self._replayed: _SimulatedGraph | None = None
         self.strict = strict
         self.working_set = working_set
 
@@ -455,6 +460,7 @@ class SimulatedGraphs:
         with torch.inference_mode():  # a real replay writes its buffers in any grad mode
             graph.tape.replay()
         self.replays += 1
+        self._replayed = graph
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, MemoryError) or "out of memory" in str(error)
@@ -469,7 +475,12 @@ class SimulatedGraphs:
         return result, elapsed if self.eager_ms is None else self.eager_ms(rows)
 
     def time_replay(self, fn: Callable[[], Any], rows: int) -> float:
-        """The replay's cost; ``fn`` is not run (it would only write the same values again)."""
+        """The replay's cost; ``fn`` is not run (it would only write the same values again),
+        unless ``compiled_replay_ms`` is given, to tell which graph it replays."""
+        if self.compiled_replay_ms is not None:
+            fn()
+            if self._replayed is not None and self._replayed.tape.one_steps:
+                return self.compiled_replay_ms(rows)
         return 0.0 if self.replay_ms is None else self.replay_ms(rows)
 
     def follow(self, previous: Any) -> None:

@@ -74,7 +74,7 @@ def check_against_float32(
 def test_qwen25_tower_with_padded_mlps_is_as_close_to_float32_as_eager() -> None:
     reference = tower().cuda()
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0)
+    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0, compile_layers=False)
     assert graphed.speed_options["align_mlp"] == "on"
     check_against_float32(graphed, reference, model, 1.25)
 

@@ -68,7 +68,9 @@ def rows(batch: int) -> torch.Tensor:
 
 
 def wrap(model: nn.Module, batch_sizes: list[int]) -> layergraph.GraphedModule:
-    return layergraph.wrap(model, adapter="sequential", batch_sizes=batch_sizes)
+    return layergraph.wrap(
+        model, adapter="sequential", batch_sizes=batch_sizes, compile_layers=False
+    )
 
 
 def settled_memory() -> tuple[int, int]:
@@ -84,7 +86,7 @@ def test_a_refused_operation_runs_its_batch_eagerly_and_the_other_graphs_replay(
     reason naming the error and the layer; batch 2 still replays and batch 8 is captured into
     the same pool, which the failed capture must not have left in use."""
     model = stack(how)
-    graphed = wrap(model, batch_sizes=[2, 4, 8])
+    graphed = wrap(model, batch_sizes=[2, 4, 8], compile_layers=False)
     x2, x4, x8 = rows(2), rows(4), rows(8)
     with torch.inference_mode():
         assert relative_error(graphed(x2), model(x2)) <= TOLERANCE
@@ -113,7 +115,7 @@ def test_after_a_failed_capture_random_numbers_and_new_graphs_work(how: str) -> 
     increment outside graph capture" at every random number) nor moved; a hand-written graph
     drawing random numbers and a newly wrapped model capture and replay."""
     model = stack(how)
-    graphed = wrap(model, batch_sizes=[4])
+    graphed = wrap(model, batch_sizes=[4], compile_layers=False)
     x4 = rows(4)
     torch.cuda.manual_seed(1234)
     state = torch.cuda.get_rng_state()
@@ -142,7 +144,7 @@ def test_after_a_failed_capture_random_numbers_and_new_graphs_work(how: str) -> 
     assert not torch.equal(*replays)
 
     healthy = stack(None)
-    again = wrap(healthy, batch_sizes=[4])
+    again = wrap(healthy, batch_sizes=[4], compile_layers=False)
     with torch.inference_mode():
         for _ in range(2):
             assert relative_error(again(x4), healthy(x4)) <= TOLERANCE
@@ -163,7 +165,7 @@ def test_a_failed_capture_leaves_no_memory_behind(
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore", CaptureFailedWarning)
         for _ in range(2):
-            graphed = wrap(model, batch_sizes=[2, 4])
+            graphed = wrap(model, batch_sizes=[2, 4], compile_layers=False)
             graphed(x2)
             graphed(x4)
             assert graphed.stats.failed_captures == 1 and graphed.stats.graphs == 1
@@ -180,7 +182,7 @@ def test_an_index_made_on_the_host_is_made_on_the_device_for_the_capture() -> No
     succeeds: every batch replays, equal to eager, and no failure is reported."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("arange", WIDTH)).cuda().eval()
-    graphed = wrap(model, batch_sizes=[2, 4])
+    graphed = wrap(model, batch_sizes=[2, 4], compile_layers=False)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("error", CaptureFailedWarning)
         for batch in (2, 4, 2, 3):
@@ -193,7 +195,7 @@ def test_an_index_made_on_the_host_is_made_on_the_device_for_the_capture() -> No
 def test_an_index_of_python_numbers_made_on_the_host_is_served_eagerly() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), IndexedOnHost("tensor", WIDTH)).cuda().eval()
-    graphed = wrap(model, batch_sizes=[2])
+    graphed = wrap(model, batch_sizes=[2], compile_layers=False)
     x = rows(2)
     with torch.inference_mode():
         with pytest.warns(CaptureFailedWarning, match="Cannot copy between CPU and CUDA"):

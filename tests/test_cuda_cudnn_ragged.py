@@ -94,7 +94,9 @@ def test_a_tower_attending_through_cudnn_is_as_close_to_float32_as_eager(hidden:
 
     reference = qwen25_tower(hidden).cuda()
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0, attention="cudnn")
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", observe_calls=0, attention="cudnn", compile_layers=False
+    )
     check_against_float32(graphed, reference, model, 1.1)
     routes = graphed.plan.attention_by_budget.values()
     assert routes and all("full: cudnn" in r and "windows: cudnn" in r for r in routes)

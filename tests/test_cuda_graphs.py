@@ -36,7 +36,7 @@ def images(batch: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_base_patch16_224"])
 def test_graph_equals_eager(name: str, dtype: torch.dtype) -> None:
     model = build(name, dtype)
-    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[1, 4, 8])
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[1, 4, 8], compile_layers=False)
     with torch.inference_mode():
         for batch in (1, 3, 8):
             for _ in range(2):
@@ -62,7 +62,7 @@ def test_graph_equals_eager(name: str, dtype: torch.dtype) -> None:
 def test_vision_transformer_variants(name: str, overrides: dict, size: tuple[int, int]) -> None:
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, **overrides).cuda().half().eval()
-    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[1, 4])
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[1, 4], compile_layers=False)
     with torch.inference_mode():
         for batch in (1, 3):
             x = torch.randn(batch, 3, *size, device="cuda", dtype=torch.float16)
@@ -72,14 +72,14 @@ def test_vision_transformer_variants(name: str, overrides: dict, size: tuple[int
 
 def test_validate_accepts_a_correct_graph() -> None:
     model = build("vit_tiny_patch16_224", torch.float16)
-    graphed = layergraph.wrap(model, adapter="timm", validate=True)
+    graphed = layergraph.wrap(model, adapter="timm", validate=True, compile_layers=False)
     with torch.inference_mode():
         graphed(images(3, torch.float16))
     assert graphed.stats.replays == 1
 
 
 def pool_bytes(model: torch.nn.Module, sizes: tuple[int, ...]) -> int:
-    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=sizes)
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=sizes, compile_layers=False)
     with torch.inference_mode():
         graphed.capture(images(1, torch.float16), progress=False)
     size = graphed.stats.pool_bytes
@@ -102,7 +102,7 @@ def test_shared_pool_costs_about_the_largest_graph_alone() -> None:
 
 def test_replay_after_the_callers_input_was_freed_and_reused() -> None:
     model = build("vit_tiny_patch16_224", torch.float16)
-    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[4])
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[4], compile_layers=False)
     with torch.inference_mode():
         first = images(4, torch.float16)
         graphed(first)
@@ -116,7 +116,9 @@ def test_replay_after_the_callers_input_was_freed_and_reused() -> None:
 
 def test_static_buffers_keep_their_addresses_across_replays() -> None:
     model = build("vit_tiny_patch16_224", torch.float16)
-    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[2], static_output=True)
+    graphed = layergraph.wrap(
+        model, adapter="timm", batch_sizes=[2], static_output=True, compile_layers=False
+    )
     with torch.inference_mode():
         a = graphed(images(2, torch.float16))
         address = a.data_ptr()
@@ -132,7 +134,7 @@ def test_static_buffers_keep_their_addresses_across_replays() -> None:
 
 def test_call_on_another_stream_replays_on_that_stream() -> None:
     model = build("vit_tiny_patch16_224", torch.float16)
-    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[2])
+    graphed = layergraph.wrap(model, adapter="timm", batch_sizes=[2], compile_layers=False)
     side = torch.cuda.Stream()
     with torch.inference_mode():
         graphed(images(2, torch.float16))
@@ -160,7 +162,7 @@ def test_generic_adapter_graphs_a_module_list_on_gpu() -> None:
 
     torch.manual_seed(0)
     model = Encoder().cuda().half().eval()
-    graphed = layergraph.wrap(model, adapter="sequential", stack="layers")
+    graphed = layergraph.wrap(model, adapter="sequential", stack="layers", compile_layers=False)
     with torch.inference_mode():
         graphed(torch.randn(2, 10, 64, device="cuda", dtype=torch.float16))  # checks the list
         graphed.release()
@@ -209,6 +211,42 @@ def test_compiled_layers_serve_every_batch_size_with_one_version() -> None:
     graphed.unwrap()
 
 
+def test_the_default_serves_at_once_then_keeps_the_faster_of_two_graphs_per_key() -> None:
+    """``compile_layers="auto"`` (the default) on a GPU with Inductor: the first call is
+    served by the graph as built while the layers compile in the background, then each key is
+    captured again with compiled layers, both replays measured, the faster kept; a new size
+    takes the compiled code without compiling; every answer equal to eager."""
+    from torch._dynamo.utils import counters
+
+    model = build("vit_base_patch16_224", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    graphed = layergraph.wrap(model)
+    tolerance = DEFAULT_TOLERANCE[torch.bfloat16]
+
+    def check(batch: int) -> None:
+        x = images(batch, torch.bfloat16)
+        with graphed.original() as original:
+            expected = original(x)
+        assert relative_error(graphed(x), expected) <= tolerance, batch
+
+    with torch.inference_mode():
+        check(4)
+        assert "compiling in the background" in graphed.stats.fusion[4].reason
+        assert graphed.finish_compiling(timeout=400)
+        check(4)
+        choice = graphed.stats.fusion[4]
+        assert choice.plain_ms and choice.compiled_ms, choice
+        assert choice.compiled == (choice.compiled_ms < 0.97 * choice.plain_ms)
+        versions = counters["stats"]["unique_graphs"]
+        check(2)
+        check(4)
+    assert graphed.stats.fusion[2].compiled_ms is not None  # decided in its first call
+    assert counters["stats"]["unique_graphs"] == versions
+    print(graphed.stats)
+    graphed.unwrap()
+
+
 def test_flops_on_a_gpu_are_the_cpus_and_the_rate_is_under_the_peak() -> None:
     """The FLOPs counted at capture on a GPU (its attention's kernel, its dtype) equal those
     counted on the CPU, and the replay's rate is under what the card's products reach."""
@@ -216,7 +254,7 @@ def test_flops_on_a_gpu_are_the_cpus_and_the_rate_is_under_the_peak() -> None:
     from layergraph.timing import matmul_peak_tflops
 
     model = build("vit_base_patch16_224", torch.bfloat16)
-    graphed = layergraph.wrap(model)
+    graphed = layergraph.wrap(model, compile_layers=False)
     with torch.inference_mode():
         graphed(images(4, torch.bfloat16))
         on_cpu = build("vit_base_patch16_224", torch.float32).cpu()

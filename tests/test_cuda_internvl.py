@@ -46,7 +46,11 @@ def test_internvit_300m_graph_equals_eager(internvit_300m: torch.nn.Module, atte
     with torch.inference_mode():
         reference = {b: model(pixel_values=x).last_hidden_state for b, x in inputs.items()}
         graphed = layergraph.wrap(
-            model, adapter="internvl", attention=attention, batch_sizes=[1, 2, 4, 8]
+            model,
+            adapter="internvl",
+            attention=attention,
+            batch_sizes=[1, 2, 4, 8],
+            compile_layers=False,
         )
         try:
             for batch, x in inputs.items():
@@ -72,7 +76,9 @@ def test_internvit_6b_graph_equals_eager(internvit_6b: torch.nn.Module, attentio
     x = tiles(1)
     with torch.inference_mode():
         reference = model(pixel_values=x).last_hidden_state
-        graphed = layergraph.wrap(model, adapter="internvl", attention=attention, batch_sizes=[1])
+        graphed = layergraph.wrap(
+            model, adapter="internvl", attention=attention, batch_sizes=[1], compile_layers=False
+        )
         got = graphed(pixel_values=x).last_hidden_state
         eager = graphed.plan.region(pixel_values=x).last_hidden_state
     assert relative_error(got, eager) <= DEFAULT_TOLERANCE[torch.bfloat16]
@@ -83,7 +89,11 @@ def test_internvit_6b_graph_equals_eager(internvit_6b: torch.nn.Module, attentio
 
 def test_captured_buffers_keep_their_addresses(internvit_300m: torch.nn.Module) -> None:
     graphed = layergraph.wrap(
-        internvit_300m, adapter="internvl", attention="triton", batch_sizes=[2]
+        internvit_300m,
+        adapter="internvl",
+        attention="triton",
+        batch_sizes=[2],
+        compile_layers=False,
     )
     try:
         with torch.inference_mode():
@@ -113,7 +123,9 @@ def test_captured_buffers_keep_their_addresses(internvit_300m: torch.nn.Module) 
 
 
 def test_fa3_reports_which_kernel_ran(internvit_300m: torch.nn.Module) -> None:
-    graphed = layergraph.wrap(internvit_300m, adapter="internvl", attention="fa3", batch_sizes=[1])
+    graphed = layergraph.wrap(
+        internvit_300m, adapter="internvl", attention="fa3", batch_sizes=[1], compile_layers=False
+    )
     try:
         with torch.inference_mode():
             graphed(pixel_values=tiles(1))
@@ -150,7 +162,9 @@ def test_whole_vlm_image_features_run_through_the_graph() -> None:
     with torch.inference_mode():
         features = model.get_image_features(pixel_values=pixels).pooler_output
         logits = model(input_ids=prompt, pixel_values=pixels).logits
-        graphed = layergraph.wrap(model, adapter="internvl", attention="triton")
+        graphed = layergraph.wrap(
+            model, adapter="internvl", attention="triton", compile_layers=False
+        )
         got = graphed.get_image_features(pixel_values=pixels).pooler_output
         got_logits = graphed(input_ids=prompt, pixel_values=pixels).logits
         generated = graphed.generate(input_ids=prompt, pixel_values=pixels, max_new_tokens=2)

@@ -39,7 +39,9 @@ skip_unless_served("qwen2_vl")
 def test_fused_kernels_keep_the_tower_as_close_to_float32_as_eager(options: dict) -> None:
     reference = tower().cuda()
     model = copy.deepcopy(reference).to(torch.bfloat16)
-    graphed = layergraph.wrap(model, adapter="qwen2_vl", observe_calls=0, **options)
+    graphed = layergraph.wrap(
+        model, adapter="qwen2_vl", observe_calls=0, compile_layers=False, **options
+    )
     changes = "\n".join(graphed.changes)
     assert all(name in changes for name in options), changes
     check_against_float32(graphed, reference, model, 1.1)
@@ -54,7 +56,9 @@ def test_glm_positions_resampled_by_a_product_keep_the_tower_as_close_to_float32
 
     reference = blunted(model("glm4v")).cuda()
     tower = copy.deepcopy(reference).to(torch.bfloat16)
-    graphed = layergraph.wrap(tower, adapter="qwen2_vl", observe_calls=0, positions_matmul=True)
+    graphed = layergraph.wrap(
+        tower, adapter="qwen2_vl", observe_calls=0, positions_matmul=True, compile_layers=False
+    )
     assert any("positions_matmul" in change for change in graphed.changes)
     for grids in ([(1, 8, 12)], [(1, 4, 4), (1, 16, 8)]):
         pixels, grid = call(entries("glm4v", grids))

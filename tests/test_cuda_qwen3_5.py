@@ -59,7 +59,11 @@ def test_qwen3_5_default_tower_graphs_equal_eager_in_bf16(attention: str) -> Non
         expected = [model(pixels, grid_thw=grid).pooler_output for pixels, grid in inputs]
         del reference
         graphed = layergraph.wrap(
-            model, adapter="qwen2_vl", attention=attention, batch_sizes=[1024, 2048]
+            model,
+            adapter="qwen2_vl",
+            attention=attention,
+            batch_sizes=[1024, 2048],
+            compile_layers=False,
         )
         for (pixels, grid), want, truth in zip(inputs, expected, exact):
             got = graphed(pixels, grid_thw=grid)
@@ -91,7 +95,7 @@ def test_the_vlm_image_features_and_generate_read_the_graphs(name: str) -> None:
         features = model.get_image_features(pixels.cuda(), grid.cuda()).pooler_output
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        graphed = layergraph.wrap(model, batch_sizes=[64])
+        graphed = layergraph.wrap(model, batch_sizes=[64], compile_layers=False)
         got = model.get_image_features(pixels.cuda(), grid.cuda()).pooler_output
         assert [t.shape for t in got] == [t.shape for t in features]
         for part, expected in zip(got, features):

@@ -48,7 +48,7 @@ def settled_memory() -> tuple[int, int]:
 def test_out_of_memory_during_capture_gives_memory_back_and_runs_eagerly(
     model: torch.nn.Module, record_property: Callable[[str, object], None]
 ) -> None:
-    graphed = layergraph.wrap(model, batch_sizes=[1, 256])
+    graphed = layergraph.wrap(model, batch_sizes=[1, 256], compile_layers=False)
     x_small, x_large = images(1), images(256)
     with torch.inference_mode():
         graphed(x_small)
@@ -92,8 +92,8 @@ def test_an_exception_inside_a_layer_during_capture_runs_the_call_eagerly(
         # and the default generator's state that replaces one a failed capture leaves in
         # capture mode (PyTorch 2.11).
         warnings.simplefilter("ignore", CaptureFailedWarning)
-        layergraph.wrap(model, batch_sizes=[2])(images(2))
-    graphed = layergraph.wrap(model, batch_sizes=[2])
+        layergraph.wrap(model, batch_sizes=[2], compile_layers=False)(images(2))
+    graphed = layergraph.wrap(model, batch_sizes=[2], compile_layers=False)
     with torch.inference_mode():
         x = images(2)
         before = settled_memory()
@@ -119,11 +119,13 @@ def test_pools_made_and_dropped_again_and_again_keep_memory_level(
     of wrap, capture, release and recapture is back at its level, and graphs captured on a
     reused stream stay right after cuBLAS's workspace cache is cleared and the cache emptied."""
     with torch.inference_mode():
-        layergraph.wrap(model, batch_sizes=[2])(images(2))  # one-time allocations
+        layergraph.wrap(model, batch_sizes=[2], compile_layers=False)(
+            images(2)
+        )  # one-time allocations
         before = settled_memory()
         levels = []
         for _ in range(4):
-            graphed = layergraph.wrap(model, batch_sizes=[2])
+            graphed = layergraph.wrap(model, batch_sizes=[2], compile_layers=False)
             for _ in range(2):  # capture, release, capture again into a new pool
                 x = images(2)
                 assert relative_error(graphed(x), model(x)) <= TOLERANCE
@@ -134,7 +136,7 @@ def test_pools_made_and_dropped_again_and_again_keep_memory_level(
         record_property("memory_after_rounds_bytes", levels)
         streams = free_streams(torch.cuda.current_device())
         assert all(level[0] <= before[0] for level in levels), (before, levels, streams)
-        graphed = layergraph.wrap(model, batch_sizes=[2])
+        graphed = layergraph.wrap(model, batch_sizes=[2], compile_layers=False)
         graphed(images(2))
         torch._C._cuda_clearCublasWorkspaces()
         settled_memory()
@@ -144,7 +146,7 @@ def test_pools_made_and_dropped_again_and_again_keep_memory_level(
 
 
 def test_moved_and_reassigned_weights_are_never_replayed(model: torch.nn.Module) -> None:
-    graphed = layergraph.wrap(model, batch_sizes=[4])
+    graphed = layergraph.wrap(model, batch_sizes=[4], compile_layers=False)
     with torch.inference_mode():
         x = images(4)
         assert relative_error(graphed(x), model(x)) <= TOLERANCE
@@ -165,7 +167,7 @@ def test_moved_and_reassigned_weights_are_never_replayed(model: torch.nn.Module)
 def test_eight_threads_of_mixed_batches_get_right_answers(
     model: torch.nn.Module, record_property: Callable[[str, object], None]
 ) -> None:
-    graphed = layergraph.wrap(model, batch_sizes=[1, 2, 4, 8])
+    graphed = layergraph.wrap(model, batch_sizes=[1, 2, 4, 8], compile_layers=False)
     with torch.inference_mode():
         inputs = [images(1 + i % 8) for i in range(32)]
         expected = [model(x) for x in inputs]

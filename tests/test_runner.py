@@ -576,7 +576,7 @@ def test_compile_budget_caps_compilation(
 
 def test_compile_budget_needs_compilation_and_seconds(mlp_stack: nn.Sequential) -> None:
     with pytest.raises(ValueError, match="compile_budget limits compile_layers or compile_region"):
-        wrap_simulated(mlp_stack, compile_budget=10)
+        wrap_simulated(mlp_stack, compile_layers=False, compile_budget=10)
     with pytest.raises(ValueError, match="a number of seconds >= 0, got -1"):
         wrap_simulated(mlp_stack, compile_region=True, compile_budget=-1)
     assert wrap_simulated(mlp_stack).compile_budget.spent == 0

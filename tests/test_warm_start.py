@@ -34,26 +34,31 @@ PROCESS = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     path, load = sys.argv[1], sys.argv[2] == "load"
+    compiled = {"region": {"compile_region": True},
+                "auto": {"compile_layers": {"auto": True}}}[sys.argv[3]]
     graphed = layergraph.wrap(
         model.eval(), adapter="sequential", backend=SimulatedGraphs(), batch_sizes=[2],
-        compile_region=True, warm_start=path if load else None,
+        warm_start=path if load else None, **compiled,
     )
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     before = sorted(str(f.relative_to(cache)) for f in cache.rglob("*") if f.is_file())
     kernel = Path(os.environ["TRITON_CACHE_DIR"]) / "KERNELHASH" / "kernel.cubin"
     with torch.inference_mode():
         graphed(torch.randn(2, 8))
+        graphed.finish_compiling()  # layers compiled in the background: taken at the next call
+        graphed(torch.randn(2, 8))
     if not load:  # what a Triton kernel compiled in this process leaves in Triton's cache
         kernel.parent.mkdir(parents=True)
         kernel.write_bytes(b"compiled")
         graphed.save_warm_start(path)
     print(json.dumps({**counters["inductor"], "files_before_compiling": before,
-                      "triton_kernel": kernel.exists() and kernel.read_bytes().decode()}))
+                      "triton_kernel": kernel.exists() and kernel.read_bytes().decode(),
+                      "fusion": str(graphed.stats.fusion.get(2))}))
     """
 )
 
 
-def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, Any]:
+def run_process(tmp_path: Path, cache: str, mode: str, compiled: str = "region") -> dict[str, Any]:
     """A fresh process with an Inductor cache of its own (a new machine's, say)."""
     environment = {
         **os.environ,
@@ -61,7 +66,7 @@ def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, Any]:
         "TRITON_CACHE_DIR": str(tmp_path / cache / "triton-own"),
     }
     result = subprocess.run(
-        [sys.executable, "-c", PROCESS, str(tmp_path / "warm.lgws"), mode],
+        [sys.executable, "-c", PROCESS, str(tmp_path / "warm.lgws"), mode, compiled],
         capture_output=True,
         text=True,
         env=environment,
@@ -71,10 +76,15 @@ def run_process(tmp_path: Path, cache: str, mode: str) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path) -> None:
-    cold = run_process(tmp_path, "first-machine", "save")
+@pytest.mark.parametrize("compiled", ["region", "auto"])
+def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path, compiled: str) -> None:
+    """The compiled region, or layers compiled in the background and measured
+    (``{"auto": True}``): a second process compiles nothing Inductor compiled in the first."""
+    cold = run_process(tmp_path, "first-machine", "save", compiled)
     assert cold.get("fxgraph_cache_miss", 0) >= 1
-    warm = run_process(tmp_path, "second-machine", "load")
+    warm = run_process(tmp_path, "second-machine", "load", compiled)
+    if compiled == "auto":
+        assert "compiled against" in cold["fusion"] and "compiled against" in warm["fusion"]
     assert warm.get("fxgraph_cache_hit", 0) >= 1 and warm.get("fxgraph_cache_miss", 0) == 0
     assert cold["files_before_compiling"] == []
     first = {

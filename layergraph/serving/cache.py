@@ -21,17 +21,18 @@ not measured faster than eager is not captured again), until the model changes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterator
+from collections.abc import Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import torch
 from torch.utils import _pytree as pytree
 
 from ..guards import HeldOutputs
 from ..keys import ShapeKey
-from .policy import Costs
+from .policy import Costs, FusionChoice
 
-__all__ = ["GraphCache", "GraphEntry", "HeldGraphs", "ReplayRecord"]
+__all__ = ["GraphCache", "GraphEntry", "HeldGraphs", "ReplayRecord", "aliases", "storages"]
 
 _SIGHTINGS_KEPT = 4096
 _HALVE_EVERY = 1024
@@ -77,6 +78,10 @@ class GraphEntry:
     budget captured ahead of its calls until the first of them measures it."""
     record: ReplayRecord = field(default_factory=ReplayRecord, repr=False)
     """The mutable part: validation and held outputs."""
+    fusion: FusionChoice | None = None
+    """Whether it holds the layers compiled or as built, and why, once decided
+    (:class:`~layergraph.serving.fusion.LayerFusion`); ``None`` before, or without compiled
+    layers chosen by measurement."""
 
 
 class GraphCache:
@@ -163,6 +168,15 @@ class GraphCache:
         self._graphs[lookup] = entry
         self.generation += 1
         return evicted
+
+    def swap(self, lookup: Hashable, entry: GraphEntry) -> GraphEntry:
+        """Put ``entry`` in place of the graph held for ``lookup`` (the same key, captured
+        another way or decided); return it."""
+        if lookup not in self._graphs:
+            raise KeyError(f"no graph held for {lookup!r}")
+        self._graphs[lookup] = entry
+        self.generation += 1
+        return entry
 
     def sightings(self, lookup: Hashable) -> int:
         """Calls counted of ``lookup`` without a graph (as halved)."""
@@ -315,3 +329,13 @@ class HeldGraphs(Protocol):
     def items(self) -> list[tuple[Hashable, GraphEntry]]: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[GraphEntry]: ...
+
+
+def storages(tensors: Sequence[Any]) -> frozenset[int]:
+    """The data pointers of the storages of the tensors among ``tensors``."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def aliases(leaf: Any, owned: frozenset[int]) -> bool:
+    """Whether ``leaf`` is a tensor whose storage is one of ``owned`` (a graph's buffers)."""
+    return isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in owned

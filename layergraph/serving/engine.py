@@ -18,7 +18,8 @@ import time
 import traceback
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
@@ -35,8 +36,10 @@ from ..rebuild import Rebuilds
 from ..stats import GraphStats
 from ..validation import GraphMismatchError, compare_outputs
 from ..warn import warn
-from .cache import GraphCache, GraphEntry, HeldGraphs
+from .cache import GraphCache, GraphEntry, HeldGraphs, aliases, storages
+from .fusion import COMPILING_REASON, LayerFusion, capture_turn, uncompiled
 from .gate import EagerGate
+from .lane import Lane
 from .policy import ROUTE_MARGIN, Costs
 from .pool import PoolShare
 
@@ -65,38 +68,6 @@ class CaptureFailedWarning(UserWarning):
     refuses, a host read, a synchronisation): its calls run eagerly. Warned once per failure."""
 
 
-class Lane(Protocol):
-    """Which graph serves a call, over one :class:`GraphEngine`: batches
-    (:class:`~layergraph.serving.batched_lane.BatchedLane`) or token budgets
-    (:class:`~layergraph.serving.packed_lane.PackedLane`). Called under the engine's lock."""
-
-    @property
-    def budgets(self) -> tuple[int, ...]:
-        """The learnt token budgets (none for batches, or while observing)."""
-        ...
-
-    def serve(self, call: Any, fresh: bool) -> Any:
-        """Serve ``call`` from a graph, or eagerly with the reason counted."""
-        ...
-
-    def capture(self, call: Any, sizes: Sequence[int] | None, progress: bool) -> list[ShapeKey]:
-        """Capture the graphs of ``sizes`` (batch sizes or token budgets) now from ``call``,
-        largest first; the keys held."""
-        ...
-
-    def forget(self) -> None:
-        """The model changed under the graphs: forget what the lane knew of it."""
-        ...
-
-    def token_totals(self) -> tuple[tuple[int, int], ...]:
-        """The calls learnt budgets were chosen from, by token total (for a warm start)."""
-        ...
-
-    def start_from(self, totals: Sequence[tuple[int, int]], budgets: Sequence[int]) -> None:
-        """Start learnt budgets from another process's (a warm start)."""
-        ...
-
-
 class GraphEngine:
     """Captures, measures, replays and validates the graphs of one plan, one budget at a time.
 
@@ -123,6 +94,7 @@ class GraphEngine:
         capture_contexts: Callable[[], Sequence[AbstractContextManager[Any]]] | None = None,
         eager_checks: Sequence[Callable[[], str | None]] = (),
         pools: PoolShare | None = None,
+        fusion: LayerFusion | None = None,
     ) -> None:
         self.plan = plan
         self.options = options
@@ -152,6 +124,8 @@ class GraphEngine:
         """Call signatures captured since the model last changed: the lazy initialisation of
         their kernels has run, so a packing whose budgets share kernels warms them up once."""
         self.eager_stand_in: Callable[[Call], float | None] = lambda call: None
+        self.fusion = fusion
+        """Which keys hold compiled layers (``compile_layers="auto"``); ``None`` without."""
         self._made_on_device = False
         """Whether captures make the tensors the model makes without a device on the device
         (:class:`~layergraph.device_factories.MadeOnDevice`): set once a capture failed at a
@@ -195,6 +169,8 @@ class GraphEngine:
             self._cache.clear()
         if scope == "model":
             self._warmed.clear()
+        if scope != "graphs" and self.fusion is not None:
+            self.fusion.forget()
 
     def keep_budgets(self, budgets: Sequence[int]) -> None:
         """Drop the graphs of budgets not in ``budgets`` (a new plan of learnt budgets); the
@@ -286,7 +262,7 @@ class GraphEngine:
         lookup = (budget, call.signature)
         entry = self._cache.get(lookup)
         if entry is not None:
-            return entry, ""
+            return self._reviewed(lookup, entry, call), ""
         failure = self._cache.failure(lookup)
         if failure is not None:
             return None, failure
@@ -300,13 +276,24 @@ class GraphEngine:
         refusal = self._cache.admit(lookup)
         if refusal is not None:
             return None, refusal
-        return self.capture(budget, call)
+        entry, reason = self.capture(budget, call)
+        return (entry and self._reviewed(lookup, entry, call)), reason
+
+    def _reviewed(
+        self, lookup: tuple[int, Any], entry: GraphEntry, call: Call, ahead: bool = False
+    ) -> GraphEntry:
+        """The entry that serves ``lookup``: with compiled layers chosen by measurement, the
+        faster of its graphs once both were measured (:class:`~.fusion.LayerFusion`)."""
+        if self.fusion is None:
+            return entry
+        return self.fusion.review(self, lookup, entry, call, ahead)
 
     def capture(
-        self, budget: int, call: Call, measure: bool = True
+        self, budget: int, call: Call, measure: bool = True, wait: bool = False
     ) -> tuple[GraphEntry | None, str]:
         """Capture the graph of ``budget`` from ``call`` (measured unless ``measure`` is off);
-        return its entry, or ``None`` and why its call runs eagerly.
+        return its entry, or ``None`` and why its call runs eagerly: a background compile
+        holds the device (:func:`~.fusion.capture_turn`; ``wait`` waits for it).
 
         A capture that runs out of memory drops every graph. One that fails otherwise after its
         warm-up runs, eager runs of the same inputs, succeeded (the backend's
@@ -317,7 +304,10 @@ class GraphEngine:
         key = ShapeKey(budget, self.plan.sequence_of(call))
         lookup = (budget, call.signature)
         try:
-            entry = self._capture_entry(key, lookup, call, measure)
+            with capture_turn(wait) as turn:
+                if not turn:
+                    return None, COMPILING_REASON
+                entry = self._capture_entry(key, lookup, call, measure)
         except Exception as error:
             failed = error if isinstance(error, GraphCaptureError) else None
             cause = (error.__cause__ or error) if failed is not None else error
@@ -348,17 +338,17 @@ class GraphEngine:
             return entry
         if sizes > self.max_graphs:
             raise RuntimeError(f"cannot capture {sizes} sizes with max_graphs={self.max_graphs}")
-        entry, reason = self.capture(budget, call)
+        entry, reason = self.capture(budget, call, wait=True)
         if entry is None and self._cache.failure(lookup) is not None:
             raise RuntimeError(f"cannot capture graphs: {reason}")
-        return entry
+        return entry and self._reviewed(lookup, entry, call, ahead=True)
 
     def settle(self, entry: GraphEntry, call: Call) -> tuple[GraphEntry | None, str]:
         """Measure a graph captured unmeasured on ``call``, the first it serves; keep it if it
         pays, else drop it (its costs kept)."""
         lookup = (entry.key.batch, call.signature)
         started = time.perf_counter()
-        costs = self._measure(entry.graph, entry.buffers, entry.output_leaves, call, entry.key)
+        costs = self._measure(entry, call)
         self.stats.capture_seconds += time.perf_counter() - started
         kept = self._cache.keep_if_it_pays(lookup, costs)
         if kept is not None:
@@ -398,22 +388,36 @@ class GraphEngine:
         measured faster than eager, record the costs and return ``None``. Without ``measure`` it is
         stored unmeasured, its costs ``None``, until :meth:`settle`. A graph of a lookup whose
         replay was measured before (by a warm start's process, or an earlier graph of the same
-        lookup in this one) takes that measurement instead of being measured again.
-
-        The buffers come from the packing (:meth:`~layergraph.packing.Packing.allocate`) and
-        the call is loaded into them. The capture seconds counted include the buffers'
-        allocation (where a plan times its attention backends) and the measurement."""
+        lookup in this one) takes that measurement instead of being measured again."""
+        entry = self.capture_graph(lookup, call)
         started = time.perf_counter()
+        known = self._cache.costs(lookup)
+        if known is not None and known.graph_ms is not None:
+            costs: Costs | None = known
+        elif measure:
+            costs = self._measure(entry, call)
+        else:
+            costs = None
+        self.stats.capture_seconds += time.perf_counter() - started
+        if costs is not None and not costs.graph_pays:
+            self.stats.slower_graphs += 1
+            self._cache.record_costs(lookup, costs)
+            return None
+        entry = replace(entry, costs=costs)
+        if self._cache.add(lookup, entry) is not None:
+            self.stats.evictions += 1
+        return entry
+
+    def prepared_region(self, budget: int, call: Call) -> tuple[Callable[[], Any], Any]:
+        """What warm-up and capture run for ``budget``: the captured region on fresh buffers of
+        the packing (:meth:`~layergraph.packing.Packing.allocate`) loaded with ``call``, the
+        plan's state bound; and those buffers."""
         packing = self.packing
         with torch.inference_mode(False):
-            buffers = packing.allocate(key.batch, call)
+            buffers = packing.allocate(budget, call)
         packing.load(buffers, call)
         args, kwargs = packing.arguments(buffers)
         state = packing.plan_state(buffers)
-        warmup_runs = self.options.warmup_runs
-        if packing.later_warmup_runs is not None and call.signature in self._warmed:
-            warmup_runs = packing.later_warmup_runs
-
         device = next((tensor.device for tensor in buffer_tensors(buffers)), None)
 
         def region() -> Any:
@@ -422,14 +426,26 @@ class GraphEngine:
                     made.enter_context(MadeOnDevice(device))
                 return self._captured_region(*args, **kwargs)
 
+        return region, buffers
+
+    def capture_graph(self, lookup: tuple[int, Any], call: Call) -> GraphEntry:
+        """Capture the graph of ``lookup`` from ``call`` into the pool, warmed up, unmeasured
+        and not stored; its FLOPs counted at the lookup's first capture. Raises what the
+        warm-up or the capture raised. The seconds counted include the buffers' allocation
+        (where a plan times its attention backends)."""
+        started = time.perf_counter()
+        region, buffers = self.prepared_region(lookup[0], call)
+        warmup_runs = self.options.warmup_runs
+        if self.packing.later_warmup_runs is not None and call.signature in self._warmed:
+            warmup_runs = self.packing.later_warmup_runs
+        device = next((tensor.device for tensor in buffer_tensors(buffers)), None)
         self._done = self.backend.follow(self._done)
         with self.hooks.adopting(), contextlib.ExitStack() as contexts:
             for context in self._capture_contexts():
                 contexts.enter_context(context)
-            if self._cache.flops(lookup) is None:
-                # In a warm-up run, not the last: Dynamo runs the original code under the
-                # counter, so compiled code compiles in a later one.
-                self._cache.record_flops(lookup, count_flops(region))
+            if self._cache.flops(lookup) is None:  # a warm-up run's, compiled code uncompiled
+                with uncompiled():  # Dynamo met under a dispatch mode may skip the code for good
+                    self._cache.record_flops(lookup, count_flops(region))
                 if warmup_runs > 1:
                     warmup_runs -= 1
             try:
@@ -447,65 +463,58 @@ class GraphEngine:
                     raise
         self._warmed.add(call.signature)
         leaves, spec = pytree.tree_flatten(output)
-        known = self._cache.costs(lookup)
-        if known is not None and known.graph_ms is not None:
-            costs: Costs | None = known
-        elif measure:
-            costs = self._measure(graph, buffers, leaves, call, key)
-        else:
-            costs = None
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - started
-        if costs is not None and not costs.graph_pays:
-            self.stats.slower_graphs += 1
-            self._cache.record_costs(lookup, costs)
-            return None
-        entry = GraphEntry(
+        key = ShapeKey(lookup[0], self.plan.sequence_of(call))
+        return GraphEntry(
             key=key,
             graph=graph,
             buffers=buffers,
             output_leaves=tuple(leaves),
             output_spec=spec,
-            not_per_row=packing.output_problem(leaves, key.batch),
+            not_per_row=self.packing.output_problem(leaves, key.batch),
             addresses=self._addresses(buffers, leaves),
             storages=storages((*buffer_tensors(buffers), *leaves)),
-            costs=costs,
         )
-        if self._cache.add(lookup, entry) is not None:
-            self.stats.evictions += 1
-        return entry
+
+    def swap(self, lookup: tuple[int, Any], entry: GraphEntry) -> GraphEntry:
+        """Serve ``lookup`` from ``entry`` in place of the graph held for it; return it."""
+        return self._cache.swap(lookup, entry)
 
     def _addresses(self, buffers: Any, leaves: Sequence[Any]) -> tuple[int, ...]:
         """Data pointers of every buffer a graph reads or writes, and the model's tensors."""
         return addresses((*buffer_tensors(buffers), *leaves, *self._watch.tensors))
 
-    def _measure(
-        self, graph: Any, buffers: Any, leaves: Sequence[Any], call: Call, key: ShapeKey
-    ) -> Costs:
-        """The fastest of a few replays of the graph, and of one to a few eager calls
-        (:meth:`~layergraph.packing.Packing.measured_arguments`; more only while the replay
-        is not :data:`_DECISIVE` times faster), each waited for. No eager call where a time
-        the lane observed for such a call (:attr:`eager_stand_in`) was already that many times
-        slower than the replay, which then stands for it. A measured replay pays what a call
-        served by the graph pays on the host: the call is read again
-        (:meth:`~layergraph.packing.Packing.pack`) and loaded, and the outputs cloned, so a
-        plan whose per-call work is costly keeps a graph only if it still beats eager."""
+    def replay_ms(self, entry: GraphEntry, call: Call) -> float:
+        """The fastest of a few waited replays of ``entry``'s graph on ``call``, paying what a
+        call served by it pays on the host: the call read again
+        (:meth:`~layergraph.packing.Packing.pack`) and loaded, the outputs cloned."""
         packing = self.packing
         own = call.arguments()
 
         def replay() -> None:
-            packing.load(buffers, packing.pack(*own))
-            self.backend.replay(graph)
-            for leaf in leaves:
+            packing.load(entry.buffers, packing.pack(*own))
+            self.backend.replay(entry.graph)
+            for leaf in entry.output_leaves:
                 if isinstance(leaf, torch.Tensor):
                     leaf.clone()
 
-        rows = packing.measured_size(call, key.batch)
-        graph_ms = min(self.backend.time_replay(replay, rows) for _ in range(_MEASURED_RUNS))
+        rows = packing.measured_size(call, entry.key.batch)
+        return min(self.backend.time_replay(replay, rows) for _ in range(_MEASURED_RUNS))
+
+    def _measure(self, entry: GraphEntry, call: Call) -> Costs:
+        """The replay (:meth:`replay_ms`) and the fastest of one to a few eager calls
+        (:meth:`~layergraph.packing.Packing.measured_arguments`; more only while the replay
+        is not :data:`_DECISIVE` times faster), each waited for. No eager call where a time
+        the lane observed for such a call (:attr:`eager_stand_in`) was already that many times
+        slower than the replay, which then stands for it. A plan whose per-call work is costly
+        keeps a graph only if it still beats eager."""
+        graph_ms = self.replay_ms(entry, call)
         observed_ms = self.eager_stand_in(call)
         if observed_ms is not None and graph_ms * _DECISIVE <= observed_ms:
             return Costs(observed_ms, graph_ms)
-        args, kwargs = packing.measured_arguments(buffers, call)
+        rows = self.packing.measured_size(call, entry.key.batch)
+        args, kwargs = self.packing.measured_arguments(entry.buffers, call)
         eager_ms = float("inf")
         with self.hooks.adopting():
             for _ in range(_MEASURED_RUNS):
@@ -583,16 +592,6 @@ class GraphEngine:
                 f"debug check: {moved} buffer(s) of the graph for {entry.key} no longer have "
                 f"their captured addresses; replaying it would read or write freed memory"
             )
-
-
-def storages(tensors: Sequence[Any]) -> frozenset[int]:
-    """The data pointers of the storages of the tensors among ``tensors``."""
-    return frozenset(t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def aliases(leaf: Any, owned: frozenset[int]) -> bool:
-    """Whether ``leaf`` is a tensor whose storage is one of ``owned`` (a graph's buffers)."""
-    return isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in owned
 
 
 def slower_reason(budget: int) -> str:

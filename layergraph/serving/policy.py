@@ -24,6 +24,12 @@ of batch sizes: a call of ``t`` tokens goes to the budget chosen for it from the
 eager; without a graph there, to the cheapest larger budget held, if measured faster than eager by
 the same margin; else it runs eagerly.
 
+With compiled layers chosen by measurement (``compile_layers="auto"``,
+:class:`~layergraph.serving.fusion.LayerFusion`), each key held is captured a second time with
+its layers compiled once compiled code is ready, and keeps the compiled graph only if its replay
+measures under :data:`FUSION_MARGIN` of the graph as the adapter built it
+(:func:`fusion_choice`).
+
 This module holds the decision only: it knows batch sizes and milliseconds, never graphs or
 tensors, so all of it runs and is tested on the CPU.
 """
@@ -33,7 +39,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["GRAPH_MARGIN", "ROUTE_MARGIN", "Costs", "Route", "cheapest_route"]
+__all__ = [
+    "FUSION_MARGIN",
+    "GRAPH_MARGIN",
+    "ROUTE_MARGIN",
+    "Costs",
+    "FusionChoice",
+    "Route",
+    "cheapest_route",
+    "fusion_choice",
+]
 
 GRAPH_MARGIN = 0.98
 """A batch's own graph is kept only if its replay measures under this share of the batch's
@@ -44,6 +59,11 @@ ROUTE_MARGIN = 0.95
 """A batch goes through other graphs (padded, or in chunks) only if their replays sum to less
 than this share of its eager time: that sum adds measurements of other batches, and near
 parity a single call is safer than several."""
+
+FUSION_MARGIN = 0.97
+"""A key's graph with compiled layers replaces its graph as built only if its replay measures
+under this share of the other's: compiling pays at start and in memory, and near parity a few
+timed replays cannot tell the two apart."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +140,29 @@ def cheapest_route(batch: int, graph_ms: Mapping[int, float]) -> Route | None:
         best.append(min(options))
     cost, _, pieces = best[batch]
     return Route(batch, tuple(sorted(pieces, reverse=True)), cost)
+
+
+@dataclass(frozen=True, slots=True)
+class FusionChoice:
+    """Which graph one key keeps: with its layers compiled (``compiled``) or as the adapter
+    built them (hand-written fusions included), and why."""
+
+    compiled: bool
+    reason: str
+    plain_ms: float | None = None
+    """The replay of the graph as built, where both were measured."""
+    compiled_ms: float | None = None
+    """The replay of the graph with compiled layers, where both were measured."""
+
+    def __str__(self) -> str:
+        kept = "compiled layers" if self.compiled else "layers as built"
+        return f"{kept}: {self.reason}"
+
+
+def fusion_choice(plain_ms: float, compiled_ms: float) -> FusionChoice:
+    """The choice between a key's two graphs measured at ``plain_ms`` and ``compiled_ms``:
+    the compiled one where it is under :data:`FUSION_MARGIN` of the other."""
+    measured = f"{compiled_ms:.3f} ms compiled against {plain_ms:.3f} ms as built"
+    if compiled_ms < FUSION_MARGIN * plain_ms:
+        return FusionChoice(True, measured, plain_ms, compiled_ms)
+    return FusionChoice(False, f"{measured}, not faster", plain_ms, compiled_ms)

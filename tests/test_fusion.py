@@ -1,0 +1,223 @@
+"""Compiled layers chosen per key by measurement (``compile_layers="auto"``): each key served
+at once by its graph as built, the layers compiled in a background thread, the key captured
+again with them and the faster graph kept."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_compiled_layers import ATOL, Counting, blocks, eager
+from torch import nn
+
+import layergraph
+from layergraph.compiling import measured_compile
+from layergraph.serving.fusion import COMPILING_REASON, CompileFailedWarning
+from layergraph.testing import SimulatedGraphs
+from layergraph.validation import relative_error
+
+EAGER, AS_BUILT, COMPILED = 10.0, 1.0, 0.5
+"""Milliseconds the simulated backend gives: an eager call, a replay of a graph as built, of
+a graph with compiled layers."""
+
+
+class SlowCompiler(Counting):
+    """A compiler backend that takes ``seconds`` to compile each graph."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[Any]) -> Any:
+        time.sleep(self.seconds)
+        return super().__call__(gm, example)
+
+
+def measured(
+    compiler: Callable[..., Any], compiled_ms: float = COMPILED, model: nn.Module | None = None
+) -> layergraph.GraphedModule:
+    """``model`` (three blocks) wrapped on the simulated backend with compiled layers chosen by
+    measurement: a graph as built replays in :data:`AS_BUILT` ms, one with compiled layers in
+    ``compiled_ms``."""
+    return layergraph.wrap(
+        blocks() if model is None else model,
+        adapter=layergraph.SequentialAdapter(),
+        backend=SimulatedGraphs(
+            lambda rows: EAGER, lambda rows: AS_BUILT, compiled_replay_ms=lambda rows: compiled_ms
+        ),
+        batch_sizes=None,
+        compile_layers={"auto": True, "backend": compiler},
+    )
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def served(graphed: layergraph.GraphedModule, batch: int) -> torch.Tensor:
+    """A call of ``batch`` fresh random rows, checked against the model as it was."""
+    x = torch.randn(batch, 7, 16)
+    got = graphed(x)
+    torch.testing.assert_close(got, eager(graphed, x), atol=ATOL, rtol=0)
+    return got
+
+
+@pytest.mark.quick
+def test_the_first_calls_never_wait_for_a_slow_compiler() -> None:
+    compiler = SlowCompiler(seconds=6.0)
+    graphed = measured(compiler)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        served(graphed, 4)
+        assert time.perf_counter() - started < 4.0  # one compile alone takes 6 s
+        served(graphed, 4)  # its graph as built, while the layers compile
+        served(graphed, 2)  # no capture while the compiler holds the device: eager
+        stats = graphed.stats
+        assert stats.replays == 2 and stats.eager_calls[COMPILING_REASON] == 1
+        assert not stats.fusion[4].compiled
+        assert "compiling in the background" in str(stats.fusion[4])
+        assert graphed.finish_compiling(timeout=120)
+        assert compiler.compiled >= 1
+        served(graphed, 4)  # captured again with compiled layers, measured, kept
+        choice = graphed.stats.fusion[4]
+        assert choice.compiled and (choice.plain_ms, choice.compiled_ms) == (AS_BUILT, COMPILED)
+        compiled = compiler.compiled
+        compiler.ran.clear()
+        for batch in (4, 2, 3, 4):
+            served(graphed, batch)
+    stats = graphed.stats
+    assert all(stats.fusion[batch].compiled for batch in (2, 3, 4)), stats.fusion
+    assert compiler.compiled == compiled  # one version served the new sizes
+    assert compiler.ran.count(4) >= 3  # the replays ran the compiled code: 3 layers
+    assert "compiled layers: 0.500 ms compiled against 1.000 ms as built" in str(stats)
+
+
+@pytest.mark.quick
+def test_a_compiled_graph_not_measured_faster_is_not_kept() -> None:
+    compiler = Counting()
+    graphed = measured(compiler, compiled_ms=0.99 * AS_BUILT)
+    with torch.inference_mode():
+        served(graphed, 3)
+        assert graphed.finish_compiling(timeout=120)
+        served(graphed, 3)
+        captures = graphed.stats.captures
+        compiler.ran.clear()
+        served(graphed, 3)
+    choice = graphed.stats.fusion[3]
+    assert not choice.compiled and "not faster" in choice.reason
+    assert graphed.stats.captures == captures  # decided once
+    assert compiler.ran == []  # the graph kept runs the layers as built
+    (info,) = graphed.graphs
+    assert info.fusion == choice
+
+
+@pytest.mark.quick
+def test_a_capture_ahead_compiles_and_decides_before_it_returns() -> None:
+    compiler = Counting()
+    graphed = measured(compiler)
+    with torch.inference_mode():
+        graphed.capture(torch.randn(8, 7, 16), batch_sizes=[8, 2], progress=False)
+        stats = graphed.stats
+        assert {batch: stats.fusion[batch].compiled for batch in (8, 2)} == {8: True, 2: True}
+        captures = stats.captures
+        for batch in (8, 2):
+            served(graphed, batch)
+    assert graphed.stats.captures == captures and graphed.stats.eager_total == 0
+
+
+@pytest.mark.quick
+def test_a_failed_compile_is_warned_of_and_keeps_the_graphs_as_built() -> None:
+    def failing(gm: torch.fx.GraphModule, example: list[Any]) -> Any:
+        raise RuntimeError("no kernels today")
+
+    graphed = measured(failing)
+    with torch.inference_mode(), pytest.warns(CompileFailedWarning, match="no kernels today"):
+        served(graphed, 2)
+        assert graphed.finish_compiling(timeout=120)
+    with torch.inference_mode():
+        for batch in (2, 5):
+            served(graphed, batch)
+    stats = graphed.stats
+    assert stats.graphs == 2 and stats.eager_total == 0
+    assert all("compiling failed" in choice.reason for choice in stats.fusion.values())
+    assert not any(choice.compiled for choice in stats.fusion.values())
+
+
+@pytest.mark.quick
+def test_auto_compiles_only_where_graphs_are_cuda_graphs() -> None:
+    assert measured_compile("auto", "cuda") == {}
+    assert measured_compile("auto", "cpu") is None
+    assert measured_compile({"auto": True, "mode": "max-autotune"}, "cpu") == {
+        "mode": "max-autotune"
+    }
+    assert measured_compile(True, "cuda") is None and measured_compile(False, "cuda") is None
+    model = blocks()
+    graphed = layergraph.wrap(
+        model, adapter=layergraph.SequentialAdapter(), backend=SimulatedGraphs()
+    )
+    with torch.inference_mode():
+        served(graphed, 2)
+    assert graphed.stats.fusion == {} and graphed.finish_compiling(timeout=0)
+    assert all(layer._compiled_call_impl is None for layer in model)
+
+
+@pytest.mark.quick
+def test_eager_calls_and_unwrap_run_the_layers_as_built() -> None:
+    compiler = Counting()
+    model = blocks()
+    graphed = measured(compiler, model=model)
+    with torch.inference_mode():
+        served(graphed, 2)
+        assert graphed.finish_compiling(timeout=120)
+        compiler.ran.clear()
+        with torch.enable_grad(), pytest.warns(layergraph.EagerModeWarning):
+            graphed(torch.randn(2, 7, 16, requires_grad=True))  # runs eagerly
+    assert compiler.ran == []
+    assert graphed.unwrap() is model
+    assert all(layer._compiled_call_impl is None for layer in model)
+
+
+def tower_names() -> list[str]:
+    from tiny_models import TOWERS
+
+    return list(TOWERS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", tower_names())
+def test_every_tower_takes_compiled_layers_by_measurement(name: str) -> None:
+    """Each fixed-resolution family's layers, compiled in the background and chosen by
+    measurement on the faithful replay: batches 2, 3, 5 and 8 each end with the compiled graph,
+    equal to eager, from at most two compiled versions (one per kind of layer)."""
+    from tiny_models import TOWERS
+
+    tiny = TOWERS[name]
+    if not tiny.available():
+        pytest.skip(f"{name} is not in this transformers")
+    compiler = Counting()
+    graphed = layergraph.wrap(
+        tiny.build(),
+        backend=SimulatedGraphs(
+            lambda rows: EAGER, lambda rows: AS_BUILT, compiled_replay_ms=lambda rows: COMPILED
+        ),
+        batch_sizes=None,
+        compile_layers={"auto": True, "backend": compiler},
+    )
+    with torch.inference_mode():
+        tiny.answer(graphed, 2, seed=0)
+        assert graphed.finish_compiling(timeout=300)
+        for batch in (2, 3, 5, 8):
+            got = tiny.answer(graphed, batch, seed=batch)
+            with graphed.original() as model:
+                want = tiny.answer(model, batch, seed=batch)
+            assert relative_error(got, want) <= 1e-6, batch
+    stats = graphed.stats
+    assert [stats.fusion[batch].compiled for batch in (2, 3, 5, 8)] == [True] * 4, stats.fusion
+    assert stats.eager_total == 0 and compiler.compiled <= 2
+    graphed.unwrap()
