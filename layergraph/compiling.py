@@ -185,7 +185,7 @@ def compile_layers_in_place(
     for layer in layers:
         compiled = compiled_call(torch.compile(_calling(layer), **options), budget)
         if switch is not None:
-            compiled = switch.route(layer, compiled)
+            compiled = switch.route(layer._call_impl, compiled)
         # What nn.Module.compile() sets: the module's calls go to the compiled function.
         changes.set_attribute(layer, "_compiled_call_impl", compiled, "compiled")
 
@@ -213,10 +213,9 @@ class CompiledSwitch:
         finally:
             self._on.reset(token)
 
-    def route(self, layer: nn.Module, compiled: Callable[..., Any]) -> Callable[..., Any]:
-        """A call of ``layer`` that runs ``compiled`` where the switch is on, else the layer's
-        own ``_call_impl``."""
-        plain = layer._call_impl
+    def route(self, plain: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """A function that calls ``compiled`` where the switch is on, else ``plain`` (a
+        layer's own ``_call_impl``, a plan's region)."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return compiled(*args, **kwargs) if self._on.get() else plain(*args, **kwargs)

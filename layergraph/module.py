@@ -79,11 +79,11 @@ def wrap(
     decides per graph key by measurement where graphs are CUDA graphs: a key is served at once
     by its graph as built, the layers compile in a background thread, then the key is captured
     again with them and keeps the faster graph (:mod:`layergraph.serving.fusion`;
-    ``stats.fusion`` says which each key got and why); eager calls run the layers as built.
-    ``True``, or a dict of ``torch.compile``'s keyword arguments, compiles before the first
-    capture, for every key and eager call; a dict with ``"auto": True`` is measured as ``"auto"``
-    is, with its options, on any backend. ``False`` compiles nothing; nor does ``"auto"`` for
-    an adapter that names no repeated layers. ``unwrap()`` removes the compilation.
+    ``stats.fusion`` says which each key got and why; a model captured whole gets its region
+    compiled per shape instead); eager calls run the model as built. ``True``, or a dict of
+    ``torch.compile``'s keyword arguments, compiles before the first capture, for every key and
+    eager call; a dict with ``"auto": True`` is measured as ``"auto"`` is, with its options, on
+    any backend. ``False`` compiles nothing. ``unwrap()`` removes the compilation.
 
     ``compile_region`` instead compiles the whole region a graph holds (embeddings, every layer,
     final norm and head) with ``torch.compile`` (``True``, or a dict of its keyword arguments;
@@ -108,9 +108,8 @@ def wrap(
     (:mod:`layergraph.warm_start`; a file made on another GPU or with other versions is not
     loaded, with a warning).
 
-    Dynamo may keep up to :data:`~layergraph.compiling.RECOMPILE_LIMIT` compiled versions of the
-    compiled layers or region (PyTorch's default limit is 8, a global setting left as it is);
-    past that, further shapes run uncompiled.
+    Dynamo may keep :data:`~layergraph.compiling.RECOMPILE_LIMIT` compiled versions of the compiled
+    layers or region (PyTorch's default, 8, is left as it is); further shapes run uncompiled.
 
     The model itself is not copied. Every change wrapping makes to it (a region routed to the
     graphs, rewrites, fused weights, compiled layers) is recorded in
@@ -235,7 +234,8 @@ def wrap(
             plan,
             options,
             backend,
-            captured_region=compiled_region(plan, compile_region, budget),
+            captured_region=compiled_region(plan, compile_region, budget)
+            or getattr(fusion, "region", None),
             capture_contexts=functools.partial(registry.capture_contexts, model),
             eager_checks=registry.eager_checks(model),
             pools=SHARED_POOLS.get(),

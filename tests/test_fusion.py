@@ -221,3 +221,37 @@ def test_every_tower_takes_compiled_layers_by_measurement(name: str) -> None:
     assert [stats.fusion[batch].compiled for batch in (2, 3, 5, 8)] == [True] * 4, stats.fusion
     assert stats.eager_total == 0 and compiler.compiled <= 2
     graphed.unwrap()
+
+
+def test_a_model_captured_whole_takes_its_region_compiled_per_shape_by_measurement() -> None:
+    """A convnet (no repeated layers named: captured whole) gets its whole region compiled,
+    per shape, in the background: each batch size's first capture is as built, a new size
+    needs its own compile (the capture never waits for it), and each ends compiled where that
+    measures faster, equal to eager."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=10).eval()
+    compiler = Counting()
+    graphed = layergraph.wrap(
+        model,
+        backend=SimulatedGraphs(
+            lambda rows: EAGER, lambda rows: AS_BUILT, compiled_replay_ms=lambda rows: COMPILED
+        ),
+        batch_sizes=None,
+        compile_layers={"auto": True, "backend": compiler},
+    )
+
+    def check(batch: int) -> None:
+        x = torch.randn(batch, 3, 64, 64)
+        torch.testing.assert_close(graphed(x), model(x), rtol=1e-4, atol=1e-5)
+
+    with torch.inference_mode():
+        for batch in (2, 3):
+            check(batch)  # its graph as built; its region compiles in the background
+            assert not graphed.stats.fusion[batch].compiled
+            assert graphed.finish_compiling(timeout=300)
+            check(batch)  # captured again with the compiled region, measured, kept
+            assert graphed.stats.fusion[batch].compiled
+        check(2)
+    assert compiler.compiled == 2 and graphed.stats.eager_total == 0
+    assert graphed.unwrap() is model

@@ -57,8 +57,10 @@ class RoutedMethods:
 
     def routing(self) -> bool:
         """Whether a routed method called now goes to the graphs: called through the wrapper,
-        not from inside a running region."""
-        return self._state.through and not self._state.inside
+        not from inside a running region. Inside a region the second flag is not read, so a
+        compiled region is not guarded on it: a region is the same whichever thread runs it
+        and whether its call came through the wrapper (a background compile's does not)."""
+        return not self._state.inside and self._state.through
 
     def through_wrapper(self) -> _Flag:
         """The scope of a call through the wrapper: the routed methods reach the graphs."""

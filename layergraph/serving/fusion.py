@@ -41,6 +41,7 @@ from ..compiling import (
     CompiledSwitch,
     LayerCompileSetting,
     compile_layers_in_place,
+    compiled_region,
     measured_compile,
 )
 from ..graphs import side_stream
@@ -118,8 +119,11 @@ class LayerFusion:
     chosen by measurement (the module docstring); the background compiles that make compiled
     code ready without a call waiting for them."""
 
-    def __init__(self, switch: CompiledSwitch) -> None:
+    def __init__(self, switch: CompiledSwitch, region: Callable[..., Any] | None = None) -> None:
         self.switch = switch
+        self.region = region
+        """For a plan captured whole, its region routed to its compiled version: what
+        warm-up and capture run in place of the plan's region; ``None`` for compiled layers."""
         self._job: threading.Thread | None = None
         self._compiled = 0
         """Background or ahead compiles finished."""
@@ -138,16 +142,21 @@ class LayerFusion:
         budget: CompileBudget,
         changes: ChangeLedger,
     ) -> LayerFusion | None:
-        """The plan's layers compiled behind a switch (each a recorded change) and the choice
-        between them and the layers as built, for a ``compile_layers`` that is measured on
-        ``device_type`` (:func:`~layergraph.compiling.measured_compile`) where the plan names
-        its layers; else ``None``."""
+        """The plan's layers compiled behind a switch (each a recorded change), or for a plan
+        that names no layers (captured whole: a convnet) its region compiled per shape, and
+        the choice between them and the model as built, for a ``compile_layers`` that is
+        measured on ``device_type`` (:func:`~layergraph.compiling.measured_compile`); else
+        ``None``."""
         options = None if setting is None else measured_compile(setting, device_type)
-        if options is None or not plan.layers():
+        if options is None:
             return None
         switch = CompiledSwitch()
-        compile_layers_in_place(plan, "", options, budget, changes, switch)
-        return cls(switch)
+        if plan.layers():
+            compile_layers_in_place(plan, "", options, budget, changes, switch)
+            return cls(switch)
+        compiled = compiled_region(plan, {"dynamic": False, **options}, budget)
+        assert compiled is not None
+        return cls(switch, switch.route(plan.region, compiled))
 
     @property
     def compiling(self) -> bool:
