@@ -63,6 +63,7 @@ from torch.utils import _pytree as pytree
 
 from layergraph import PlanContext, hookimpl
 from layergraph.attention import AttentionBackend, AttentionMetadata
+from layergraph.attention.opaque import opaque_attention, register_route
 from layergraph.keys import UnsupportedCall
 from layergraph.ledger import ChangeLedger
 from layergraph.packing import PackedCall
@@ -77,6 +78,7 @@ from layergraph_adapters.kit.packed_tower import (
     PackedFamily,
     PackedTowerAdapter,
     PackedTowerPlan,
+    bound_buffers,
     copy_boundaries,
     image_slots,
     workspace,
@@ -257,9 +259,6 @@ class QwenBuffers(BudgetBuffers):
     """The call's other arguments (part of the signature)."""
     filled: int = 0
     """The rows of :attr:`pixels` the last call wrote (the rest are zeros)."""
-    prepared: set[int] = field(default_factory=set)
-    """The metadata (by ``id``) whose backend's per-forward work (a dense backend's block
-    mask) the forward running now has done; emptied at its first layer."""
 
 
 def _grid_beside_pixels(
@@ -422,9 +421,22 @@ class Qwen2VLPlan(PackedTowerPlan):
     def region(self, *args: Any, **kwargs: Any) -> Any:
         for alignment in self.alignments:
             alignment.refresh()
-        if self.current() is None:
+        buffers = self.current()
+        if buffers is None:
             args, kwargs = _grid_beside_pixels(args, kwargs)
+        else:
+            self.prepare_attention(buffers)
         return self.own(*args, **kwargs)
+
+    def prepare_attention(self, buffers: QwenBuffers) -> None:
+        """Each attention backend's per-forward work (:meth:`AttentionBackend.prepare`: a dense
+        backend's block mask), once before the layers, over the budget's tokens in the layers'
+        dtype."""
+        weight = next(self.attentions[0].parameters())
+        tokens = weight.new_empty(buffers.pixels.shape[0], 0)
+        buffers.backend.prepare(buffers.metadata, tokens)
+        if buffers.window is not None:
+            buffers.window.backend.prepare(buffers.window.metadata, tokens)
 
     def sequence_of(self, call: PackedCall) -> Hashable:
         return f"up to {call.signature[-1]} frames"
@@ -671,16 +683,10 @@ class Qwen2VLPlan(PackedTowerPlan):
         projection, q and k normalised (GLM-OCR's, GLM-5-Next's) and rotated by the module's
         own ``apply_rotary_pos_emb_vision`` (or its fused kernel, ``fuse_rotary``), handed to
         the full-attention backend, or to the windowed one where the tower passes the window
-        boundaries. Each backend's per-forward work (:meth:`AttentionBackend.prepare`) is done
-        once per forward, at the first layer that uses it."""
-        metadata, backend = buffers.metadata, buffers.backend
-        if buffers.window is not None and cu_seqlens is not buffers.metadata.cu_seqlens:
-            metadata, backend = buffers.window.metadata, buffers.window.backend
-        if module is self.attentions[0]:
-            buffers.prepared.clear()
-        if id(metadata) not in buffers.prepared:
-            backend.prepare(metadata, hidden_states)
-            buffers.prepared.add(id(metadata))
+        boundaries: one operator to ``torch.compile`` either way (``opaque_attention``), which
+        tells the two apart and reads the bound buffers when it runs, so that compiled layers
+        serve every layer and budget with one version. The backends' per-forward work is done
+        before the layers (:meth:`prepare_attention`)."""
         tokens = hidden_states.shape[0]
         if self.separate_qkv:
             q, k, v = (
@@ -692,7 +698,7 @@ class Qwen2VLPlan(PackedTowerPlan):
         if self.qk_norms:
             q, k = module.q_norm(q), module.k_norm(k)
         q, k = self.rotation(q, k, *position_embeddings)
-        out = self.attend(buffers, q, k, v, module.scaling, metadata, backend)
+        out = opaque_attention(q, k, v, _ROUTE, module.scaling, cu_seqlens)
         return module.proj(out.reshape(tokens, -1))
 
 
@@ -764,6 +770,26 @@ def _frozen_arguments(fixed: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     except TypeError:
         raise UnsupportedCall("an argument that is not hashable") from None
     return frozen
+
+
+_ROUTE = "qwen"
+"""The Qwen-VL and GLM towers' routed attention's name for ``opaque_attention``."""
+
+
+def _attend_bound(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, boundaries: torch.Tensor
+) -> torch.Tensor:
+    """q, k and v through the bound buffers' windowed backend and metadata where
+    ``boundaries`` are their window boundaries (the same memory), else the full-attention
+    ones (run at run time, opaque to ``torch.compile``)."""
+    buffers = bound_buffers()
+    window = getattr(buffers, "window", None)
+    if window is not None and boundaries.data_ptr() == window.metadata.cu_seqlens.data_ptr():
+        return PackedTowerPlan.attend(buffers, q, k, v, scale, window.metadata, window.backend)
+    return PackedTowerPlan.attend(buffers, q, k, v, scale, buffers.metadata, buffers.backend)
+
+
+register_route(_ROUTE, _attend_bound)
 
 
 @hookimpl

@@ -477,10 +477,9 @@ class GraphedModule(nn.Module):
         return self._compile_budget
 
     def finish_compiling(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds (``None``: as long as it takes) for the layers'
-        background compile (``compile_layers="auto"``), if one runs; whether none runs now.
-        Calls never wait for it: keys take the compiled code at their next call once it is
-        ready. For a service's readiness, a benchmark, or a test."""
+        """Wait up to ``timeout`` seconds (``None``: as long as it takes) for the background
+        compile of ``compile_layers="auto"``, if one runs; whether none runs now. Calls never
+        wait for it (keys take compiled code at their next call). For readiness, benchmarks."""
         return self._runner.finish_compiling(timeout)
 
     def save_warm_start(self, path: str | os.PathLike[str]) -> int:
@@ -532,11 +531,12 @@ class GraphedModule(nn.Module):
     def original(self) -> Iterator[nn.Module]:
         """The model as it was before wrapping, for the duration of a ``with`` block.
 
-        Every change in :attr:`changes` is undone and made again afterwards; the graphs are
-        kept. For comparisons (benchmarks, checks against eager); calls through the wrapper
-        meanwhile run the unchanged model.
+        Every change in :attr:`changes` is undone (once a background compile, which runs the
+        changed model, is done) and made again afterwards; the graphs are kept. For comparisons
+        (benchmarks, checks against eager); calls through the wrapper meanwhile run it too.
         """
         self._check_wrapped()
+        self.finish_compiling()
         with self._changes.suspended():
             yield self.module
 

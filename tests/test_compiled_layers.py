@@ -257,3 +257,33 @@ def test_the_recorded_backend_is_the_backend_asked_for() -> None:
     assert named["options"] == {"guard_filter_fn": keep}
     compiled = torch.compile(lambda x: x * 2 + 1, **named)
     torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 3.0))
+
+
+@pytest.mark.slow
+def test_a_windowed_towers_compiled_layers_compile_one_version_for_every_budget(
+    fresh_dynamo: None,
+) -> None:
+    """Qwen2.5-VL's full-attention and windowed layers hand their attention, with the
+    boundaries they were given, to one operator (``opaque_attention``), which tells windows from
+    frames at run time: compiled layers chosen by measurement compile once for every layer and
+    token budget, and each replay equals eager."""
+    pytest.importorskip("transformers")
+    from test_qwen2_vl_adapter import check, tower
+
+    model = tower()
+    counting = Counting()
+    graphed = layergraph.wrap(
+        model,
+        backend=SimulatedGraphs(
+            lambda rows: 10.0, lambda rows: 1.0, compiled_replay_ms=lambda rows: 0.5
+        ),
+        batch_sizes=[64, 128, 192, 256],
+        compile_layers={"auto": True, "backend": counting},
+    )
+    for grids in ([(1, 8, 8)], [(1, 8, 12)], [(1, 12, 16)], [(1, 16, 16)]):
+        check(graphed, model, grids)  # the budget's graph as built
+        assert graphed.finish_compiling(timeout=300)
+        check(graphed, model, grids)  # captured again with compiled layers, measured
+    fusion = graphed.stats.fusion
+    assert [choice.compiled for choice in fusion.values()] == [True] * 4, fusion
+    assert counting.compiled == 1

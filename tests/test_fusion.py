@@ -76,15 +76,18 @@ def test_the_first_calls_never_wait_for_a_slow_compiler() -> None:
     graphed = measured(compiler)
     with torch.inference_mode():
         started = time.perf_counter()
-        served(graphed, 4)
+        calls = [torch.randn(batch, 7, 16) for batch in (4, 4, 2)]
+        # Its graph as built; again while the layers compile; a new size runs eagerly (no
+        # capture while the compiler holds the device).
+        answers = [graphed(x) for x in calls]
         assert time.perf_counter() - started < 4.0  # one compile alone takes 6 s
-        served(graphed, 4)  # its graph as built, while the layers compile
-        served(graphed, 2)  # no capture while the compiler holds the device: eager
         stats = graphed.stats
         assert stats.replays == 2 and stats.eager_calls[COMPILING_REASON] == 1
         assert not stats.fusion[4].compiled
         assert "compiling in the background" in str(stats.fusion[4])
         assert graphed.finish_compiling(timeout=120)
+        for x, answer in zip(calls, answers):
+            torch.testing.assert_close(answer, eager(graphed, x), atol=ATOL, rtol=0)
         assert compiler.compiled >= 1
         served(graphed, 4)  # captured again with compiled layers, measured, kept
         choice = graphed.stats.fusion[4]

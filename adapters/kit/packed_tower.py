@@ -76,6 +76,7 @@ __all__ = [
     "PackedFamily",
     "PackedTowerAdapter",
     "PackedTowerPlan",
+    "bound_buffers",
     "copy_boundaries",
     "find_packed_tower",
     "host_boundaries",
@@ -368,7 +369,7 @@ class PackedTowerPlan(CapturePlan, Packing):
         """Attention of ``[tokens, heads, head_dim]`` q, k and v through the bound buffers'
         backend and metadata, one operator to ``torch.compile`` (``opaque_attention``: the
         compiled layers serve every budget); or through ``backend`` with ``metadata`` where
-        given (a tower's windowed layers), in Python."""
+        given, in Python."""
         if metadata is None and backend is None:
             return opaque_attention(q, k, v, _ROUTE, scale)
         backend = backend or buffers.backend
@@ -575,20 +576,24 @@ def image_slots(images: int, minimum: int = MIN_IMAGE_SLOTS) -> int:
 _BOUND: contextvars.ContextVar[BudgetBuffers | None] = contextvars.ContextVar(
     "layergraph_packed_buffers", default=None
 )
-"""The buffers bound now, whichever packed plan bound them: what the routed attention's
-operator reads when it runs."""
+"""The buffers bound now, whichever packed plan bound them (:func:`bound_buffers`)."""
 
 _ROUTE = "packed"
 """The packed plans' routed attention's name for ``opaque_attention``."""
 
 
-def _attend_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k and v through the backend and metadata of the buffers bound now (run at run time,
-    opaque to ``torch.compile``)."""
+def bound_buffers() -> BudgetBuffers:
+    """The buffers bound now by any packed plan (what routed attention reads); raises if none."""
     buffers = _BOUND.get()
     if buffers is None:
         raise RuntimeError("a packed tower's routed attention ran with no buffers bound")
-    return PackedTowerPlan.attend(buffers, q, k, v, scale, buffers.metadata, buffers.backend)
+    return buffers
+
+
+def _attend_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k and v through the bound buffers' backend and metadata (at run time, opaque)."""
+    bound = bound_buffers()
+    return PackedTowerPlan.attend(bound, q, k, v, scale, bound.metadata, bound.backend)
 
 
 register_route(_ROUTE, _attend_bound)
