@@ -15,7 +15,9 @@ Then per batch size the eager model and the three are timed in turns, each call 
 (:func:`layergraph.timing.interleaved_waited_ms`), with their errors against float32; each
 row has the graph's FLOPs (``stats.flops``), the rate of the waited median and its share of
 the card's measured bf16 matrix-product rate (:func:`layergraph.timing.matmul_peak_tflops`).
-``--device cpu`` with ``dinov2-small`` is a smoke run (its calls run eagerly). What this does
+A wrapper whose options the model refuses (compiled layers of a convnet, which names no
+layers) is left out with the reason. ``--device cpu`` with ``dinov2-small`` is a smoke run
+(its calls run eagerly). What this does
 not do: torch.compile of the whole model, streams, warm starts.
 """
 
@@ -87,7 +89,12 @@ def rows_of(name: str, batches: list[int], device: torch.device) -> dict[str, An
     reference = copy.deepcopy(model).float()
     wrappers, starts = {}, {}
     for label, options in WRAPPERS.items():
-        wrappers[label], starts[label] = captured(copy.deepcopy(model), options, example, batches)
+        try:
+            wrappers[label], starts[label] = captured(
+                copy.deepcopy(model), options, example, batches
+            )
+        except ValueError as refused:  # compiled layers of a model captured whole
+            starts[label] = {"refused": str(refused)}
         print(name, label, starts[label], flush=True)
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     rows = []
