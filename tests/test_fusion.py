@@ -260,3 +260,102 @@ def test_a_model_captured_whole_takes_its_region_compiled_per_shape_by_measureme
         check(2)
     assert compiler.compiled == 2 and graphed.stats.eager_total == 0
     assert graphed.unwrap() is model
+
+
+def timed() -> SimulatedGraphs:
+    """The simulated backend, its graphs with compiled layers measured the faster."""
+    return SimulatedGraphs(
+        lambda rows: EAGER, lambda rows: AS_BUILT, compiled_replay_ms=lambda rows: COMPILED
+    )
+
+
+@pytest.mark.slow
+def test_an_audio_encoder_takes_compiled_layers_for_four_clip_counts() -> None:
+    from test_audio_encoders import features, whisper_config
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    encoder = transformers.WhisperModel(whisper_config(encoder_layers=3)).encoder.eval()
+    compiler = Counting()
+    graphed = layergraph.wrap(
+        encoder,
+        backend=timed(),
+        batch_sizes=None,
+        compile_layers={"auto": True, "backend": compiler},
+    )
+    with torch.inference_mode():
+        graphed(features(2, seed=0))
+        assert graphed.finish_compiling(timeout=300)
+        for clips in (2, 3, 5, 8):
+            x = features(clips, seed=clips)
+            with graphed.original() as original:
+                want = original(x).last_hidden_state
+            assert relative_error(graphed(x).last_hidden_state, want) <= 1e-6, clips
+    fusion = graphed.stats.fusion
+    assert [fusion[clips].compiled for clips in (2, 3, 5, 8)] == [True] * 4, fusion
+    assert compiler.compiled == 1
+
+
+@pytest.mark.slow
+def test_each_tower_of_a_model_of_several_takes_compiled_layers_by_measurement() -> None:
+    from test_multi_tower import assert_close, images, video_llava
+
+    model = video_llava()
+    compiler = Counting()
+    pictures = {batch: images(batch) for batch in (1, 2, 3)}
+    with torch.inference_mode():
+        want = {batch: model.get_image_features(x) for batch, x in pictures.items()}
+        graphed = layergraph.wrap(
+            model, backend=timed(), compile_layers={"auto": True, "backend": compiler}
+        )
+        # A batch of one image needs a version of its own (Dynamo keeps a size of 1 apart),
+        # compiled in the background while the other sizes are served as built.
+        for _ in range(3):
+            for batch, x in pictures.items():
+                assert_close(model.get_image_features(x), want[batch])
+            assert graphed.finish_compiling(timeout=300)
+    fusion = graphed.stats["model.image_tower"].fusion
+    assert all(choice.compiled for choice in fusion.values()) and len(fusion) == 3, fusion
+    assert graphed.unwrap() is model
+
+
+@pytest.mark.slow
+def test_inductor_compiled_layers_chosen_by_measurement_replay_equal_to_eager() -> None:
+    """Inductor's CPU kernels as the measured choice of each key (batched lane): compiled
+    once in the background for four batch sizes, each replay equal to eager."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    graphed = measured("inductor")
+    with torch.inference_mode():
+        served(graphed, 2)
+        assert graphed.finish_compiling(timeout=600)
+        for batch in (2, 3, 5, 8):
+            served(graphed, batch)
+    fusion = graphed.stats.fusion
+    assert [fusion[batch].compiled for batch in (2, 3, 5, 8)] == [True] * 4, fusion
+    # One for the graph buffers' tensors (the first layer's input), one for the inference
+    # tensors each layer hands the next: each serves every size.
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.slow
+def test_inductor_compiled_layers_of_a_packed_tower_chosen_by_measurement() -> None:
+    """The packed lane with Inductor: SigLIP2 NaFlex's layers compiled once in the background
+    for four token budgets, each replay equal to eager."""
+    pytest.importorskip("transformers")
+    from test_siglip2_adapter import check, tower
+
+    model = tower()
+    graphed = layergraph.wrap(
+        model,
+        backend=timed(),
+        batch_sizes=[32, 64, 96, 128],
+        compile_layers={"auto": True},
+    )
+    for grids in ([(4, 4)], [(6, 6), (3, 4)], [(8, 8), (4, 4)], [(8, 8), (6, 8), (2, 2)]):
+        check(graphed, model, grids, patches=64)
+        assert graphed.finish_compiling(timeout=600)
+        check(graphed, model, grids, patches=64)
+    fusion = graphed.stats.fusion
+    assert [choice.compiled for choice in fusion.values()] == [True] * 4, fusion
