@@ -76,12 +76,12 @@ def wrap(
     ``compile_layers`` compiles each of the region's repeated layers with ``torch.compile``
     (dynamic shapes: one compiled version serves every batch size and token budget, the code
     shared between the layers), so that graphs replay fused kernels. ``"auto"`` (the default)
-    decides per graph key by measurement where graphs are CUDA graphs: a key is served at once
-    by its graph as built, the layers compile in a background thread, then the key is captured
-    again with them and keeps the faster graph (:mod:`layergraph.serving.fusion`;
-    ``stats.fusion`` says which each key got and why; a model captured whole gets its region
-    compiled per shape instead); eager calls run the model as built. ``True``, or a dict of
-    ``torch.compile``'s keyword arguments, compiles before the first capture, for every key and
+    decides per key by measurement on CUDA graphs: a key is served at once as built,
+    ``capture()`` compiles the layers ahead (``{"auto": True, "background": True}``: a
+    background thread), then a key is captured again with them and keeps the faster graph
+    (:mod:`layergraph.serving.fusion`; ``stats.fusion`` says why; a model captured whole gets
+    its region compiled per shape instead); eager calls run the model as built. ``True`` (or
+    ``torch.compile``'s keyword arguments) compiles before the first capture, for every key and
     eager call; a dict with ``"auto": True`` is measured as ``"auto"`` is, with its options, on
     any backend. ``False`` compiles nothing. ``unwrap()`` removes the compilation.
 

@@ -278,7 +278,7 @@ def test_a_windowed_towers_compiled_layers_compile_one_version_for_every_budget(
             lambda rows: 10.0, lambda rows: 1.0, compiled_replay_ms=lambda rows: 0.5
         ),
         batch_sizes=[64, 128, 192, 256],
-        compile_layers={"auto": True, "backend": counting},
+        compile_layers={"auto": True, "background": True, "backend": counting},
     )
     for grids in ([(1, 8, 8)], [(1, 8, 12)], [(1, 12, 16)], [(1, 16, 16)]):
         check(graphed, model, grids)  # the budget's graph as built

@@ -211,17 +211,21 @@ def test_compiled_layers_serve_every_batch_size_with_one_version() -> None:
     graphed.unwrap()
 
 
-def test_the_default_serves_at_once_then_keeps_the_faster_of_two_graphs_per_key() -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_the_default_serves_at_once_then_keeps_the_faster_of_two_graphs_per_key(
+    background: bool,
+) -> None:
     """``compile_layers="auto"`` (the default) on a GPU with Inductor: the first call is
-    served by the graph as built while the layers compile in the background, then each key is
-    captured again with compiled layers, both replays measured, the faster kept; a new size
-    takes the compiled code without compiling; every answer equal to eager."""
+    served by the graph as built; the layers compile ahead (``capture``) or, asked for, in the
+    background; then each key is captured again with compiled layers, both replays measured,
+    the faster kept; a new size takes the compiled code without compiling; every answer equal
+    to eager."""
     from torch._dynamo.utils import counters
 
     model = build("vit_base_patch16_224", torch.bfloat16)
     torch._dynamo.reset()
     counters.clear()
-    graphed = layergraph.wrap(model)
+    graphed = layergraph.wrap(model, compile_layers={"auto": True, "background": background})
     tolerance = DEFAULT_TOLERANCE[torch.bfloat16]
 
     def check(batch: int) -> None:
@@ -232,9 +236,13 @@ def test_the_default_serves_at_once_then_keeps_the_faster_of_two_graphs_per_key(
 
     with torch.inference_mode():
         check(4)
-        assert "compiling in the background" in graphed.stats.fusion[4].reason
-        assert graphed.finish_compiling(timeout=400)
-        check(4)
+        if background:
+            assert "compiling in the background" in graphed.stats.fusion[4].reason
+            assert graphed.finish_compiling(timeout=400)
+            check(4)
+        else:
+            assert "not compiled for this size yet" in graphed.stats.fusion[4].reason
+            graphed.capture(images(4, torch.bfloat16), progress=False)
         choice = graphed.stats.fusion[4]
         assert choice.plain_ms and choice.compiled_ms, choice
         assert choice.compiled == (choice.compiled_ms < 0.97 * choice.plain_ms)

@@ -35,7 +35,7 @@ PROCESS = textwrap.dedent(
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     path, load = sys.argv[1], sys.argv[2] == "load"
     compiled = {"region": {"compile_region": True},
-                "auto": {"compile_layers": {"auto": True}}}[sys.argv[3]]
+                "auto": {"compile_layers": {"auto": True, "background": True}}}[sys.argv[3]]
     graphed = layergraph.wrap(
         model.eval(), adapter="sequential", backend=SimulatedGraphs(), batch_sizes=[2],
         warm_start=path if load else None, **compiled,
@@ -78,8 +78,9 @@ def run_process(tmp_path: Path, cache: str, mode: str, compiled: str = "region")
 
 @pytest.mark.parametrize("compiled", ["region", "auto"])
 def test_a_fresh_process_compiles_from_the_saved_artifacts(tmp_path: Path, compiled: str) -> None:
-    """The compiled region, or layers compiled in the background and measured
-    (``{"auto": True}``): a second process compiles nothing Inductor compiled in the first."""
+    """The compiled region, or layers compiled in the background and measured (``{"auto":
+    True, "background": True}``): a second process compiles nothing Inductor compiled in the
+    first."""
     cold = run_process(tmp_path, "first-machine", "save", compiled)
     assert cold.get("fxgraph_cache_miss", 0) >= 1
     warm = run_process(tmp_path, "second-machine", "load", compiled)

@@ -334,13 +334,14 @@ class GraphEngine:
         capture failed."""
         lookup = (budget, call.signature)
         entry = self._cache.get(lookup)
-        if entry is not None:
-            return entry
-        if sizes > self.max_graphs:
-            raise RuntimeError(f"cannot capture {sizes} sizes with max_graphs={self.max_graphs}")
-        entry, reason = self.capture(budget, call, wait=True)
-        if entry is None and self._cache.failure(lookup) is not None:
-            raise RuntimeError(f"cannot capture graphs: {reason}")
+        if entry is None:
+            if sizes > self.max_graphs:
+                raise RuntimeError(
+                    f"cannot capture {sizes} sizes with max_graphs={self.max_graphs}"
+                )
+            entry, reason = self.capture(budget, call, wait=True)
+            if entry is None and self._cache.failure(lookup) is not None:
+                raise RuntimeError(f"cannot capture graphs: {reason}")
         return entry and self._reviewed(lookup, entry, call, ahead=True)
 
     def settle(self, entry: GraphEntry, call: Call) -> tuple[GraphEntry | None, str]:

@@ -1,4 +1,4 @@
-"""Compiled layers chosen per graph key by measurement, compiled off the call path.
+"""Compiled layers chosen per graph key by measurement, never compiled on the call path.
 
 With ``compile_layers="auto"`` (``wrap``'s default where graphs are CUDA graphs) a model's
 repeated layers are compiled (:func:`~layergraph.compiling.compile_layers_in_place`, dynamic
@@ -6,21 +6,25 @@ shapes) behind a :class:`~layergraph.compiling.CompiledSwitch`, and :class:`Laye
 decides, key by key, whether a graph holds them compiled or as the adapter built them:
 
 1. a call's key is captured as built, at once, and served;
-2. its compiled code is compiled in a background thread (:meth:`LayerFusion.review`), on
-   buffers of its own, under the caller's grad mode, on a stream of its own; while it runs,
-   no graph is captured in the process (:func:`capture_turn`: on a GPU a capture cannot share
-   the device with another thread's work), and calls of keys without a graph run eagerly;
-3. at the key's next call, once compiled code is ready, the key is captured again with the
-   switch on, under ``torch.compiler.set_stance("fail_on_recompile")``, so that the call never
-   waits for a compiler: a key that needs a version not compiled yet gets it from another
-   background compile (:data:`_TRIES` in all);
+2. compiled code is compiled ahead, by a capture ahead (``graphed.capture(...)``) in the
+   caller's thread, which decides for each size before it returns; or, with
+   ``{"auto": True, "background": True}``, in a background thread at a key's first capture, on
+   buffers of its own, under the caller's grad mode, on the side stream, while no graph is
+   captured in the process (:func:`capture_turn`: on a GPU a capture cannot share the device
+   with another thread's work; calls of keys without a graph run eagerly meanwhile);
+3. at a key's call once compiled code exists, the key is captured again with the switch on,
+   under ``torch.compiler.set_stance("fail_on_recompile")``, so that the call never waits for
+   a compiler: a key that needs a version not compiled yet keeps its graph as built (until a
+   capture ahead compiles it, or, in the background, one more compile: :data:`_TRIES`);
 4. both replays are timed and the compiled graph replaces the other only if measured faster
-   (:func:`~layergraph.serving.policy.fusion_choice`). ``graphed.stats.fusion`` says which each
+   (:func:`~layergraph.serving.policy.fusion_choice`). ``graphed.stats.fusion`` says what each
    key got and why.
 
-A capture ahead of time (``graphed.capture(...)``) compiles in the caller's thread instead, and
-decides before it returns. What this does not do: compile the whole forward of a model captured
-whole (``compile_region``), or choose between the adapter's hand-written fusions and none.
+The background is not the default: PyTorch marks a compile session in a process-wide flag
+(``torch.compiler.is_compiling()``), and code that reads it in other threads meanwhile takes
+its compile-time path (transformers' output capturing then collects no hidden states for a
+call made while a background compile runs). What this does not do: choose between the adapter's
+hand-written fusions and none.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ __all__ = [
     "capture_turn",
     "uncompiled",
 ]
+
+_AHEAD = "graphed.capture() compiles ahead"
 
 COMPILING_REASON = "layers are compiling in the background (compile_layers='auto')"
 """The eager reason of a call whose key would be captured while a background compile runs."""
@@ -119,8 +125,16 @@ class LayerFusion:
     chosen by measurement (the module docstring); the background compiles that make compiled
     code ready without a call waiting for them."""
 
-    def __init__(self, switch: CompiledSwitch, region: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        switch: CompiledSwitch,
+        region: Callable[..., Any] | None = None,
+        background: bool = False,
+    ) -> None:
         self.switch = switch
+        self.background = background
+        """Whether a key without compiled code for it gets it from a background thread
+        (``{"auto": True, "background": True}``); otherwise only a capture ahead compiles."""
         self.region = region
         """For a plan captured whole, its region routed to its compiled version: what
         warm-up and capture run in place of the plan's region; ``None`` for compiled layers."""
@@ -129,6 +143,9 @@ class LayerFusion:
         """Background or ahead compiles finished."""
         self._failure: str | None = None
         self._tries: Counter[Hashable] = Counter()
+        self._uncompiled: set[Hashable] = set()
+        """Keys whose recapture found no compiled version for them since the last compile:
+        not tried again until one more compiles."""
         self._kept: dict[Hashable, FusionChoice] = {}
         """Choices that kept a key's graph as built, so that a key captured again (after an
         eviction) is not measured again; forgotten with the model."""
@@ -150,13 +167,14 @@ class LayerFusion:
         options = None if setting is None else measured_compile(setting, device_type)
         if options is None:
             return None
+        background = bool(options.pop("background", False))
         switch = CompiledSwitch()
         if plan.layers():
             compile_layers_in_place(plan, "", options, budget, changes, switch)
-            return cls(switch)
+            return cls(switch, background=background)
         compiled = compiled_region(plan, {"dynamic": False, **options}, budget)
         assert compiled is not None
-        return cls(switch, switch.route(plan.region, compiled))
+        return cls(switch, switch.route(plan.region, compiled), background)
 
     @property
     def compiling(self) -> bool:
@@ -174,6 +192,7 @@ class LayerFusion:
         """The model changed or its graphs were released: decide every key again."""
         self._kept.clear()
         self._tries.clear()
+        self._uncompiled.clear()
 
     def choice_of(self, entry: GraphEntry) -> FusionChoice:
         """What ``entry``'s key holds and why, for the statistics."""
@@ -181,8 +200,12 @@ class LayerFusion:
             return entry.fusion
         if self._failure is not None:
             return FusionChoice(False, f"compiling failed: {self._failure}")
-        pending = "compiling in the background" if self.compiling else "not measured yet"
-        return FusionChoice(False, pending)
+        if self.compiling:
+            return FusionChoice(False, "compiling in the background")
+        sizes = {lookup[0] for lookup in self._uncompiled}  # type: ignore[index]
+        if not self._compiled or entry.key.batch in sizes:
+            return FusionChoice(False, f"not compiled for this size yet ({_AHEAD})")
+        return FusionChoice(False, "not measured yet")
 
     def review(
         self,
@@ -204,8 +227,9 @@ class LayerFusion:
         if self._failure is not None or lookup in self._kept:
             choice = self._kept.get(lookup) or self.choice_of(entry)
             return engine.swap(lookup, replace(entry, fusion=choice))
-        if not ahead and not self._compiled:
-            self._compile_in_background(engine, lookup, call)
+        if not ahead and (not self._compiled or lookup in self._uncompiled):
+            if self.background and not self._compiled:
+                self._compile_in_background(engine, lookup, call)
             return entry
         with capture_turn(wait=ahead) as turn:
             if not turn:
@@ -227,6 +251,9 @@ class LayerFusion:
         except Exception as error:
             traceback.clear_frames(error.__traceback__)
             needs_compile = "fail_on_recompile" in str(error)
+            if needs_compile and not self.background:
+                self._uncompiled.add(lookup)
+                return entry
             if needs_compile and self._tries[lookup] < _TRIES:
                 self._compile_in_background(engine, lookup, call)
                 return entry
@@ -237,6 +264,7 @@ class LayerFusion:
             )
             return self._keep(engine, lookup, entry, FusionChoice(False, f"compiled {reason}"))
         self._compiled += 1
+        self._uncompiled.clear()
         plain_ms, compiled_ms = engine.replay_ms(entry, call), engine.replay_ms(candidate, call)
         choice = fusion_choice(plain_ms, compiled_ms)
         if not choice.compiled:
@@ -281,6 +309,7 @@ class LayerFusion:
                     if stream is not None:
                         stream.synchronize()
                     self._compiled += 1
+                    self._uncompiled.clear()
                 except Exception as error:
                     traceback.clear_frames(error.__traceback__)
                     self._failure = f"{type(error).__name__}: {error}"
